@@ -1,0 +1,50 @@
+"""Input validation shared by the ops: every check raises an error that names the argument and the problem.
+
+The Python side checks what a user can get wrong (shape, dtype, device, value ranges); the C++ launchers
+check again with TORCH_CHECK so the extension is safe when called directly.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Check that `t` is a tensor with the given rank, dtype, shape (None = any size) and device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+    return t
+
+
+def same_device(*named: tuple[str, torch.Tensor]) -> torch.device:
+    """Return the common device of the named tensors or raise naming the first one that differs."""
+    dev = named[0][1].device
+    for name, t in named[1:]:
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device} but {named[0][0]} is on {dev}")
+    return dev
