@@ -48,3 +48,16 @@ def same_device(*named: tuple[str, torch.Tensor]) -> torch.device:
         if t.device != dev:
             raise ValueError(f"{name} is on {t.device} but {named[0][0]} is on {dev}")
     return dev
+
+
+def cuda_kernel(name: str, *tensors: torch.Tensor):
+    """The `_C` entry point `name` when every tensor is on CUDA and the extension provides it, else None.
+
+    Ops call this inside their custom-op implementation: None means "run the pure-PyTorch reference".
+    """
+    if not all(t.is_cuda for t in tensors):
+        return None
+    from .._ext import ext
+
+    mod = ext()
+    return getattr(mod, name, None) if mod is not None else None

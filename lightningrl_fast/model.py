@@ -1,0 +1,339 @@
+"""The SDAR block-diffusion transformer (Qwen3 dense decoder; REFERENCE §1), its config and its KV cache.
+
+One model, three ways to run it:
+  * `forward(input_ids, position_ids, layout)` — full sequences under a `MaskLayout` predicate:
+    block-causal (layout None), the block-proxy training layout [x_t ; x_0], or trace replay.
+  * `forward_cached(input_ids, cache, cache_lens, chunk_lens)` — incremental: a chunk of new tokens per
+    row against a preallocated static-shape `KVCache` (prefill, one denoising block, or a finished block
+    folded with the next). The chunk's K/V are written into the cache; the caller advances the lengths.
+  * `hidden(...)` variants return the final normalized hidden states for fused losses.
+Parameter names are exactly those of SDAR safetensors checkpoints. There is no logit shift: the logit at
+position i predicts the token at position i.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops.block_attn import block_attention
+from .ops.masked_attn import MaskLayout, masked_attention, prepare
+
+DEFAULT_MASK_TOKEN_ID = 151669
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class SDARConfig:
+    """The config.json of an SDAR/TraDo/LightningRL checkpoint. Unknown keys are kept in `extra`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+    block_size: int = 4
+    mask_token_id: int = DEFAULT_MASK_TOKEN_ID
+    hidden_act: str = "silu"
+    rope_scaling: dict | None = None
+    model_type: str = "sdar"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "block_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"config.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"config.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"config.mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.hidden_act != "silu":
+            raise ValueError(f"config.hidden_act {self.hidden_act!r} is not supported (SDAR uses 'silu')")
+        if self.rope_scaling:
+            raise ValueError(f"config.rope_scaling {self.rope_scaling!r} is not supported (SDAR checkpoints use none)")
+        if self.torch_dtype not in _DTYPES:
+            raise ValueError(f"config.torch_dtype {self.torch_dtype!r} is not one of {sorted(_DTYPES)}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.torch_dtype]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SDARConfig":
+        missing = [k for k in _REQUIRED if k not in d]
+        if missing:
+            raise KeyError(f"config is missing required key(s): {', '.join(missing)}")
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        if kwargs.get("mask_token_id") is None:
+            kwargs["mask_token_id"] = DEFAULT_MASK_TOKEN_ID
+        if isinstance(kwargs.get("torch_dtype"), str) is False and "torch_dtype" in kwargs:
+            kwargs["torch_dtype"] = str(kwargs["torch_dtype"]).replace("torch.", "")
+        return cls(**kwargs, extra={k: v for k, v in d.items() if k not in known})
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "SDARConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        try:
+            return cls.from_dict(d)
+        except (KeyError, ValueError) as e:
+            raise type(e)(f"{path}: {e.args[0]}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.extra)
+        d.update({f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"})
+        d.setdefault("architectures", ["SDARForCausalLM"])
+        return d
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back (Qwen3 convention)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin [B, N, head_dim] for half-split rotate_half RoPE, computed in float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq  # [B, N, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, N, H, D]; cos/sin [B, N, D]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, :, None] + rot * sin[:, :, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: SDARConfig) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.hq * self.d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, n, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, n, self.hq, self.d)), cos, sin)  # [B, N, Hq, D]
+        k = apply_rope(self.k_norm(self.k_proj(x).view(b, n, self.hkv, self.d)), cos, sin)  # [B, N, Hkv, D]
+        v = self.v_proj(x).view(b, n, self.hkv, self.d)  # [B, N, Hkv, D]
+        return q, k, v
+
+    def forward(self, x, cos, sin, layout: MaskLayout, plan) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        o = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout, plan)  # [B, Hq, N, D]
+        return self.o_proj(o.transpose(1, 2).reshape(b, n, self.hq * self.d))
+
+    def forward_cached(self, x, cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size) -> torch.Tensor:
+        b, c, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        o = block_attention(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size)  # [B, C, Hq, D]
+        return self.o_proj(o.reshape(b, c, self.hq * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: SDARConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: SDARConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, layout, plan) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size) -> torch.Tensor:
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SDARModel(nn.Module):
+    def __init__(self, cfg: SDARConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class KVCache:
+    """Preallocated static-shape cache: k, v [layers, batch, capacity, kv_heads, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: SDARConfig, batch: int, capacity: int, dtype: torch.dtype | None = None,
+                 device: torch.device | str = "cpu") -> "KVCache":
+        if capacity <= 0 or capacity % cfg.block_size:
+            raise ValueError(f"KV cache capacity {capacity} must be a positive multiple of block_size {cfg.block_size}")
+        if batch <= 0:
+            raise ValueError(f"KV cache batch must be positive, got {batch}")
+        shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
+        dtype = dtype or cfg.dtype
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class SDARForCausalLM(nn.Module):
+    """SDAR block-diffusion LM. `gradient_checkpointing = True` recomputes each layer in backward."""
+
+    def __init__(self, cfg: SDARConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = SDARModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.gradient_checkpointing = False
+
+    # -- parameters ---------------------------------------------------------------------------------
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> "SDARForCausalLM":
+        """Random init (normal(0, std) matrices, unit norms) for tests and from-scratch models."""
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p.dtype) * std)
+        return self
+
+    def state_dict_for_save(self) -> dict[str, torch.Tensor]:
+        """state_dict with the tied lm_head omitted (the SDAR/HF convention)."""
+        sd = self.state_dict()
+        if self.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        return sd
+
+    # -- full-sequence forward ------------------------------------------------------------------------
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be an int [batch, length] tensor, got "
+                             f"{getattr(input_ids, 'dtype', type(input_ids))} {tuple(getattr(input_ids, 'shape', ()))}")
+
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+               layout: MaskLayout | None = None) -> torch.Tensor:
+        """Final normalized hidden states [B, N, H] under `layout` (None = block-causal over N)."""
+        self._check_ids(input_ids)
+        bsz, n = input_ids.shape
+        cfg = self.config
+        if layout is None:
+            layout = MaskLayout.block_causal(n, cfg.block_size)
+        if position_ids is None:
+            position_ids = torch.arange(layout.n, device=input_ids.device).repeat(layout.num_copies).expand(bsz, n)
+        if position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        x = self.model.embed_tokens(input_ids)  # [B, N, H]
+        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
+        plan = prepare(layout, bsz, x.device)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, layout, plan, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, layout, plan)
+        return self.model.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                layout: MaskLayout | None = None) -> torch.Tensor:
+        """Logits [B, N, V] (see `hidden`)."""
+        return self.lm_head(self.hidden(input_ids, position_ids, layout))
+
+    # -- incremental forward against the KV cache ----------------------------------------------------------
+    def hidden_cached(self, input_ids: torch.Tensor, cache: KVCache, cache_lens: torch.Tensor,
+                      chunk_lens: torch.Tensor) -> torch.Tensor:
+        """Hidden states [B, C, H] of a chunk per row at positions cache_lens + arange(C).
+
+        Writes the chunk's K/V into `cache` (rows' first chunk_lens[b] tokens); lengths are not advanced.
+        """
+        self._check_ids(input_ids)
+        bsz, c = input_ids.shape
+        if bsz != cache.batch:
+            raise ValueError(f"input_ids batch {bsz} != KV cache batch {cache.batch}")
+        position_ids = cache_lens.to(torch.int64)[:, None] + torch.arange(c, device=input_ids.device)  # [B, C]
+        x = self.model.embed_tokens(input_ids)  # [B, C, H]
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache_lens, chunk_lens, self.config.block_size)
+        return self.model.norm(x)
+
+    def forward_cached(self, input_ids: torch.Tensor, cache: KVCache, cache_lens: torch.Tensor,
+                       chunk_lens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, C, V] of a chunk against the cache (see `hidden_cached`)."""
+        return self.lm_head(self.hidden_cached(input_ids, cache, cache_lens, chunk_lens))
+
+
+def build_model(cfg: SDARConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                seed: int | None = 0) -> SDARForCausalLM:
+    """A randomly initialized model (tests, from-scratch training)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    model = SDARForCausalLM(cfg).init_weights(generator=gen)
+    return model.to(device=device, dtype=dtype or cfg.dtype)

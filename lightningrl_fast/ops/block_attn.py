@@ -1,0 +1,125 @@
+"""ops.block_attention: block-causal attention of a chunk of new tokens against a per-row KV cache.
+
+One op serves every sampler forward: prefill of whole prompt blocks (cache empty), one denoising block
+(chunk = the current block), and a finished block folded with the next one (chunk = 2 blocks). It first
+writes the chunk's K/V into the cache at each row's offset (lengths are NOT advanced: the caller commits
+once a block is final), then attends:
+
+    query i of row b (absolute position p_i = cache_lens[b] + i, i < chunk_lens[b]) sees
+      every cached key (position < cache_lens[b]) and
+      chunk key j < chunk_lens[b] when p_j // block_size <= p_i // block_size.
+
+Rows i >= chunk_lens[b] of the output are zero. The CUDA kernel comes from its own issue; until the
+extension provides `_C.block_attention` the reference below runs on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._common import FLOAT_DTYPES, check_tensor, cuda_kernel
+from .kv_cache import kv_cache_write_reference
+
+
+def block_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    chunk_lens: torch.Tensor,
+    block_size: int,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Pure-PyTorch block attention (writes the caches, then masked SDPA over them). Shapes as `block_attention`."""
+    kv_cache_write_reference(k_cache, v_cache, k, v, cache_lens, chunk_lens)
+    bsz, c, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    cap = k_cache.shape[1]
+    if not q.is_cuda:  # only the filled prefix matters; on CUDA keep shapes static (no host sync)
+        cap = max(1, min(cap, int((cache_lens + chunk_lens).max())))
+    cl = cache_lens.to(torch.int64).view(bsz, 1, 1)
+    nl = chunk_lens.to(torch.int64).view(bsz, 1, 1)
+    i = torch.arange(c, device=q.device).view(1, c, 1)
+    t = torch.arange(cap, device=q.device).view(1, 1, cap)
+    p = cl + i  # [B, C, 1] absolute query positions
+    allow = (i < nl) & ((t < cl) | ((t < cl + nl) & (t // block_size <= p // block_size)))  # [B, C, cap]
+    kc = k_cache[:, :cap].transpose(1, 2)  # [B, Hkv, cap, D]
+    vc = v_cache[:, :cap].transpose(1, 2)
+    if hq != hkv:
+        kc = kc.repeat_interleave(hq // hkv, dim=1)
+        vc = vc.repeat_interleave(hq // hkv, dim=1)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=allow[:, None], scale=softmax_scale)
+    o = o.transpose(1, 2)  # [B, C, Hq, D]
+    return torch.where(allow.any(-1)[..., None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+
+
+@torch.library.custom_op("lightningrl_fast::block_attention", mutates_args=("k_cache", "v_cache"))
+def _block_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    chunk_lens: torch.Tensor,
+    block_size: int,
+    softmax_scale: float,
+) -> torch.Tensor:
+    kernel = cuda_kernel("block_attention", q, k_cache)
+    if kernel is not None:
+        return kernel(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, softmax_scale)
+    return block_attention_reference(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, softmax_scale)
+
+
+@_block_attention_op.register_fake
+def _(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, softmax_scale):
+    return torch.empty_like(q)
+
+
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    chunk_lens: torch.Tensor,
+    block_size: int,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Block-causal attention of a chunk against the KV cache; writes the chunk's K/V into the cache.
+
+    q [B, C, Hq, D]; k, v [B, C, Hkv, D]; k_cache, v_cache [B, L, Hkv, D] (all one float dtype, one device);
+    cache_lens, chunk_lens [B] int32 with cache_lens + chunk_lens <= L; Hq % Hkv == 0.
+    Returns [B, C, Hq, D] in q's dtype (rows beyond chunk_lens are zero). softmax_scale defaults to D^-0.5.
+    """
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    bsz, c, hq, d = q.shape
+    dev = q.device
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=dev)
+    hkv, cap = k_cache.shape[2], k_cache.shape[1]
+    check_tensor("k_cache", k_cache, shape=(bsz, None, None, d))
+    check_tensor("v_cache", v_cache, shape=tuple(k_cache.shape), dtypes=(q.dtype,), device=dev)
+    check_tensor("k", k, shape=(bsz, c, hkv, d), dtypes=(q.dtype,), device=dev)
+    check_tensor("v", v, shape=(bsz, c, hkv, d), dtypes=(q.dtype,), device=dev)
+    check_tensor("cache_lens", cache_lens, shape=(bsz,), dtypes=(torch.int32,), device=dev)
+    check_tensor("chunk_lens", chunk_lens, shape=(bsz,), dtypes=(torch.int32,), device=dev)
+    if hq % hkv:
+        raise ValueError(f"q heads ({hq}) must be a multiple of the cache's kv heads ({hkv})")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if bool(((cache_lens < 0) | (chunk_lens < 0) | (chunk_lens > c)).any()):
+            raise ValueError(f"cache_lens/chunk_lens must be >= 0 and chunk_lens <= chunk length {c}")
+        over = cache_lens.to(torch.int64) + chunk_lens > cap
+        if bool(over.any()):
+            row = int(over.nonzero()[0, 0])
+            raise ValueError(
+                f"row {row}: cache_lens + chunk_lens = {int(cache_lens[row]) + int(chunk_lens[row])} exceeds the KV cache "
+                f"capacity {cap}"
+            )
+    scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
+    return _block_attention_op(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, scale)

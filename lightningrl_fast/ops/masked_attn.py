@@ -1,0 +1,153 @@
+"""Attention under a block-diffusion mask predicate, for full-sequence forwards and the training layouts.
+
+A `MaskLayout` describes a sequence made of `num_copies` copies of length `n` that share position ids:
+copies 0..R-1 are noisy (masked) copies, copy R (the last) is the clean sequence x_0. The predicate
+
+    allow(q, k) = k valid and ( q clean, k clean, bk <= bq            # block-causal over x_0
+                              or q noisy, k clean, bk < bq             # a noisy block reads the clean past
+                              or q noisy, k in q's copy, bk == bq )    # and itself, bidirectionally
+
+covers the three layouts the package needs (REFERENCE §3):
+  R = 0  plain block-causal full-sequence forward (prefill, SFT, evaluation without cache);
+  R = 1  the block-proxy layout [x_t ; x_0] of LightningRL / BD3-LM / SDAR training;
+  R > 1  trace replay: one noisy copy per denoising round, then x_0.
+Keys at in-copy positions >= lengths[b] are padding and never attended.
+
+Two implementations of the same predicate:
+  * CUDA: FlexAttention with a `mask_mod`; the block mask is built once per layout (`prepare`) and
+    reused by every layer.
+  * elsewhere (CPU, float64 tests): SDPA over query tiles, the boolean mask of each tile computed from
+    the predicate, so memory stays O(tile x N), never a dense N x N mask for long sequences.
+Rows with no visible key (an empty padded row) produce zeros in both.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ._common import check_tensor
+
+_TILE_ELEMS = 1 << 22  # mask elements per query tile in the reference path
+
+
+@dataclass(frozen=True, eq=False)
+class MaskLayout:
+    """Geometry of a (multi-copy) block-diffusion sequence; see the module docstring.
+
+    n: length of one copy; num_copies: R + 1 (the clean copy is last); block_size: B;
+    lengths: [batch] int tensor of valid tokens per copy, or None when every position is valid.
+    """
+
+    n: int
+    num_copies: int
+    block_size: int
+    lengths: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.n <= 0 or self.num_copies <= 0 or self.block_size <= 0:
+            raise ValueError(
+                f"MaskLayout needs n, num_copies, block_size > 0, got {self.n}, {self.num_copies}, {self.block_size}"
+            )
+        if self.lengths is not None:
+            check_tensor("MaskLayout.lengths", self.lengths, ndim=1, dtypes=(torch.int32, torch.int64))
+
+    @property
+    def total(self) -> int:
+        return self.n * self.num_copies
+
+    @classmethod
+    def block_causal(cls, n: int, block_size: int, lengths: torch.Tensor | None = None) -> "MaskLayout":
+        return cls(n, 1, block_size, lengths)
+
+    @classmethod
+    def block_proxy(cls, n: int, block_size: int, lengths: torch.Tensor | None = None) -> "MaskLayout":
+        return cls(n, 2, block_size, lengths)
+
+    def allow(self, b: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        """The predicate on broadcastable index tensors (also usable as a FlexAttention mask_mod)."""
+        n, bs, clean = self.n, self.block_size, self.num_copies - 1
+        cq, ck = q_idx // n, kv_idx // n
+        pq, pk = q_idx - cq * n, kv_idx - ck * n
+        bq, bk = pq // bs, pk // bs
+        q_clean, k_clean = cq == clean, ck == clean
+        allow = (q_clean & k_clean & (bk <= bq)) | (~q_clean & k_clean & (bk < bq)) | (~q_clean & (ck == cq) & (bk == bq))
+        if self.lengths is not None:
+            allow = allow & (pk < self.lengths[b])
+        return allow
+
+
+def prepare(layout: MaskLayout, batch: int, device: torch.device):
+    """Build what `masked_attention` reuses across layers: a FlexAttention BlockMask on CUDA, else None."""
+    if device.type != "cuda":
+        return None
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    lengths = layout.lengths.to(device) if layout.lengths is not None else None
+    lay = MaskLayout(layout.n, layout.num_copies, layout.block_size, lengths)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return lay.allow(b, q_idx, kv_idx)
+
+    return create_block_mask(mask_mod, batch if lengths is not None else None, None, lay.total, lay.total, device=device)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def masked_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: MaskLayout, softmax_scale: float | None = None
+) -> torch.Tensor:
+    """Query-tiled SDPA under the layout predicate. q [B, Hq, N, D], k/v [B, Hkv, N, D] -> [B, Hq, N, D]."""
+    bsz, hq, n_tot, d = q.shape
+    hkv = k.shape[1]
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    tile = max(16, min(n_tot, _TILE_ELEMS // max(1, n_tot * bsz)))
+    b_idx = torch.arange(bsz, device=q.device).view(bsz, 1, 1, 1)
+    kv_idx = torch.arange(n_tot, device=q.device).view(1, 1, 1, n_tot)
+    lay = layout if layout.lengths is None else MaskLayout(layout.n, layout.num_copies, layout.block_size, layout.lengths.to(q.device))
+    outs = []
+    for t0 in range(0, n_tot, tile):
+        q_idx = torch.arange(t0, min(n_tot, t0 + tile), device=q.device).view(1, 1, -1, 1)
+        allow = lay.allow(b_idx, q_idx, kv_idx)  # [B, 1, T, N]
+        o = F.scaled_dot_product_attention(q[:, :, t0 : t0 + tile], k, v, attn_mask=allow, scale=softmax_scale)
+        outs.append(torch.where(allow.any(-1, keepdim=True), o, torch.zeros((), dtype=o.dtype, device=o.device)))
+    return torch.cat(outs, dim=2)
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: MaskLayout,
+    plan=None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of q [B, Hq, N, D] over k, v [B, Hkv, N, D] under `layout` (N = layout.total).
+
+    `plan` is `prepare(layout, B, device)`, built once per forward and shared by the layers.
+    Differentiable (training uses it). Returns [B, Hq, N, D] in q's dtype.
+    """
+    check_tensor("q", q, ndim=4)
+    check_tensor("k", k, ndim=4, shape=(q.shape[0], None, q.shape[2], q.shape[3]), device=q.device)
+    check_tensor("v", v, shape=tuple(k.shape), device=q.device)
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    if q.shape[2] != layout.total:
+        raise ValueError(f"sequence length {q.shape[2]} does not match the layout ({layout.num_copies} x {layout.n})")
+    if layout.lengths is not None and layout.lengths.shape[0] != q.shape[0]:
+        raise ValueError(f"layout.lengths has {layout.lengths.shape[0]} rows but the batch is {q.shape[0]}")
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        if plan is None:
+            plan = prepare(layout, q.shape[0], q.device)
+        return _compiled_flex()(q, k, v, block_mask=plan, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+    return masked_attention_reference(q, k, v, layout, softmax_scale)

@@ -1,0 +1,174 @@
+"""ops.threshold_unmask: one denoising step's token choice and unmasking for a batch of blocks.
+
+For every row (one sequence's current block of S positions) and every still-masked position:
+  * the tempered distribution softmax(logits / T) over the vocabulary;
+  * the pick: argmax of the logits when greedy (ties go to the lowest token id), otherwise a Gumbel-max
+    sample from the top-k / top-p truncated tempered distribution, the Gumbel noise drawn from
+    Philox4x32-10 keyed by (seed, offset) with counter row * V + token — a counter-based stream that a
+    CUDA kernel reproduces exactly and that stays valid under CUDA-graph replay (bump `offset` per step);
+  * conf = probability of the pick under the UNtruncated tempered distribution, logp = log(conf).
+Then per row: unmask the `quota[b]` most confident masked positions (ties to the lowest position) plus
+every masked position with conf >= threshold. "Top-1 + threshold" (LightningRL, Fast-dLLM) is quota 1;
+SDAR's quota rule passes B//S + (s < B%S). quota 0 marks an inactive row: nothing is touched.
+Outputs are written in place (tokens, masked, step_map, logp, conf at the unmasked positions only);
+returned are block_done [B] (no mask left) and eos_seen [B] (a generated token of the block is an EOS id;
+positions with step_map < 0 are prompt tokens and never count).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import FLOAT_DTYPES, check_tensor, cuda_kernel
+
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85
+_U32 = 0xFFFFFFFF
+
+
+def philox_uniform(seed: int | torch.Tensor, offset: int | torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """Uniform floats in (0, 1) from Philox4x32-10: key = seed, counter = (counter, offset); first output word.
+
+    seed, offset: ints or 0-d/1-element int64 tensors (device tensors keep it free of host syncs);
+    counter: int64 tensor of element indices. Returns float32 of the same shape:
+    u = ((x >> 8) + 0.5) * 2^-24, exactly representable, so a CUDA kernel gets bit-identical values.
+    """
+    seed = torch.as_tensor(seed, dtype=torch.int64, device=counter.device).reshape(())
+    offset = torch.as_tensor(offset, dtype=torch.int64, device=counter.device).reshape(())
+    k0, k1 = seed & _U32, (seed >> 32) & _U32
+    c0 = counter & _U32
+    c1 = (counter >> 32) & _U32
+    c2 = (offset & _U32).expand_as(counter)
+    c3 = ((offset >> 32) & _U32).expand_as(counter)
+    for _ in range(10):
+        p0 = c0 * _M0  # wraps in int64; the low 64 bits are the exact unsigned product
+        p1 = c2 * _M1
+        hi0, lo0 = (p0 >> 32) & _U32, p0 & _U32
+        hi1, lo1 = (p1 >> 32) & _U32, p1 & _U32
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _W0) & _U32, (k1 + _W1) & _U32
+    return ((c0 >> 8).to(torch.float32) + 0.5) * (2.0**-24)
+
+
+def _truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / top-p set to -inf (the top-1 token is always kept)."""
+    if top_k > 0 and top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if 0.0 < top_p < 1.0:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p  # mass before this token already reaches top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy):
+    """Per position: (token [B, S] int64, conf [B, S] fp32, logp [B, S] fp32) — see the module docstring."""
+    bsz, s, vocab = logits.shape
+    lf = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    temp = temperature if temperature > 0 else 1.0
+    scaled = lf / temp
+    logz = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    if greedy or temperature <= 0:
+        tok = lf.argmax(-1)  # first maximal index
+    else:
+        counter = torch.arange(bsz * s * vocab, device=logits.device, dtype=torch.int64).view(bsz, s, vocab)
+        u = philox_uniform(seed, offset, counter).to(lf.dtype)
+        gumbel = -torch.log(-torch.log(u))
+        tok = (_truncate(scaled, top_k, top_p) + gumbel).argmax(-1)
+    logp = (scaled.gather(-1, tok[..., None]) - logz).squeeze(-1)
+    return tok, logp.exp().float(), logp.float()
+
+
+def select_unmask_reference(conf, masked, quota, threshold):
+    """[B, S] bool: the quota[b] most confident masked positions plus masked positions with conf >= threshold."""
+    score = conf.float().masked_fill(~masked, float("-inf"))
+    order = score.sort(dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    active = (quota > 0)[:, None]
+    return masked & active & ((rank < quota[:, None].to(rank.dtype)) | (conf >= threshold))
+
+
+def threshold_unmask_reference(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
+                               threshold, temperature, top_k, top_p, greedy):
+    """Pure-PyTorch threshold_unmask (in place). Returns (block_done [B] bool, eos_seen [B] bool)."""
+    tok, c, lp = pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy)
+    sel = select_unmask_reference(c, masked, quota, threshold)  # [B, S]
+    tokens.copy_(torch.where(sel, tok, tokens))
+    step_map.copy_(torch.where(sel, step.to(step_map.dtype)[:, None], step_map))
+    logp.copy_(torch.where(sel, lp, logp))
+    conf.copy_(torch.where(sel, c, conf))
+    masked.copy_(masked & ~sel)
+    is_eos = torch.isin(tokens, eos_ids) & (step_map >= 0) & ~masked
+    return ~masked.any(-1), is_eos.any(-1)
+
+
+@torch.library.custom_op(
+    "lightningrl_fast::threshold_unmask", mutates_args=("tokens", "masked", "step_map", "logp", "conf")
+)
+def _threshold_unmask_op(
+    logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, step_map: torch.Tensor, logp: torch.Tensor,
+    conf: torch.Tensor, step: torch.Tensor, quota: torch.Tensor, eos_ids: torch.Tensor, seed: torch.Tensor,
+    offset: torch.Tensor, threshold: float, temperature: float, top_k: int, top_p: float, greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = cuda_kernel("threshold_unmask", logits)
+    impl = kernel if kernel is not None else threshold_unmask_reference
+    return impl(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
+                threshold, temperature, top_k, top_p, greedy)
+
+
+@_threshold_unmask_op.register_fake
+def _(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
+      threshold, temperature, top_k, top_p, greedy):
+    b = logits.shape[0]
+    return logits.new_empty((b,), dtype=torch.bool), logits.new_empty((b,), dtype=torch.bool)
+
+
+def threshold_unmask(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    masked: torch.Tensor,
+    step_map: torch.Tensor,
+    logp: torch.Tensor,
+    conf: torch.Tensor,
+    step: torch.Tensor,
+    quota: torch.Tensor,
+    eos_ids: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    threshold: float = 0.9,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One unmasking step for B blocks of S positions over a vocabulary of V (in place; see module docstring).
+
+    logits [B, S, V] float16/bfloat16/float32/float64; tokens [B, S] int64; masked [B, S] bool;
+    step_map [B, S] int32; logp, conf [B, S] float32; step, quota [B] int32; eos_ids [E] int64;
+    seed, offset [1] int64. temperature <= 0 means greedy. Returns (block_done [B], eos_seen [B]) bool.
+    """
+    check_tensor("logits", logits, ndim=3, dtypes=FLOAT_DTYPES)
+    b, s, vocab = logits.shape
+    dev = logits.device
+    check_tensor("tokens", tokens, shape=(b, s), dtypes=(torch.int64,), device=dev)
+    check_tensor("masked", masked, shape=(b, s), dtypes=(torch.bool,), device=dev)
+    check_tensor("step_map", step_map, shape=(b, s), dtypes=(torch.int32,), device=dev)
+    check_tensor("logp", logp, shape=(b, s), dtypes=(torch.float32,), device=dev)
+    check_tensor("conf", conf, shape=(b, s), dtypes=(torch.float32,), device=dev)
+    check_tensor("step", step, shape=(b,), dtypes=(torch.int32,), device=dev)
+    check_tensor("quota", quota, shape=(b,), dtypes=(torch.int32,), device=dev)
+    check_tensor("eos_ids", eos_ids, ndim=1, dtypes=(torch.int64,), device=dev)
+    check_tensor("seed", seed, shape=(1,), dtypes=(torch.int64,), device=dev)
+    check_tensor("offset", offset, shape=(1,), dtypes=(torch.int64,), device=dev)
+    if vocab < 1 or s < 1:
+        raise ValueError(f"logits must have at least one position and one token, got shape {list(logits.shape)}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    return _threshold_unmask_op(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
+                                float(threshold), float(temperature), int(top_k), float(top_p), bool(greedy))
