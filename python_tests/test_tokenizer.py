@@ -1,0 +1,249 @@
+"""Tests for lightningrl_fast/tokenizer.py: the SDAR (Qwen2 BPE) tokenizer rebuilt from vocab.json + merges.txt,
+the char-level tokenizer of the synthetic tasks, and the ChatML template.
+
+The Qwen2 rebuild is checked three ways: known ids ("What is 2+3?"), round trips over awkward text, and an
+independent pure-Python byte-level BPE (regex split + merge ranks, what the slow Qwen2 tokenizer does) that
+must give the same ids on every test string.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import tokenizers
+
+from lightningrl_fast.tokenizer import (
+    CHAR_SPECIALS,
+    DEFAULT_ALPHABET,
+    QWEN2_PRETOKENIZE_PATTERN,
+    CharTokenizer,
+    Tokenizer,
+    chat_prompt,
+    load_tokenizer,
+)
+
+SDAR4B = Path("/work/shared/sdar-meta/SDAR-4B-Chat")
+needs_sdar = pytest.mark.skipif(not (SDAR4B / "vocab.json").is_file(), reason="SDAR-4B-Chat tokenizer files absent")
+
+ROUND_TRIP = [
+    "What is 2+3?",
+    "12345",
+    "Hello, world! It's a test; they'll say we've done it.",
+    "  leading spaces and trailing   ",
+    "line one\nline two\r\n\n\nthree\n",
+    "def f(x):\n    if x > 0:\n        return x * 2\n\treturn -x\n",
+    "unicode: héllo naïve café Ωmega 世界 こんにちは 🙂👍🏽 Добрый день",
+    "math: $\\frac{1}{2} + \\sqrt{x^2}$ = 0.5, \\boxed{42}",
+    "<|im_start|>user\nWhat is 7*8?<|im_end|>\n<|im_start|>assistant\n",
+    "masked <|MASK|><|MASK|> tokens and <|endoftext|> inside",
+    "tabs\tand\u00a0nbsp and emoji 🧪 and \u0301combining",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def sdar_tok() -> Tokenizer:
+    return load_tokenizer(SDAR4B)
+
+
+# --- an independent reference: the byte-level BPE of the slow Qwen2 tokenizer -----------------------------------
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class _ReferenceBPE:
+    def __init__(self, folder: Path) -> None:
+        import regex
+
+        self.vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
+        lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
+        self.ranks = {tuple(line.split(" ")): r for r, line in enumerate(l for l in lines[1:] if l)}
+        self.split = regex.compile(QWEN2_PRETOKENIZE_PATTERN)
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        self.added = {t["content"]: int(i) for i, t in cfg["added_tokens_decoder"].items()}
+        self.special_re = regex.compile("(" + "|".join(regex.escape(t) for t in sorted(self.added, key=len, reverse=True)) + ")")
+
+    def _bpe(self, word: str) -> list[str]:
+        parts = list(word)
+        while len(parts) > 1:
+            pairs = [(self.ranks.get((a, b), 1 << 60), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+            rank, i = min(pairs)
+            if rank == 1 << 60:
+                break
+            a, b = parts[i], parts[i + 1]
+            merged, j = [], 0
+            while j < len(parts):  # merge every occurrence of the pair, left to right
+                if j < len(parts) - 1 and parts[j] == a and parts[j + 1] == b:
+                    merged.append(a + b)
+                    j += 2
+                else:
+                    merged.append(parts[j])
+                    j += 1
+            parts = merged
+        return parts
+
+    def encode(self, text: str) -> list[int]:
+        table = _bytes_to_unicode()
+        ids = []
+        for piece in self.special_re.split(text):
+            if piece in self.added:
+                ids.append(self.added[piece])
+                continue
+            for word in self.split.findall(unicodedata.normalize("NFC", piece)):
+                mapped = "".join(table[b] for b in word.encode("utf-8"))
+                ids.extend(self.vocab[t] for t in self._bpe(mapped))
+        return ids
+
+
+# --- SDAR / Qwen2 -----------------------------------------------------------------------------------------------
+
+@needs_sdar
+def test_known_ids(sdar_tok):
+    assert sdar_tok.encode("What is 2+3?") == [3838, 374, 220, 17, 10, 18, 30]
+    assert sdar_tok.mask_token_id == 151669
+    assert sdar_tok.special_id("<|MASK|>") == 151669
+    assert sdar_tok.special_id("<|im_end|>") == 151645
+    assert sdar_tok.special_id("<|endoftext|>") == 151643
+    assert sdar_tok.special_id("<|im_start|>") == 151644
+    assert sdar_tok.eos_token_ids == {151643, 151645}
+    assert sdar_tok.pad_token_id == 151643
+    assert sdar_tok.vocab_size == 151670
+    with pytest.raises(KeyError, match="<nope>"):
+        sdar_tok.special_id("<nope>")
+
+
+@needs_sdar
+@pytest.mark.parametrize("text", ROUND_TRIP)
+def test_round_trip(sdar_tok, text):
+    ids = sdar_tok.encode(text)
+    assert sdar_tok.decode(ids) == unicodedata.normalize("NFC", text)
+
+
+@needs_sdar
+def test_matches_reference_bpe(sdar_tok):
+    ref = _ReferenceBPE(SDAR4B)
+    for text in ROUND_TRIP:
+        assert sdar_tok.encode(text) == ref.encode(text), text
+
+
+@needs_sdar
+def test_digits_split_and_specials_are_single_ids(sdar_tok):
+    ids = sdar_tok.encode("12345")
+    assert len(ids) == 5 and [sdar_tok.decode([i]) for i in ids] == list("12345")
+    ids = sdar_tok.encode("a<|im_end|>b<|MASK|>")
+    assert 151645 in ids and 151669 in ids
+    assert sdar_tok.encode("<|im_end|>") == [151645]
+    assert sdar_tok.encode(chat_prompt("hi"))[0] == 151644
+    # indentation: runs of spaces are kept as whitespace tokens, never merged with the newline before them
+    code = "if x:\n    y = 1\n"
+    assert sdar_tok.decode(sdar_tok.encode(code)) == code
+
+
+@needs_sdar
+def test_decode_skip_special_and_tensor_input(sdar_tok):
+    import torch
+
+    ids = sdar_tok.encode("<|im_start|>assistant\n5<|im_end|><|endoftext|>")
+    assert sdar_tok.decode(ids, skip_special=True) == "assistant\n5"
+    assert sdar_tok.decode(torch.tensor(ids)) == sdar_tok.decode(ids)
+    # SDAR declares <|MASK|> special=False: kept by skip_special, as the real tokenizer does
+    assert sdar_tok.decode([151669], skip_special=True) == "<|MASK|>"
+    assert sdar_tok.encode_batch(["12", "What is 2+3?"]) == [[16, 17], [3838, 374, 220, 17, 10, 18, 30]]
+
+
+@needs_sdar
+def test_save_reload_as_tokenizer_json(sdar_tok, tmp_path):
+    sdar_tok.save(tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file() and (tmp_path / "tokenizer_config.json").is_file()
+    spec = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
+    assert spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] == QWEN2_PRETOKENIZE_PATTERN
+    assert spec["normalizer"]["type"] == "NFC"
+    again = load_tokenizer(tmp_path)  # now through tokenizer.json
+    for text in ROUND_TRIP:
+        assert again.encode(text) == sdar_tok.encode(text)
+    assert again.eos_token_ids == sdar_tok.eos_token_ids
+    assert again.mask_token_id == 151669 and again.pad_token_id == 151643
+    assert load_tokenizer(tmp_path / "tokenizer.json").encode("What is 2+3?") == [3838, 374, 220, 17, 10, 18, 30]
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="vocab.json"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer(tmp_path / "nowhere")
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_gapped_added_token_ids(tmp_path):
+    """Added tokens that do not continue the base vocabulary still get their declared ids."""
+    vocab = {c: i for i, c in enumerate("abcĠ")}
+    vocab["ab"] = 4
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {
+        "9": {"content": "<|endoftext|>", "special": True}, "12": {"content": "<|MASK|>", "special": False}}}))
+    tok = load_tokenizer(tmp_path)
+    assert tok.encode("abc<|MASK|>ab <|endoftext|>") == [4, 2, 12, 4, 3, 9]
+    assert tok.mask_token_id == 12 and tok.eos_token_ids == {9} and tok.pad_token_id == 9
+
+
+# --- char tokenizer ---------------------------------------------------------------------------------------------
+
+def test_char_ids_and_round_trip():
+    tok = CharTokenizer()
+    assert [tok.special_id(t) for t in CHAR_SPECIALS] == [0, 1, 2, 3]
+    assert tok.mask_token_id == 3 and tok.eos_token_ids == {0, 2} and tok.pad_token_id == 0
+    assert tok.vocab_size == 4 + len(DEFAULT_ALPHABET)
+    text = "6+4=10,10+5=15#15"
+    ids = tok.encode(text)
+    assert ids == [4 + DEFAULT_ALPHABET.index(c) for c in text]
+    assert tok.decode(ids) == text
+    prompt = chat_prompt("3*(2-1)=?")
+    ids = tok.encode(prompt + "3<|im_end|><|MASK|>")
+    assert ids[0] == 1 and ids[-2:] == [2, 3]
+    assert tok.decode(ids) == prompt + "3<|im_end|><|MASK|>"
+    assert tok.decode(ids, skip_special=True) == "user\n3*(2-1)=?\nassistant\n3"
+
+
+def test_char_unknown_character_error():
+    tok = CharTokenizer("0123456789+=")
+    with pytest.raises(ValueError, match=r"'x'.*position 2"):
+        tok.encode("1+x")
+    with pytest.raises(ValueError, match="outside"):
+        tok.decode([99])
+    with pytest.raises(ValueError, match="repeats"):
+        CharTokenizer("112")
+
+
+def test_char_save_load_is_a_real_tokenizer_json(tmp_path):
+    tok = CharTokenizer("0123456789+-=#, \n")
+    tok.save(tmp_path)
+    again = load_tokenizer(tmp_path)
+    assert isinstance(again, CharTokenizer) and again.alphabet == tok.alphabet
+    plain = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for text in ["6+4=10,10+5=15#15", "1 2\n3", "<|im_start|>12<|im_end|><|MASK|><|endoftext|>", ""]:
+        assert plain.encode(text, add_special_tokens=False).ids == tok.encode(text) == again.encode(text)
+        assert plain.decode(tok.encode(text), skip_special_tokens=False) == text
+    assert plain.get_vocab_size() == tok.vocab_size
+
+
+def test_chat_prompt():
+    assert chat_prompt("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert chat_prompt("hi", system="be brief") == (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
