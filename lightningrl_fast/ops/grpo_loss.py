@@ -169,12 +169,14 @@ def grpo_token_loss(
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = (hidden @ weight.t()).float()  # [t, V]
+    logits = hidden @ weight.t()  # [t, V]
+    if logits.dtype != torch.float64:
+        logits = logits.float()
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """Per-token log-probs [T] float32 of `targets` under softmax(hidden @ weight.T), in chunks of `chunk` tokens.
+    """Per-token log-probs [T] (float32; float64 for float64 input) of `targets` under softmax(hidden @ weight.T), in chunks of `chunk` tokens.
 
     hidden [T, H], weight [V, H] (same float dtype), targets [T] int64 in [0, V). Differentiable; each chunk is
     recomputed in backward, so peak extra memory is O(chunk x V).

@@ -31,7 +31,7 @@ def philox_uniform(seed: int | torch.Tensor, offset: int | torch.Tensor, counter
 
     seed, offset: ints or 0-d/1-element int64 tensors (device tensors keep it free of host syncs);
     counter: int64 tensor of element indices. Returns float32 of the same shape:
-    u = ((x >> 8) + 0.5) * 2^-24, exactly representable, so a CUDA kernel gets bit-identical values.
+    u = ((x >> 9) + 0.5) * 2^-23, exactly representable in float32, so a CUDA kernel gets bit-identical values.
     """
     seed = torch.as_tensor(seed, dtype=torch.int64, device=counter.device).reshape(())
     offset = torch.as_tensor(offset, dtype=torch.int64, device=counter.device).reshape(())
@@ -47,7 +47,7 @@ def philox_uniform(seed: int | torch.Tensor, offset: int | torch.Tensor, counter
         hi1, lo1 = (p1 >> 32) & _U32, p1 & _U32
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0, k1 = (k0 + _W0) & _U32, (k1 + _W1) & _U32
-    return ((c0 >> 8).to(torch.float32) + 0.5) * (2.0**-24)
+    return ((c0 >> 9).to(torch.float32) + 0.5) * (2.0**-23)
 
 
 def _truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

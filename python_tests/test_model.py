@@ -1,0 +1,203 @@
+"""The SDAR model: config parsing, full vs incremental forwards, training layouts, bad inputs."""
+
+import json
+
+import pytest
+import torch
+
+from lightningrl_fast.model import KVCache, SDARConfig, SDARForCausalLM, build_model
+from lightningrl_fast.ops.masked_attn import MaskLayout
+
+MASK = 110
+
+
+def tiny_config(**kw):
+    base = dict(vocab_size=111, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, block_size=4, mask_token_id=MASK, torch_dtype="float32")
+    base.update(kw)
+    return SDARConfig(**base)
+
+
+def incremental_logits(model, ids, bounds, capacity, dtype):
+    """Run the chunks [bounds[i], bounds[i+1]) one after another against a fresh cache."""
+    cfg = model.config
+    bsz = ids.shape[0]
+    cache = KVCache.allocate(cfg, bsz, capacity, dtype=dtype)
+    cache_lens = torch.zeros(bsz, dtype=torch.int32)
+    outs = []
+    for c0, c1 in zip(bounds[:-1], bounds[1:]):
+        chunk_lens = torch.full((bsz,), c1 - c0, dtype=torch.int32)
+        outs.append(model.forward_cached(ids[:, c0:c1], cache, cache_lens, chunk_lens))
+        cache_lens += c1 - c0
+    return torch.cat(outs, 1), cache
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("tied", [False, True])
+def test_full_forward_equals_incremental(dtype, tol, tied):
+    torch.manual_seed(0)
+    cfg = tiny_config(tie_word_embeddings=tied)
+    model = build_model(cfg, dtype=dtype).eval()
+    ids = torch.randint(0, MASK, (3, 23))
+    with torch.no_grad():
+        full = model(ids)
+        # prefill of the first 3 blocks, then block by block, the last one partial
+        inc, _ = incremental_logits(model, ids, [0, 12, 16, 20, 23], capacity=24, dtype=dtype)
+    torch.testing.assert_close(inc, full, rtol=tol, atol=tol)
+
+
+def test_varlen_rows_in_one_cached_forward():
+    """Rows at different cache lengths and chunk lengths in one call match their own full forwards."""
+    torch.manual_seed(1)
+    cfg = tiny_config()
+    model = build_model(cfg, dtype=torch.float64).eval()
+    ids = torch.randint(0, MASK, (3, 16))
+    cache = KVCache.allocate(cfg, 3, 16, dtype=torch.float64)
+    with torch.no_grad():
+        model.forward_cached(ids[:, :8], cache, torch.zeros(3, dtype=torch.int32),
+                             torch.tensor([0, 4, 8], dtype=torch.int32))
+        cache_lens = torch.tensor([0, 4, 8], dtype=torch.int32)
+        chunk = torch.stack([ids[0, 0:8], ids[1, 4:12], ids[2, 8:16]])
+        out = model.forward_cached(chunk, cache, cache_lens, torch.tensor([8, 5, 8], dtype=torch.int32))
+        for b, (c0, n) in enumerate([(0, 8), (4, 5), (8, 8)]):
+            full = model(ids[b : b + 1, : c0 + n])[0, c0:]
+            torch.testing.assert_close(out[b, :n], full, rtol=1e-12, atol=1e-12)
+            assert torch.isfinite(out[b, n:]).all()  # padding rows: defined, meaningless
+
+
+def test_block_proxy_reproduces_incremental_masked_block():
+    torch.manual_seed(2)
+    cfg = tiny_config(block_size=4)
+    model = build_model(cfg, dtype=torch.float64).eval()
+    n = 16
+    x0 = torch.randint(0, MASK, (2, n))
+    xt = x0.clone()
+    xt[:, 6:] = MASK  # prompt = 6 tokens (tail shares block 1); response fully masked
+    with torch.no_grad():
+        proxy = model(torch.cat([xt, x0], 1), layout=MaskLayout.block_proxy(n, 4))  # [2, 2n, V]
+        for blk in range(1, 4):
+            # the incremental state: clean blocks before `blk` cached, block `blk` as x_t
+            cache = KVCache.allocate(cfg, 2, n, dtype=torch.float64)
+            lens = torch.zeros(2, dtype=torch.int32)
+            model.forward_cached(x0[:, : blk * 4], cache, lens, torch.full((2,), blk * 4, dtype=torch.int32))
+            lens += blk * 4
+            inc = model.forward_cached(xt[:, blk * 4 : blk * 4 + 4], cache, lens, torch.full((2,), 4, dtype=torch.int32))
+            torch.testing.assert_close(proxy[:, blk * 4 : blk * 4 + 4], inc, rtol=1e-12, atol=1e-12)
+        # the clean half equals the plain block-causal forward
+        torch.testing.assert_close(proxy[:, n:], model(x0), rtol=1e-12, atol=1e-12)
+
+
+def test_trace_layout_rounds_match_incremental_states():
+    torch.manual_seed(3)
+    cfg = tiny_config(block_size=4)
+    model = build_model(cfg, dtype=torch.float64).eval()
+    n, rounds = 12, 3
+    x0 = torch.randint(0, MASK, (1, n))
+    copies = []
+    for r in range(rounds):  # round r: in every block, positions with in-block index >= r still masked
+        xr = x0.clone()
+        for p in range(n):
+            if p % 4 >= r:
+                xr[0, p] = MASK
+        copies.append(xr)
+    inp = torch.cat(copies + [x0], 1)
+    with torch.no_grad():
+        out = model(inp, layout=MaskLayout(n, rounds + 1, 4))
+        for r in range(rounds):
+            for blk in range(3):
+                if blk == 0:
+                    inc = model(copies[r][:, :4])
+                else:
+                    cache = KVCache.allocate(cfg, 1, n, dtype=torch.float64)
+                    lens = torch.zeros(1, dtype=torch.int32)
+                    model.forward_cached(x0[:, : blk * 4], cache, lens, torch.tensor([blk * 4], dtype=torch.int32))
+                    lens += blk * 4
+                    inc = model.forward_cached(copies[r][:, blk * 4 : blk * 4 + 4], cache, lens,
+                                               torch.tensor([4], dtype=torch.int32))
+                got = out[:, r * n + blk * 4 : r * n + blk * 4 + 4]
+                torch.testing.assert_close(got, inc, rtol=1e-12, atol=1e-12)
+
+
+def test_padding_keys_are_never_attended():
+    torch.manual_seed(4)
+    cfg = tiny_config()
+    model = build_model(cfg, dtype=torch.float64).eval()
+    ids = torch.randint(0, MASK, (1, 12))
+    noisy = ids.clone()
+    noisy[0, 9:] = torch.randint(0, MASK, (3,))  # different garbage in the padding
+    lay = MaskLayout.block_causal(12, 4, torch.tensor([9]))
+    with torch.no_grad():
+        a = model(ids, layout=lay)[:, :9]
+        b = model(noisy, layout=lay)[:, :9]
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bf16_model_runs_and_gradient_checkpointing_matches():
+    torch.manual_seed(5)
+    cfg = tiny_config()
+    model = build_model(cfg, dtype=torch.float32).train()
+    ids = torch.randint(0, MASK, (2, 12))
+    model(ids).sum().backward()
+    g0 = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.gradient_checkpointing = True
+    model(ids).sum().backward()
+    for a, p in zip(g0, model.parameters()):
+        torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-6)
+    bf = build_model(cfg, dtype=torch.bfloat16)
+    assert bf(ids).dtype == torch.bfloat16
+
+
+def test_config_roundtrip_and_errors(tmp_path):
+    d = tiny_config().to_dict()
+    d["some_unknown_key"] = {"kept": True}
+    cfg = SDARConfig.from_dict(d)
+    assert cfg.to_dict()["some_unknown_key"] == {"kept": True}
+    assert SDARConfig.from_dict(cfg.to_dict()) == cfg
+    bad = dict(d)
+    del bad["hidden_size"]
+    with pytest.raises(KeyError, match="hidden_size"):
+        SDARConfig.from_dict(bad)
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(KeyError, match="config.json.*hidden_size"):
+        SDARConfig.from_json(tmp_path)
+    with pytest.raises(ValueError, match="mask_token_id 200 is outside"):
+        SDARConfig.from_dict({**d, "mask_token_id": 200})
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        SDARConfig.from_dict({**d, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match="rope_scaling"):
+        SDARConfig.from_dict({**d, "rope_scaling": {"type": "yarn"}})
+    no_mask = dict(d)
+    del no_mask["mask_token_id"]
+    assert SDARConfig.from_dict({**no_mask, "vocab_size": 151936}).mask_token_id == 151669
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        SDARConfig.from_json(tmp_path / "nowhere")
+
+
+def test_bad_model_inputs():
+    cfg = tiny_config()
+    model = build_model(cfg, dtype=torch.float32)
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        KVCache.allocate(cfg, 2, 10)
+    with pytest.raises(ValueError, match="input_ids must be an int"):
+        model(torch.zeros(2, 4))
+    cache = KVCache.allocate(cfg, 2, 8)
+    with pytest.raises(ValueError, match="batch 3 != KV cache batch 2"):
+        model.forward_cached(torch.zeros(3, 4, dtype=torch.long), cache, torch.zeros(3, dtype=torch.int32),
+                             torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="exceeds the KV cache capacity 8"):
+        model.forward_cached(torch.zeros(2, 4, dtype=torch.long), cache, torch.tensor([0, 8], dtype=torch.int32),
+                             torch.tensor([4, 4], dtype=torch.int32))
+
+
+def test_meta_device_parameter_names_match_sdar_4b():
+    import pathlib
+
+    meta = pathlib.Path(__file__).resolve().parents[2] / "shared" / "sdar-meta" / "SDAR-4B-Chat"
+    if not meta.is_dir():
+        pytest.skip("shared/sdar-meta is not beside the checkout")
+    cfg = SDARConfig.from_json(meta / "config.json")
+    with torch.device("meta"):
+        model = SDARForCausalLM(cfg)
+    names = set(json.loads((meta / "model.safetensors.index.json").read_text())["weight_map"])
+    assert set(model.state_dict_for_save()) == names
