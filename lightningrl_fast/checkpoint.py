@@ -1,0 +1,412 @@
+"""Load and save SDAR checkpoints (config.json + safetensors, single-file or sharded), HF-compatible.
+
+`load_model(path, dtype=None, device="cpu") -> (model, config)`
+  1. reads `config.json` into `SDARConfig` (a missing file or required key is named in the error);
+  2. builds `SDARForCausalLM` on the meta device (no memory, no init cost);
+  3. validates the weight files against the model BEFORE reading any weight: `model.safetensors`, or
+     `model.safetensors.index.json` + its shards (corrupt index, missing shard files, tensors missing from
+     their shard, missing parameters, unknown tensors and shape mismatches are all reported by name);
+  4. streams the weights shard by shard with `safetensors.safe_open`, each tensor converted straight to the
+     target dtype/device and assigned into the model with `load_state_dict(assign=True)`: peak memory is the
+     model plus one shard at most;
+  5. re-ties shared parameters (`tie_word_embeddings`: lm_head shares embed_tokens; a tied checkpoint may
+     carry `lm_head.weight` or not — when it does and it differs, a warning says it was ignored), calls
+     `model.init_buffers(device)` when the model has it (computed buffers such as a RoPE cache), and checks
+     nothing is left on the meta device. The model is returned in eval mode.
+
+`save_model(model, config, path, max_shard_bytes=5 GiB, tokenizer=None)`
+  writes config.json (model_type "sdar", architectures ["SDARForCausalLM"], torch_dtype = the weights' dtype,
+  unknown keys kept), `model.safetensors` or `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json`
+  (`metadata.total_size`, sorted `weight_map`), safetensors metadata {"format": "pt"}, tied weights once (as
+  `model.embed_tokens.weight`, no `lm_head.weight`: the HF convention), and the tokenizer files when given.
+  ATOMIC: everything is written and fsynced into a hidden sibling folder, which then replaces `path` in one
+  step (`renameat2(RENAME_EXCHANGE)` on Linux; elsewhere two renames, the previous folder kept as a hidden
+  `.name.old-*` sibling until the new one is in place). A save killed at any point leaves the previous
+  checkpoint loadable; leftovers of killed saves are cleaned (or restored) by the next save to the same path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import uuid
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .model import SDARConfig, SDARForCausalLM
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json",
+                   "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that does not match the model its config describes (message names what and where)."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# config
+# ------------------------------------------------------------------------------------------------------------
+
+def _siblings(final: Path, kind: str) -> list[Path]:
+    """Hidden siblings `.name.<kind>-<pid>-<token>` that save_model creates next to `final`."""
+    prefix = f".{final.name}.{kind}-"
+    if not final.parent.is_dir():
+        return []
+    return sorted(p for p in final.parent.iterdir() if p.name.startswith(prefix))
+
+
+def _backup_hint(folder: Path) -> str:
+    olds = _siblings(folder, "old")
+    return f" (an interrupted save left the previous checkpoint at {olds[-1]})" if olds else ""
+
+
+def read_config(path: str | Path) -> SDARConfig:
+    """SDARConfig of a checkpoint folder (or of a config.json path), with errors naming the file and key."""
+    path = Path(path)
+    file = path if path.suffix == ".json" else path / CONFIG_NAME
+    if not file.is_file():
+        raise FileNotFoundError(f"no {CONFIG_NAME} at {file}" + _backup_hint(file.parent))
+    try:
+        d = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, got {type(d).__name__}")
+    missing = [k for k in REQUIRED_CONFIG_KEYS if k not in d]
+    if missing:
+        raise CheckpointError(f"{file} is missing required key(s): {', '.join(repr(k) for k in missing)}")
+    if d.get("model_type") not in (None, "sdar", "qwen3"):
+        warnings.warn(f"{file}: model_type {d.get('model_type')!r} is not 'sdar'; loading it as SDAR", stacklevel=2)
+    try:
+        return SDARConfig.from_dict(d)
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{file}: {e.args[0] if e.args else e}") from None
+
+
+def _config_dict(config: Any) -> dict:
+    if config is None:
+        raise ValueError("save_model needs a config (SDARConfig or dict)")
+    if hasattr(config, "to_dict"):
+        return dict(config.to_dict())
+    if isinstance(config, dict):
+        return dict(config)
+    raise TypeError(f"config must be an SDARConfig or a dict, got {type(config).__name__}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the weight files of a folder
+# ------------------------------------------------------------------------------------------------------------
+
+def checkpoint_files(folder: str | Path) -> dict[str, Path]:
+    """tensor name -> the safetensors file that holds it, from the index (validated) or model.safetensors."""
+    folder = Path(folder)
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            spec = json.loads(index.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{index} is not valid JSON: {e}") from None
+        wmap = spec.get("weight_map") if isinstance(spec, dict) else None
+        if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
+            raise CheckpointError(f"{index} has no valid 'weight_map' (an object of tensor name -> shard file)")
+        bad = sorted({v for v in wmap.values() if Path(v).name != v})
+        if bad:
+            raise CheckpointError(f"{index} names shard files outside the folder: {bad}")
+        absent = sorted({v for v in wmap.values() if not (folder / v).is_file()})
+        if absent:
+            raise CheckpointError(f"{index} refers to missing shard file(s) in {folder}: {', '.join(absent)}")
+        return {k: folder / v for k, v in wmap.items()}
+    single = folder / WEIGHTS_NAME
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {k: single for k in f.keys()}
+    raise FileNotFoundError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {folder}" + _backup_hint(folder))
+
+
+def _by_shard(files: dict[str, Path]) -> dict[Path, list[str]]:
+    shards: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        shards.setdefault(file, []).append(name)
+    return dict(sorted(shards.items()))
+
+
+def _tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Shapes from the shard headers (no weight is read); checks each tensor is where the index says."""
+    shapes = {}
+    for shard, names in _by_shard(files).items():
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                present = set(f.keys())
+                lost = sorted(n for n in names if n not in present)
+                if lost:
+                    raise CheckpointError(f"{shard} lacks tensor(s) the index assigns to it: {', '.join(lost)}")
+                for n in names:
+                    shapes[n] = tuple(f.get_slice(n).get_shape())
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors' header errors
+            raise CheckpointError(f"cannot read safetensors file {shard}: {e}") from None
+    return shapes
+
+
+# ------------------------------------------------------------------------------------------------------------
+# model structure helpers
+# ------------------------------------------------------------------------------------------------------------
+
+def _aliases(model: torch.nn.Module) -> dict[str, str]:
+    """alias name -> canonical name for parameters registered under several names (tied embeddings)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
+
+
+def _retie(model: torch.nn.Module, aliases: dict[str, str]) -> None:
+    for alias, canonical in aliases.items():
+        owner, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(owner), attr, model.get_parameter(canonical))
+
+
+def _validate(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], folder: Path) -> None:
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    allowed = set(expected) | set(_aliases(model)) | {n for n, _ in model.named_buffers()}
+    problems = []
+    missing = sorted(set(expected) - set(shapes))
+    if missing:
+        problems.append(f"missing tensor(s): {', '.join(missing)}")
+    unexpected = sorted(set(shapes) - allowed)
+    if unexpected:
+        problems.append(f"unexpected tensor(s) the model does not have: {', '.join(unexpected)}")
+    for n in sorted(set(expected) & set(shapes)):
+        if shapes[n] != expected[n]:
+            problems.append(f"shape mismatch for {n}: the config implies {list(expected[n])}, the checkpoint has "
+                            f"{list(shapes[n])}")
+    for alias, canonical in _aliases(model).items():
+        if alias in shapes and shapes[alias] != expected[canonical]:
+            problems.append(f"shape mismatch for tied {alias}: expected {list(expected[canonical])}, "
+                            f"found {list(shapes[alias])}")
+    if problems:
+        raise CheckpointError(f"checkpoint {folder} does not match its config:\n  " + "\n  ".join(problems))
+
+
+def _open_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return "cpu"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# load
+# ------------------------------------------------------------------------------------------------------------
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> tuple[SDARForCausalLM, SDARConfig]:
+    """(model, config) from a checkpoint folder; dtype None = the config's torch_dtype."""
+    folder = Path(path)
+    config = read_config(folder)
+    device = torch.device(device)
+    dtype = dtype or config.dtype
+    with torch.device("meta"):
+        model = SDARForCausalLM(config)
+    aliases = _aliases(model)
+    files = checkpoint_files(folder)
+    _validate(model, _tensor_shapes(files), folder)
+
+    wanted = {n for n, _ in model.named_parameters()}
+    open_on = _open_device(device)
+    tied_extra: dict[str, Path] = {}
+    for shard, names in _by_shard(files).items():
+        with safe_open(str(shard), framework="pt", device=open_on) as f:
+            part = {n: f.get_tensor(n).to(device=device, dtype=dtype) for n in names if n in wanted}
+        tied_extra.update({n: shard for n in names if n in aliases})
+        model.load_state_dict(part, strict=False, assign=True)
+        del part
+    _retie(model, aliases)
+    for alias, shard in tied_extra.items():  # a tied checkpoint that also stores lm_head.weight
+        with safe_open(str(shard), framework="pt", device=open_on) as f:
+            stored = f.get_tensor(alias).to(device=device, dtype=dtype)
+        if not torch.equal(stored, model.get_parameter(aliases[alias]).detach()):
+            warnings.warn(f"{folder}: tie_word_embeddings is set but the stored {alias} differs from "
+                          f"{aliases[alias]}; it was ignored (the tied weight is used)", stacklevel=2)
+        del stored
+
+    if hasattr(model, "init_buffers"):
+        model.init_buffers(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"{folder}: tensors left uninitialized after loading (the model did not compute them): "
+                              f"{', '.join(left)}")
+    return model.eval(), config
+
+
+# ------------------------------------------------------------------------------------------------------------
+# save
+# ------------------------------------------------------------------------------------------------------------
+
+def _write_shard(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str]) -> None:
+    """One safetensors file, fsynced (module-level so tests can interrupt a save here)."""
+    save_file(tensors, str(file), metadata=metadata)
+    _fsync(file)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # directories on some filesystems
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(obj: Any, file: Path) -> None:
+    file.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    _fsync(file)
+
+
+def _shard_plan(names: list[str], nbytes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy, in model order; a tensor larger than the limit gets a shard of its own."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        if shards[-1] and size + nbytes[n] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes[n]
+    return shards
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE). False when unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), rename_exchange) == 0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_leftovers(final: Path) -> None:
+    """Remove temp folders of dead saves to `final`; restore a backup left between the two fallback renames."""
+    for kind in ("old", "tmp"):
+        for p in _siblings(final, kind):
+            pid = p.name[len(final.name) + len(kind) + 3:].split("-")[0]
+            if not pid.isdigit() or _pid_alive(int(pid)):
+                continue
+            if kind == "old" and not final.exists():
+                os.rename(p, final)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _copy_tokenizer(tokenizer: Any, folder: Path) -> None:
+    if hasattr(tokenizer, "save"):
+        tokenizer.save(folder)
+        return
+    src = Path(tokenizer)
+    if not src.is_dir():
+        raise FileNotFoundError(f"tokenizer folder {src} does not exist")
+    found = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    if not found:
+        raise FileNotFoundError(f"{src} holds none of the tokenizer files {TOKENIZER_FILES}")
+    for name in found:
+        shutil.copyfile(src / name, folder / name)
+
+
+def save_model(model: torch.nn.Module, config: Any, path: str | Path, max_shard_bytes: int = 5 * 2**30,
+               tokenizer: Any = None) -> Path:
+    """Write an SDAR checkpoint folder atomically (see the module docstring). Returns the folder."""
+    final = Path(path).absolute()
+    if final.exists() and not final.is_dir():
+        raise FileExistsError(f"{final} exists and is not a folder")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    cfg = _config_dict(config if config is not None else getattr(model, "config", None))
+    aliases = _aliases(model)
+    if bool(aliases) != bool(cfg.get("tie_word_embeddings", False)):
+        raise ValueError(f"config tie_word_embeddings={cfg.get('tie_word_embeddings', False)} but the model "
+                         f"{'shares' if aliases else 'does not share'} parameters ({aliases or 'none'})")
+    params = {n: p.detach() for n, p in model.named_parameters()}  # tied weights once, under the first name
+    if not params:
+        raise ValueError("the model has no parameters to save")
+    meta = [n for n, p in params.items() if p.is_meta]
+    if meta:
+        raise ValueError(f"cannot save parameters on the meta device: {', '.join(meta[:5])}")
+    dtypes = Counter(p.dtype for p in params.values())
+    cfg.update(model_type="sdar", architectures=["SDARForCausalLM"], torch_dtype=_dtype_name(dtypes.most_common(1)[0][0]))
+    nbytes = {n: p.numel() * p.element_size() for n, p in params.items()}
+    plan = _shard_plan(list(params), nbytes, max_shard_bytes)
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(final)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write_json(cfg, tmp / CONFIG_NAME)
+        meta_fmt = {"format": "pt"}
+        if len(plan) == 1:
+            _write_shard({n: params[n].cpu().contiguous() for n in plan[0]}, tmp / WEIGHTS_NAME, meta_fmt)
+        else:
+            weight_map = {}
+            for i, names in enumerate(plan, 1):
+                fname = f"model-{i:05d}-of-{len(plan):05d}.safetensors"
+                _write_shard({n: params[n].cpu().contiguous() for n in names}, tmp / fname, meta_fmt)
+                weight_map.update({n: fname for n in names})
+            _write_json({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": dict(sorted(weight_map.items()))},
+                        tmp / INDEX_NAME)
+        if tokenizer is not None:
+            _copy_tokenizer(tokenizer, tmp)
+            for f in tmp.iterdir():
+                _fsync(f)
+        _fsync(tmp)
+        if not final.exists():
+            os.rename(tmp, final)
+        elif _rename_exchange(tmp, final):
+            shutil.rmtree(tmp)  # tmp now holds the previous checkpoint
+        else:
+            old = final.parent / f".{final.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                os.rename(old, final)  # put the previous checkpoint back
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        _fsync(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

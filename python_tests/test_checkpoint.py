@@ -1,0 +1,390 @@
+"""Tests for lightningrl_fast/checkpoint.py: save/load round trips (single file, sharded, bf16/fp32, tied),
+the real SDAR-4B/8B parameter layout (from config.json + the real index, no weights), config round trips,
+readable errors for broken folders, and atomic saves that survive a crash or a kill mid-save.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lightningrl_fast import checkpoint as ckpt
+from lightningrl_fast.checkpoint import CheckpointError, load_model, read_config, save_model
+from lightningrl_fast.model import SDARConfig, SDARForCausalLM
+
+META = Path("/work/shared/sdar-meta")
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = dict(vocab_size=111, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
+            tie_word_embeddings=False, torch_dtype="float32", block_size=4, mask_token_id=110,
+            auto_map={"AutoConfig": "configuration_sdar.SDARConfig"}, fuse_cross_entropy=True)
+
+
+def tiny_model(dtype=torch.float32, tied=False, seed=0):
+    cfg = SDARConfig.from_dict({**TINY, "tie_word_embeddings": tied, "torch_dtype": str(dtype).removeprefix("torch.")})
+    torch.manual_seed(seed)
+    model = SDARForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.dim() == 1 else 0.0))
+    return model.to(dtype).eval(), cfg
+
+
+def assert_same_state(a: torch.nn.Module, b: torch.nn.Module):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, k
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def logits(model, seed=1):
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(ids)
+
+
+# --- round trips ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_shard_bytes", [5 * 2**30, 20_000])
+def test_round_trip(tmp_path, dtype, max_shard_bytes):
+    model, cfg = tiny_model(dtype)
+    out = save_model(model, cfg, tmp_path / "ck", max_shard_bytes=max_shard_bytes)
+    files = sorted(p.name for p in out.iterdir())
+    if max_shard_bytes > 2**20:
+        assert files == ["config.json", "model.safetensors"]
+    else:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+        assert set(index["weight_map"]) == set(model.state_dict())
+        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        assert index["metadata"]["total_size"] == nbytes
+        for s in shards:
+            with safe_open(str(out / s), framework="pt") as f:
+                assert f.metadata() == {"format": "pt"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == str(dtype).removeprefix("torch.")
+    assert config["model_type"] == "sdar" and config["architectures"] == ["SDARForCausalLM"]
+    loaded, cfg2 = load_model(out)
+    assert cfg2.to_dict() == cfg.to_dict()
+    assert_same_state(model, loaded)
+    assert not loaded.training
+    assert torch.equal(logits(model), logits(loaded))
+
+
+def test_dtype_override(tmp_path):
+    model, cfg = tiny_model(torch.float32)
+    save_model(model, cfg, tmp_path / "ck")
+    loaded, _ = load_model(tmp_path / "ck", dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight.bfloat16())
+
+
+@pytest.mark.parametrize("with_lm_head", [False, True])
+def test_tied_embeddings(tmp_path, with_lm_head):
+    model, cfg = tiny_model(tied=True)
+    out = save_model(model, cfg, tmp_path / "ck", max_shard_bytes=20_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
+    if with_lm_head:  # a tied checkpoint that also stores lm_head.weight (equal) loads without complaint
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        (out / "model.safetensors.index.json").unlink()
+        for s in out.glob("model-*.safetensors"):
+            s.unlink()
+        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    loaded, _ = load_model(out)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert not loaded.lm_head.weight.is_meta
+    assert torch.equal(logits(model), logits(loaded))
+
+
+def test_tied_checkpoint_with_different_lm_head_warns(tmp_path):
+    model, cfg = tiny_model(tied=True)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["lm_head.weight"] += 1.0
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.warns(UserWarning, match="lm_head.weight differs"):
+        loaded, _ = load_model(tmp_path)
+    assert torch.equal(loaded.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_save_with_tokenizer(tmp_path):
+    from lightningrl_fast.tokenizer import CharTokenizer, load_tokenizer
+
+    model, cfg = tiny_model()
+    out = save_model(model, cfg, tmp_path / "ck", tokenizer=CharTokenizer("0123456789+="))
+    assert load_tokenizer(out).encode("1+2=3") == [5, 14, 6, 15, 7]
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    (tok_dir / "generation_config.json").write_text('{"eos_token_id": [1, 2]}')
+    out2 = save_model(model, cfg, tmp_path / "ck2", tokenizer=tok_dir)
+    assert (out2 / "generation_config.json").is_file()
+    with pytest.raises(FileNotFoundError):
+        save_model(model, cfg, tmp_path / "ck3", tokenizer=tmp_path / "nowhere")
+    assert not (tmp_path / "ck3").exists()
+
+
+# --- real SDAR layouts (config + index only) --------------------------------------------------------------------
+
+def implied_shape(name: str, c: SDARConfig) -> tuple[int, ...]:
+    h, d = c.hidden_size, c.head_dim
+    table = {
+        "model.embed_tokens.weight": (c.vocab_size, h), "lm_head.weight": (c.vocab_size, h), "model.norm.weight": (h,),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (c.num_attention_heads * d, h), "self_attn.k_proj.weight": (c.num_key_value_heads * d, h),
+        "self_attn.v_proj.weight": (c.num_key_value_heads * d, h), "self_attn.o_proj.weight": (h, c.num_attention_heads * d),
+        "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+        "mlp.gate_proj.weight": (c.intermediate_size, h), "mlp.up_proj.weight": (c.intermediate_size, h),
+        "mlp.down_proj.weight": (h, c.intermediate_size),
+    }
+    if name in table:
+        return table[name]
+    parts = name.split(".")
+    assert parts[:2] == ["model", "layers"] and 0 <= int(parts[2]) < c.num_hidden_layers, name
+    return table[".".join(parts[3:])]
+
+
+@pytest.mark.parametrize("size", ["SDAR-4B-Chat", "SDAR-8B-Chat"])
+def test_real_parameter_names_and_shapes(size):
+    folder = META / size
+    if not (folder / "config.json").is_file():
+        pytest.skip(f"{folder} absent")
+    cfg = read_config(folder)
+    with torch.device("meta"):
+        model = SDARForCausalLM(cfg)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    params = dict(model.named_parameters())
+    assert set(params) == set(index["weight_map"])
+    for name, p in params.items():
+        assert tuple(p.shape) == implied_shape(name, cfg), name
+    total = sum(p.numel() for p in params.values()) * 2  # bf16
+    assert total == index["metadata"]["total_size"]
+    # the loader's own validation agrees with the real layout (shapes as the headers would give them)
+    ckpt._validate(model, {n: implied_shape(n, cfg) for n in index["weight_map"]}, folder)
+
+
+@pytest.mark.parametrize("size", ["SDAR-4B-Chat", "SDAR-8B-Chat"])
+def test_real_config_round_trip(tmp_path, size):
+    src = META / size / "config.json"
+    if not src.is_file():
+        pytest.skip(f"{src} absent")
+    original = json.loads(src.read_text())
+    cfg = read_config(src)
+    assert cfg.block_size == 4 and cfg.mask_token_id == 151669 and cfg.head_dim == 128
+    model, _ = tiny_model()  # weights do not matter here: write the real config with a tiny model's files
+    tiny_cfg = {**original, **{k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                                  "head_dim", "mask_token_id")}, "torch_dtype": "float32"}
+    save_model(model, tiny_cfg, tmp_path / "ck")
+    written = json.loads((tmp_path / "ck" / "config.json").read_text())
+    for key, value in original.items():
+        if key not in tiny_cfg or tiny_cfg[key] == value:
+            assert written[key] == value, key
+    assert written["auto_map"] == original["auto_map"] and written["fuse_cross_entropy"] is True
+    again = read_config(tmp_path / "ck")
+    assert again.to_dict()["auto_map"] == original["auto_map"]
+    assert load_model(tmp_path / "ck")[1].extra["fuse_cross_entropy"] is True
+
+
+# --- errors -----------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def saved(tmp_path):
+    model, cfg = tiny_model()
+    return save_model(model, cfg, tmp_path / "ck", max_shard_bytes=20_000), model
+
+
+def test_missing_config_file_and_key(tmp_path, saved):
+    folder, _ = saved
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path / "nowhere")
+    d = json.loads((folder / "config.json").read_text())
+    del d["hidden_size"]
+    (folder / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match="'hidden_size'"):
+        load_model(folder)
+    (folder / "config.json").write_text("{broken")
+    with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
+        load_model(folder)
+
+
+def _rewrite_shard(folder: Path, edit):
+    """Apply edit(tensors dict) to the shard holding model.norm.weight."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / index["weight_map"]["model.norm.weight"]
+    with safe_open(str(shard), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    save_file(tensors, str(shard))
+    return index, shard
+
+
+def test_missing_tensor(saved):
+    folder, _ = saved
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\): model.layers.1.mlp.up_proj.weight"):
+        load_model(folder)
+
+
+def test_tensor_missing_from_its_shard(saved):
+    folder, _ = saved
+    _rewrite_shard(folder, lambda t: t.pop("model.norm.weight"))
+    with pytest.raises(CheckpointError, match="lacks tensor.*model.norm.weight"):
+        load_model(folder)
+
+
+def test_unexpected_tensor(saved):
+    folder, _ = saved
+
+    def add(t):
+        t["model.layers.7.extra.weight"] = torch.zeros(3)
+        t["model.rotary_emb.inv_freq"] = torch.zeros(8)
+
+    index, shard = _rewrite_shard(folder, add)
+    index["weight_map"]["model.layers.7.extra.weight"] = shard.name
+    index["weight_map"]["model.rotary_emb.inv_freq"] = shard.name
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="unexpected.*model.layers.7.extra.weight, model.rotary_emb.inv_freq"):
+        load_model(folder)
+
+
+def test_wrong_shape(saved):
+    folder, _ = saved
+    _rewrite_shard(folder, lambda t: t.__setitem__("model.norm.weight", torch.ones(65)))
+    with pytest.raises(CheckpointError, match=r"model.norm.weight: the config implies \[64\], the checkpoint has \[65\]"):
+        load_model(folder)
+
+
+def test_wrong_shape_single_file(tmp_path):
+    model, cfg = tiny_model()
+    out = save_model(model, cfg, tmp_path / "ck")
+    sd = dict(model.state_dict())
+    sd["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"k_proj.weight: the config implies \[32, 64\], the checkpoint has \[16, 64\]"):
+        load_model(out)
+
+
+def test_missing_shard_and_corrupt_index(saved):
+    folder, _ = saved
+    index_text = (folder / "model.safetensors.index.json").read_text()
+    shards = sorted(set(json.loads(index_text)["weight_map"].values()))
+    (folder / shards[-1]).unlink()
+    with pytest.raises(CheckpointError, match=f"missing shard file.*{shards[-1]}"):
+        load_model(folder)
+    (folder / "model.safetensors.index.json").write_text(index_text[: len(index_text) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not valid JSON"):
+        load_model(folder)
+    (folder / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(CheckpointError, match="weight_map"):
+        load_model(folder)
+
+
+def test_no_weights(tmp_path):
+    _, cfg = tiny_model()
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(tmp_path)
+
+
+# --- atomic save ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch, exchange):
+    old, cfg = tiny_model(seed=0)
+    new, _ = tiny_model(seed=1)
+    folder = save_model(old, cfg, tmp_path / "ck", max_shard_bytes=20_000)
+    real_write = ckpt._write_shard
+    calls = []
+
+    def failing(tensors, file, metadata):
+        calls.append(file)
+        if len(calls) == 2:
+            raise OSError("disk full (simulated)")
+        real_write(tensors, file, metadata)
+
+    monkeypatch.setattr(ckpt, "_write_shard", failing)
+    with pytest.raises(OSError, match="simulated"):
+        save_model(new, cfg, folder, max_shard_bytes=20_000)
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temp folder left behind
+    assert_same_state(old, load_model(folder)[0])
+
+    monkeypatch.setattr(ckpt, "_write_shard", real_write)
+    if not exchange:
+        monkeypatch.setattr(ckpt, "_rename_exchange", lambda a, b: False)
+    save_model(new, cfg, folder)  # a later good save replaces it (single file now)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert_same_state(new, load_model(folder)[0])
+
+
+def test_kill_mid_save_keeps_previous(tmp_path):
+    """A process killed halfway (no cleanup runs) leaves the old checkpoint; the next save cleans up."""
+    old, cfg = tiny_model(seed=0)
+    folder = save_model(old, cfg, tmp_path / "ck", max_shard_bytes=20_000)
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        sys.path.insert(0, {str(REPO)!r})
+        from lightningrl_fast import checkpoint as ckpt
+        from lightningrl_fast.model import SDARConfig, SDARForCausalLM
+        real, n = ckpt._write_shard, []
+        def dying(tensors, file, metadata):
+            n.append(1)
+            if len(n) == 2:
+                os._exit(9)
+            real(tensors, file, metadata)
+        ckpt._write_shard = dying
+        cfg = SDARConfig.from_json({str(folder / 'config.json')!r})
+        torch.manual_seed(5)
+        ckpt.save_model(SDARForCausalLM(cfg), cfg, {str(folder)!r}, max_shard_bytes=20_000)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 9, proc.stderr
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "ck"]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".ck.tmp-")
+    assert_same_state(old, load_model(folder)[0])
+    new, _ = tiny_model(seed=2)
+    save_model(new, cfg, folder)
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+    assert_same_state(new, load_model(folder)[0])
+
+
+def test_interrupted_fallback_swap_is_restored(tmp_path):
+    """Killed between the two fallback renames: the hidden backup is named in errors and restored on next save."""
+    old, cfg = tiny_model(seed=0)
+    folder = save_model(old, cfg, tmp_path / "ck")
+    backup = tmp_path / ".ck.old-999999999-deadbeef"  # a pid that cannot be alive
+    folder.rename(backup)
+    with pytest.raises(FileNotFoundError, match=r"\.ck\.old-999999999"):
+        load_model(folder)
+    ckpt._clean_leftovers(folder)
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+    assert_same_state(old, load_model(folder)[0])
+
+
+def test_save_argument_errors(tmp_path):
+    model, cfg = tiny_model(tied=False)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        save_model(model, {**cfg.to_dict(), "tie_word_embeddings": True}, tmp_path / "ck")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError):
+        save_model(model, cfg, tmp_path / "file")
+    with torch.device("meta"):
+        meta_model = SDARForCausalLM(cfg)
+    with pytest.raises(ValueError, match="meta"):
+        save_model(meta_model, cfg, tmp_path / "ck")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
