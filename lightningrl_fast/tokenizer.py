@@ -4,9 +4,10 @@
 
     encode(text) -> list[int]            no BOS is ever added; special tokens written in the text
                                          (`<|im_end|>`, `<|MASK|>`, ...) encode to their single ids
-    decode(ids, skip_special=False)      -> str
+    decode(ids, skip_special=False)      -> str; ids outside the tokenizer's vocabulary (a model's padded
+                                         vocab_size is larger: 151936 vs 151670) are dropped, as HF does
     vocab_size, mask_token_id, eos_token_ids (set), pad_token_id, special_tokens {content: id},
-    special_id(content), token_to_id / id_to_token, save(folder)
+    special_id(content), im_start_id, im_end_id, token_to_id / id_to_token, save(folder)
 
 Where it comes from, in order:
   * a folder with `tokenizer.json` (what real SDAR downloads carry): read by the `tokenizers` package;
@@ -130,6 +131,14 @@ class Tokenizer:
         if i is None:
             raise KeyError(f"token {token!r} is not in the vocabulary")
         return i
+
+    @property
+    def im_start_id(self) -> int | None:
+        return self.special_tokens.get(IM_START)
+
+    @property
+    def im_end_id(self) -> int | None:
+        return self.special_tokens.get(IM_END)
 
     def special_id(self, name: str) -> int:
         """Id of an added/special token by its content, e.g. special_id('<|im_end|>') -> 151645."""
@@ -319,10 +328,8 @@ class CharTokenizer(Tokenizer):
     def decode(self, ids: Any, skip_special: bool = False) -> str:
         out = []
         for i in _as_id_list(ids):
-            s = self._id_to_str.get(i)
-            if s is None:
-                raise ValueError(f"id {i} is outside the CharTokenizer vocabulary [0, {self.vocab_size})")
-            if skip_special and i < len(CHAR_SPECIALS):
+            s = self._id_to_str.get(i)  # ids outside the vocabulary are dropped, as the `tokenizers` backend does
+            if s is None or (skip_special and i < len(CHAR_SPECIALS)):
                 continue
             out.append(s)
         return "".join(out)

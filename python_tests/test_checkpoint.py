@@ -136,6 +136,41 @@ def test_save_with_tokenizer(tmp_path):
     assert not (tmp_path / "ck3").exists()
 
 
+def test_streams_one_shard_at_a_time(tmp_path, monkeypatch):
+    """Each load_state_dict call gets exactly one shard's tensors, already in the target dtype (peak = one shard)."""
+    model, cfg = tiny_model()
+    out = save_model(model, cfg, tmp_path / "ck", max_shard_bytes=20_000)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    calls = []
+    real = torch.nn.Module.load_state_dict
+
+    def spy(self, state_dict, *args, **kwargs):
+        calls.append({k: v.dtype for k, v in state_dict.items()})
+        return real(self, state_dict, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", spy)
+    load_model(out, dtype=torch.bfloat16)
+    shards = {}
+    for name, shard in weight_map.items():
+        shards.setdefault(shard, set()).add(name)
+    assert sorted(map(sorted, (set(c) for c in calls))) == sorted(map(sorted, shards.values()))
+    assert all(d == torch.bfloat16 for c in calls for d in c.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_to_cuda(tmp_path, dtype):
+    model, cfg = tiny_model(dtype, tied=dtype == torch.bfloat16)
+    out = save_model(model, cfg, tmp_path / "ck", max_shard_bytes=20_000)
+    loaded, _ = load_model(out, device="cuda")
+    assert all(p.is_cuda and p.dtype == dtype for p in loaded.parameters())
+    cpu_state = model.state_dict()
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v.cpu(), cpu_state[k]), k
+    save_model(loaded, cfg, tmp_path / "ck2")  # saving from CUDA tensors works too
+    assert_same_state(model, load_model(tmp_path / "ck2")[0])
+
+
 # --- real SDAR layouts (config + index only) --------------------------------------------------------------------
 
 def implied_shape(name: str, c: SDARConfig) -> tuple[int, ...]:
