@@ -1,0 +1,354 @@
+"""[rollout] Batched block-diffusion decoding with a static KV cache, folded commits and TPF accounting.
+
+`generate(model, prompts, cfg) -> Rollout` decodes every prompt (REFERENCE §2):
+  * blocks of B tokens are aligned at absolute position 0; one prefill forward writes each prompt's full
+    blocks into the cache; the prompt's tail shares the first generation block, whose other positions
+    start as the mask token;
+  * one denoising step = one forward of each row's current block against its cache, then
+    `ops.threshold_unmask` (top-1 + threshold, or SDAR's quota rule; greedy / temperature / top-k / top-p);
+  * a finished block's clean K/V enter the cache by FOLDING it into the next forward: that row's query
+    chunk is [finished block ; next block] (block-causal), so the commit costs no extra forward.
+    `fold_commit=False` runs SDAR's separate commit forward instead; under greedy decoding both give the
+    same tokens (tested);
+  * rows progress independently (each at its own block, its own step), all in the same forward;
+  * a row stops when the block holding its first EOS is finished, or at `max_new_tokens`.
+
+Finished rows: their chunk length becomes 0 (attention skips them) and, at the periodic host check, the
+working set is COMPACTED once at most half of it is still active (rows, cache and state are gathered into
+a smaller batch), so finished sequences stop costing projection/MLP compute too. Compaction happens at
+most log2(batch) times per call; on CUDA each working-set size has its own captured graph.
+
+On CUDA the per-step work (chunk gather -> forward -> unmask -> state update) runs without any host
+synchronization; the "all finished?" test reads one flag every `sync_every` steps. With `cuda_graphs` the
+step is captured once per working-set size and replayed. The random stream is Philox keyed by `seed`
+with a per-step offset, so the same seed gives the same tokens.
+
+Recorded per generated token: the step that unmasked it (`step_map`, counted per row from 0), its sampled
+log-prob and its confidence. TPF = tokens up to and including the first EOS / distinct steps that
+unmasked them. `forwards` counts the forwards a row took part in (prefill and commit forwards included).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import KVCache, SDARForCausalLM
+from .ops.unmask import threshold_unmask
+from .profiling import nvtx_range
+
+
+@dataclass
+class SamplerConfig:
+    """How rollouts and evaluations are decoded."""
+
+    block_size: int | None = None  # None: the model config's block_size
+    threshold: float = 0.9  # unmask every masked position with confidence >= threshold
+    rule: str = "threshold"  # "threshold": top-1 + threshold; "quota": SDAR's B//S per step, topped up
+    steps_per_block: int | None = None  # S for the quota rule (default: block_size)
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    max_new_tokens: int = 256
+    max_length: int | None = None  # cap on prompt + response positions (default: max_position_embeddings)
+    eos_ids: tuple[int, ...] = (151645, 151643)
+    fold_commit: bool = True  # fold the finished block's commit into the next forward
+    cuda_graphs: bool = True  # capture the denoising step on CUDA
+    sync_every: int = 4  # CUDA: steps between host checks for "all finished"
+    compact: bool = True  # shrink the working set once at most half of it is active
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+@dataclass
+class Rollout:
+    """Decoded sequences. Per-token tensors are [N, R] with R = max_new_tokens (response positions only)."""
+
+    prompt_ids: list[list[int]]
+    sequences: torch.Tensor  # [N, Ltot] int64: prompt + decoded blocks (tokens past the response are padding)
+    prompt_lens: torch.Tensor  # [N] int64
+    tokens: torch.Tensor  # [N, R] int64 response tokens; pad_id after the response
+    response_mask: torch.Tensor  # [N, R] bool: tokens up to and including the first EOS
+    step_map: torch.Tensor  # [N, R] int32: the step that unmasked each token (-1 on padding)
+    logp: torch.Tensor  # [N, R] float32 sampled log-prob
+    conf: torch.Tensor  # [N, R] float32 confidence
+    lengths: torch.Tensor  # [N] int64 response lengths (EOS included)
+    tpf: torch.Tensor  # [N] float32 tokens per forward
+    forwards: torch.Tensor  # [N] int64 forwards each row took part in
+    eos_found: torch.Tensor  # [N] bool
+    total_forwards: int = 0  # forwards the engine ran for the whole batch
+    seconds: float = 0.0
+    finish_reason: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def response_ids(self, i: int) -> list[int]:
+        return self.tokens[i, : int(self.lengths[i])].tolist()
+
+
+@dataclass
+class _State:
+    """The working set: one row per still-decoding sequence. Updated strictly in place (CUDA-graph safe)."""
+
+    seq: torch.Tensor  # [n, Ltot] int64
+    masked: torch.Tensor  # [n, Ltot] bool
+    step_map: torch.Tensor  # [n, Ltot] int32
+    logp: torch.Tensor  # [n, Ltot] float32
+    conf: torch.Tensor  # [n, Ltot] float32
+    cur_block: torch.Tensor  # [n] int64
+    last_block: torch.Tensor  # [n] int64
+    cache_len: torch.Tensor  # [n] int32 committed positions
+    pending: torch.Tensor  # [n] bool: previous block finished, its commit rides on the next forward
+    done: torch.Tensor  # [n] bool
+    steps: torch.Tensor  # [n] int32 denoising steps so far
+    blk_steps: torch.Tensor  # [n] int32 steps in the current block
+    forwards: torch.Tensor  # [n] int64
+    row_ids: torch.Tensor  # [n] int64 index into the caller's prompt list
+    seed: torch.Tensor  # [1] int64
+    offset: torch.Tensor  # [1] int64
+
+    def select(self, keep: torch.Tensor) -> "_State":
+        per_row = {k: v[keep] for k, v in vars(self).items() if k not in ("seed", "offset")}
+        return _State(**per_row, seed=self.seed, offset=self.offset)
+
+
+def _validate(model: SDARForCausalLM, prompts, cfg: SamplerConfig, bs: int) -> int:
+    vocab, mask_id = model.config.vocab_size, model.config.mask_token_id
+    if not prompts:
+        raise ValueError("no prompts given")
+    if cfg.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.rule not in ("threshold", "quota"):
+        raise ValueError(f"rule must be 'threshold' or 'quota', got {cfg.rule!r}")
+    if not cfg.eos_ids or any(not 0 <= e < vocab for e in cfg.eos_ids):
+        raise ValueError(f"eos_ids {cfg.eos_ids} must be non-empty and inside the vocabulary [0, {vocab})")
+    if cfg.top_k < 0 or not 0 < cfg.top_p <= 1:
+        raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {cfg.top_k}, {cfg.top_p}")
+    max_len = cfg.max_length or model.config.max_position_embeddings
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt {i} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if mask_id in p:
+            raise ValueError(f"prompt {i} contains the mask token id {mask_id} at position {p.index(mask_id)}")
+        need = len(p) + cfg.max_new_tokens
+        if need > max_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens {cfg.max_new_tokens} it needs "
+                             f"{need} positions but the cache holds at most max_length = {max_len}")
+    return max_len
+
+
+def _quota(st: _State, cfg: SamplerConfig, bs: int) -> torch.Tensor:
+    """Minimum positions to unmask this step per row (0 for finished rows)."""
+    if cfg.rule == "threshold":
+        q = torch.ones_like(st.blk_steps)
+    else:
+        s = cfg.steps_per_block or bs
+        q = bs // s + (st.blk_steps < bs % s).int()
+        q = torch.where(st.blk_steps >= s - 1, torch.full_like(q, bs), q)  # the last scheduled step finishes
+    return torch.where(st.done, torch.zeros_like(q), q)
+
+
+def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int, eos_ids: torch.Tensor) -> None:
+    """One forward + unmask for every row of the working set; all updates in place, no host sync."""
+    n, ltot = st.seq.shape
+    dev = st.seq.device
+    ar = torch.arange(2 * bs, device=dev)
+    start = (st.cur_block - st.pending.long()) * bs  # [n] first position of the query chunk
+    idx = (start[:, None] + ar).clamp_max(ltot - 1)  # [n, 2B]
+    chunk = st.seq.gather(1, idx)  # [n, 2B]
+    chunk_lens = torch.where(st.done, 0, bs + st.pending.int() * bs).int()  # [n]
+    hidden = model.hidden_cached(chunk, cache, start.int(), chunk_lens)  # [n, 2B, H]
+    off = st.pending.long()[:, None] * bs + ar[:bs]  # [n, B] the current block inside the chunk
+    h = hidden.gather(1, off[..., None].expand(-1, -1, hidden.shape[-1]))  # [n, B, H]
+    logits = model.lm_head(h)  # [n, B, V]
+    logits[..., model.config.mask_token_id] = float("-inf")  # never "unmask" to the mask token
+    st.cache_len.copy_((st.cur_block * bs).int())  # a pending block is committed by this forward
+    st.pending.zero_()
+
+    bidx = st.cur_block[:, None] * bs + ar[:bs]  # [n, B] absolute positions of the current block
+    tok, msk = st.seq.gather(1, bidx), st.masked.gather(1, bidx)
+    smap, lp, cf = st.step_map.gather(1, bidx), st.logp.gather(1, bidx), st.conf.gather(1, bidx)
+    block_done, eos_seen = threshold_unmask(
+        logits, tok, msk, smap, lp, cf, st.steps, _quota(st, cfg, bs), eos_ids, st.seed, st.offset,
+        threshold=cfg.threshold, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, greedy=cfg.greedy,
+    )
+    for full, part in ((st.seq, tok), (st.masked, msk), (st.step_map, smap), (st.logp, lp), (st.conf, cf)):
+        full.scatter_(1, bidx, part)
+
+    active = ~st.done
+    st.forwards.add_(active.long())
+    st.steps.add_(active.int())
+    st.blk_steps.add_(active.int())
+    finished = block_done & active
+    row_done = finished & (eos_seen | (st.cur_block >= st.last_block))
+    st.done.logical_or_(row_done)
+    advance = finished & ~row_done
+    st.pending.copy_(advance)
+    st.cur_block.add_(advance.long())
+    st.blk_steps.masked_fill_(advance, 0)
+    st.offset.add_(1)
+
+
+def _commit_step(model, st: _State, cache: KVCache, bs: int) -> None:
+    """SDAR-style separate commit: re-run each row's just-finished block to write its clean K/V."""
+    n = st.seq.shape[0]
+    start = (st.cur_block - 1).clamp_min(0) * bs
+    idx = start[:, None] + torch.arange(bs, device=st.seq.device)
+    chunk_lens = torch.where(st.pending, bs, 0).int()
+    model.hidden_cached(st.seq.gather(1, idx), cache, start.int(), chunk_lens)
+    st.forwards.add_(st.pending.long())
+    st.cache_len.add_(chunk_lens)
+    st.pending.zero_()
+
+
+class _GraphedStep:
+    """The denoising step captured in a CUDA graph for one working-set size (falls back to eager on failure)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.graph, self.failed = fn, None, False
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        self.fn()  # the first call runs eagerly: it warms up kernels and allocator, and does real work
+        if self.failed:
+            return
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.fn()
+            self.graph = graph
+        except Exception as e:  # capture can fail when an op without a CUDA kernel needs a host sync
+            self.failed = True
+            warnings.warn(f"CUDA graph capture of the denoising step failed ({type(e).__name__}: {e}); "
+                          "decoding continues eagerly", RuntimeWarning, stacklevel=2)
+
+    # NB: capture records the step without running it, so the state is not advanced twice.
+
+
+@torch.no_grad()
+def generate(model: SDARForCausalLM, prompts: list[list[int]], cfg: SamplerConfig, pad_id: int | None = None) -> Rollout:
+    """Decode `prompts` (lists of token ids) with `model`; see the module docstring. Returns a `Rollout`."""
+    import time
+
+    t0 = time.perf_counter()
+    mcfg = model.config
+    bs = cfg.block_size or mcfg.block_size
+    if bs <= 0:
+        raise ValueError(f"block_size must be positive, got {bs}")
+    _validate(model, prompts, cfg, bs)
+    dev = next(model.parameters()).device
+    pad_id = cfg.eos_ids[-1] if pad_id is None else pad_id
+    n0 = len(prompts)
+    plens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+    last_block = (plens + cfg.max_new_tokens - 1) // bs  # [n0]
+    ltot = int(last_block.max() + 1) * bs
+    seq = torch.full((n0, ltot), mcfg.mask_token_id, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        seq[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
+    pos = torch.arange(ltot)
+    in_prompt = pos[None, :] < plens[:, None]
+    st = _State(
+        seq=seq.to(dev), masked=(~in_prompt).to(dev),
+        step_map=torch.where(in_prompt, -1, -2).int().to(dev),
+        logp=torch.zeros(n0, ltot, device=dev), conf=torch.zeros(n0, ltot, device=dev),
+        cur_block=(plens // bs).to(dev), last_block=last_block.to(dev), cache_len=torch.zeros(n0, dtype=torch.int32, device=dev),
+        pending=torch.zeros(n0, dtype=torch.bool, device=dev), done=torch.zeros(n0, dtype=torch.bool, device=dev),
+        steps=torch.zeros(n0, dtype=torch.int32, device=dev), blk_steps=torch.zeros(n0, dtype=torch.int32, device=dev),
+        forwards=torch.zeros(n0, dtype=torch.int64, device=dev), row_ids=torch.arange(n0, device=dev),
+        seed=torch.tensor([cfg.seed], dtype=torch.int64, device=dev), offset=torch.zeros(1, dtype=torch.int64, device=dev),
+    )
+    cache = KVCache.allocate(mcfg, n0, ltot, dtype=next(model.parameters()).dtype, device=dev)
+    eos_ids = torch.tensor(cfg.eos_ids, dtype=torch.int64, device=dev)
+    total_forwards = 0
+
+    full_blocks = (plens // bs) * bs  # [n0] prompt positions prefilled
+    pmax = int(full_blocks.max())
+    if pmax > 0:
+        with nvtx_range("prefill"):
+            lens = full_blocks.int().to(dev)
+            model.hidden_cached(st.seq[:, :pmax], cache, st.cache_len, lens)
+            st.cache_len.copy_(lens)
+            st.forwards.add_((lens > 0).long())
+            total_forwards += 1
+
+    out = {k: getattr(st, k).clone() for k in ("seq", "step_map", "logp", "conf", "forwards", "steps")}
+    use_graphs = cfg.cuda_graphs and dev.type == "cuda"
+    sync_every = cfg.sync_every if dev.type == "cuda" else 1
+    graphs: dict[int, _GraphedStep] = {}
+    max_steps = ltot + 1  # each active row unmasks >= 1 position per step
+    for step_i in range(1, max_steps + 1):
+        with nvtx_range("denoise_step"):
+            if use_graphs:
+                key = st.seq.shape[0]
+                if key not in graphs:
+                    graphs[key] = _GraphedStep(lambda s=st, c=cache: _denoise_step(model, s, c, cfg, bs, eos_ids))
+                graphs[key]()
+            else:
+                _denoise_step(model, st, cache, cfg, bs, eos_ids)
+        total_forwards += 1
+        if not cfg.fold_commit:
+            if bool(st.pending.any()):
+                with nvtx_range("commit"):
+                    _commit_step(model, st, cache, bs)
+                total_forwards += 1
+        if step_i % sync_every:
+            continue
+        n_active = int((~st.done).sum())
+        if n_active == 0:
+            break
+        if cfg.compact and n_active <= st.seq.shape[0] // 2:
+            _save_rows(out, st, st.done)
+            keep = (~st.done).nonzero().squeeze(1)
+            st = st.select(keep)
+            cache = KVCache(cache.k[:, keep].contiguous(), cache.v[:, keep].contiguous())
+    else:
+        raise RuntimeError(f"decoding did not finish within {max_steps} steps (a row unmasked nothing in a step)")
+    _save_rows(out, st, torch.ones_like(st.done))
+    return _finish(prompts, out, plens, cfg, pad_id, total_forwards, time.perf_counter() - t0)
+
+
+def _save_rows(out: dict, st: _State, which: torch.Tensor) -> None:
+    rows = st.row_ids[which]
+    for k in out:
+        out[k][rows] = getattr(st, k)[which]
+
+
+def _finish(prompts, out, plens, cfg: SamplerConfig, pad_id: int, total_forwards: int, seconds: float) -> Rollout:
+    seq, smap = out["seq"].cpu(), out["step_map"].cpu()
+    n0, r = seq.shape[0], cfg.max_new_tokens
+    idx = plens[:, None] + torch.arange(r)  # [n0, R]
+    tokens = seq.gather(1, idx)
+    step_map = smap.gather(1, idx)
+    logp, conf = out["logp"].cpu().gather(1, idx), out["conf"].cpu().gather(1, idx)
+    is_eos = torch.isin(tokens, torch.tensor(cfg.eos_ids))
+    eos_found = is_eos.any(1)
+    first = torch.where(eos_found, is_eos.int().argmax(1), torch.full((n0,), r - 1))
+    resp = torch.arange(r)[None, :] <= first[:, None]
+    lengths = resp.sum(1)
+    tpf = torch.empty(n0)
+    for i in range(n0):
+        steps = step_map[i][resp[i]]
+        tpf[i] = int(lengths[i]) / max(1, len(torch.unique(steps)))
+    return Rollout(
+        prompt_ids=[list(p) for p in prompts], sequences=seq, prompt_lens=plens,
+        tokens=torch.where(resp, tokens, pad_id), response_mask=resp, step_map=torch.where(resp, step_map, -1),
+        logp=torch.where(resp, logp, 0.0), conf=torch.where(resp, conf, 0.0), lengths=lengths, tpf=tpf,
+        forwards=out["forwards"].cpu(), eos_found=eos_found, total_forwards=total_forwards, seconds=seconds,
+        finish_reason=["eos" if e else "length" for e in eos_found.tolist()],
+    )
+
+
+def mean_tpf(rollout: Rollout) -> float:
+    return float(rollout.tpf.mean()) if len(rollout) else math.nan

@@ -1,0 +1,180 @@
+"""The rollout sampler: cache vs no-cache decoding, folded vs separate commits, rules, EOS, TPF, errors."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightningrl_fast.model import SDARConfig, build_model
+from lightningrl_fast.ops.unmask import threshold_unmask
+from lightningrl_fast.sampler import SamplerConfig, generate
+
+MASK, EOS, V = 110, 3, 111
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = SDARConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, block_size=4, mask_token_id=MASK, torch_dtype="float32",
+                     max_position_embeddings=256)
+    return build_model(cfg, dtype=torch.float64, seed=0).eval()
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 100, (n,), generator=g).tolist() for n in lengths]
+
+
+def nocache_decode(model, prompt, cfg: SamplerConfig):
+    """Recompute the whole sequence every step (no KV cache), one row at a time, greedy."""
+    bs = cfg.block_size or model.config.block_size
+    total = len(prompt) + cfg.max_new_tokens
+    last = (total - 1) // bs
+    seq = torch.full((1, (last + 1) * bs), MASK)
+    seq[0, : len(prompt)] = torch.tensor(prompt)
+    step_map = torch.full((1, seq.shape[1]), -1, dtype=torch.int32)
+    masked = torch.arange(seq.shape[1])[None] >= len(prompt)
+    blk, step = len(prompt) // bs, 0
+    while True:
+        sl = slice(blk * bs, blk * bs + bs)
+        with torch.no_grad():
+            logits = model(seq[:, : blk * bs + bs])[:, sl].clone()
+        logits[..., MASK] = float("-inf")
+        tok, msk, sm = seq[:, sl].clone(), masked[:, sl].clone(), step_map[:, sl].clone()
+        s = cfg.steps_per_block or bs
+        quota = 1
+        if cfg.rule == "quota":
+            k = nocache_decode.blk_steps
+            quota = bs if k >= s - 1 else bs // s + (k < bs % s)
+        done, eos = threshold_unmask(logits, tok, msk, sm, torch.zeros(1, bs), torch.zeros(1, bs),
+                                     torch.tensor([step], dtype=torch.int32), torch.tensor([quota], dtype=torch.int32),
+                                     torch.tensor(cfg.eos_ids), torch.tensor([0]), torch.tensor([0]),
+                                     threshold=cfg.threshold, greedy=True)
+        seq[:, sl], masked[:, sl], step_map[:, sl] = tok, msk, sm
+        step += 1
+        nocache_decode.blk_steps += 1
+        if bool(done):
+            nocache_decode.blk_steps = 0
+            if bool(eos) or blk == last:
+                break
+            blk += 1
+    resp = seq[0, len(prompt) : total]
+    return resp, step_map[0, len(prompt) : total]
+
+
+nocache_decode.blk_steps = 0
+
+
+def truncate_at_eos(tokens):
+    out = []
+    for t in tokens:
+        out.append(t)
+        if t == EOS:
+            break
+    return out
+
+
+@pytest.mark.parametrize("rule,threshold", [("threshold", 0.3), ("threshold", 0.05), ("quota", 0.9)])
+def test_cache_decoding_equals_nocache_decoding(model, rule, threshold):
+    lengths = [1, 3, 4, 5, 9]  # 1, B-1, B, B+1, and a longer one in one batch
+    prompts = prompts_of(lengths)
+    cfg = SamplerConfig(threshold=threshold, rule=rule, steps_per_block=2, temperature=0, max_new_tokens=14,
+                        eos_ids=(EOS,))
+    ro = generate(model, prompts, cfg)
+    for i, p in enumerate(prompts):
+        nocache_decode.blk_steps = 0
+        resp, smap = nocache_decode(model, p, cfg)
+        want = truncate_at_eos(resp.tolist())
+        assert ro.response_ids(i) == want, i
+        assert ro.step_map[i, : len(want)].tolist() == smap[: len(want)].tolist()
+
+
+def test_folded_commit_equals_separate_commit(model):
+    prompts = prompts_of([2, 7, 4, 13])
+    base = SamplerConfig(threshold=0.2, temperature=0, max_new_tokens=17, eos_ids=(EOS,))
+    a = generate(model, prompts, base)
+    b = generate(model, prompts, dataclasses.replace(base, fold_commit=False))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.step_map, b.step_map)
+    assert (b.forwards > a.forwards).any()  # the separate commits cost forwards
+    assert b.total_forwards > a.total_forwards
+
+
+def test_threshold_extremes_and_quota(model):
+    prompts = prompts_of([3, 6])
+    one = generate(model, prompts, SamplerConfig(threshold=1.0, temperature=0, max_new_tokens=12, eos_ids=(0,)))
+    for i in range(2):  # tau 1.0: exactly one token per step
+        sm = one.step_map[i][one.response_mask[i]]
+        assert len(torch.unique(sm)) == len(sm)
+        assert float(one.tpf[i]) == 1.0
+    allin = generate(model, prompts, SamplerConfig(threshold=0.0, temperature=0, max_new_tokens=12, eos_ids=(0,)))
+    for i, p in enumerate(prompts):  # tau 0: every block in one step
+        sm = allin.step_map[i][allin.response_mask[i]]
+        pos = torch.arange(len(p), len(p) + len(sm))
+        assert torch.equal(sm, (pos // 4 - len(p) // 4).int())
+    q = generate(model, prompts, SamplerConfig(rule="quota", steps_per_block=2, threshold=1.01, temperature=0,
+                                               max_new_tokens=12, eos_ids=(0,)))
+    for i in range(2):  # quota 2 per step with B = 4, S = 2 (threshold unreachable)
+        counts = torch.bincount(q.step_map[i][q.response_mask[i]].long())
+        assert counts.max() <= 2
+
+
+def test_eos_stops_after_its_block_and_pads(model):
+    prompts = prompts_of([5, 5, 5, 5], seed=3)
+    # make every token EOS-likely: the model is random, so pick as EOS the token it produces first
+    first = generate(model, prompts, SamplerConfig(threshold=0.9, temperature=0, max_new_tokens=16, eos_ids=(0,)))
+    eos = int(first.tokens[0, 2])
+    ro = generate(model, prompts, SamplerConfig(threshold=0.9, temperature=0, max_new_tokens=16, eos_ids=(eos,)))
+    i = 0
+    assert ro.eos_found[i] and ro.finish_reason[i] == "eos"
+    n = int(ro.lengths[i])
+    assert ro.tokens[i, n - 1] == eos and eos not in ro.tokens[i, : n - 1].tolist()
+    assert (ro.tokens[i, n:] == eos).all() and (ro.step_map[i, n:] == -1).all()  # padding after the first EOS
+    # the sequence stopped at the block holding EOS: no later block was decoded
+    eos_pos = 5 + n - 1
+    assert (ro.sequences[i, (eos_pos // 4 + 1) * 4 :] == MASK).all()
+    no_eos = generate(model, prompts, SamplerConfig(threshold=0.9, temperature=0, max_new_tokens=16, eos_ids=(1,)))
+    assert all(r == "length" for r in no_eos.finish_reason) or not no_eos.eos_found.all()
+
+
+def test_tpf_consistent_with_step_map_and_forwards(model):
+    prompts = prompts_of([4, 9, 1])
+    ro = generate(model, prompts, SamplerConfig(threshold=0.1, temperature=0, max_new_tokens=20, eos_ids=(EOS,)))
+    for i in range(3):
+        sm = ro.step_map[i][ro.response_mask[i]]
+        assert float(ro.tpf[i]) == pytest.approx(len(sm) / len(torch.unique(sm)))
+        assert int(ro.forwards[i]) >= len(torch.unique(sm))
+        assert torch.isfinite(ro.logp[i][ro.response_mask[i]]).all()
+        torch.testing.assert_close(ro.conf[i][ro.response_mask[i]], ro.logp[i][ro.response_mask[i]].exp())
+
+
+def test_sampling_is_deterministic_per_seed(model):
+    prompts = prompts_of([3, 8, 5])
+    cfg = SamplerConfig(threshold=0.5, temperature=1.0, max_new_tokens=16, eos_ids=(EOS,), seed=7)
+    a, b = generate(model, prompts, cfg), generate(model, prompts, cfg)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logp, b.logp)
+    c = generate(model, prompts, dataclasses.replace(cfg, seed=8))
+    assert not torch.equal(a.tokens, c.tokens)
+
+
+def test_compaction_does_not_change_results(model):
+    prompts = prompts_of([2, 3, 4, 5, 6, 7, 8, 9], seed=5)
+    cfg = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=18, eos_ids=(EOS,))
+    a = generate(model, prompts, cfg)
+    b = generate(model, prompts, dataclasses.replace(cfg, compact=False))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.step_map, b.step_map)
+
+
+def test_bad_requests(model):
+    cfg = SamplerConfig(temperature=0, max_new_tokens=8, eos_ids=(EOS,))
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(model, [[5], []], cfg)
+    with pytest.raises(ValueError, match="needs 308 positions but the cache holds at most max_length = 256"):
+        generate(model, [[5] * 300], cfg)
+    with pytest.raises(ValueError, match=r"prompt 0 has token id\(s\) outside the vocabulary \[0, 111\): \[111\]"):
+        generate(model, [[5, 111]], cfg)
+    with pytest.raises(ValueError, match="mask token id 110"):
+        generate(model, [[5, MASK]], cfg)
+    with pytest.raises(ValueError, match="no prompts"):
+        generate(model, [], cfg)
+    with pytest.raises(ValueError, match="rule must be"):
+        generate(model, [[5]], dataclasses.replace(cfg, rule="fast"))
