@@ -1,0 +1,518 @@
+"""Sandboxed code verifier (the accuracy reward of MBPP / HumanEval-style tasks).
+
+A completion is turned into a `CodeProgram` (setup, solution, list of tests) by `build_program`:
+
+* HumanEval: the solution is ``prompt + completion`` when the completion is a function body, or
+  ``prompt + "\\n" + completion`` when it already contains ``def <entry_point>(`` (the prompt's stub is a
+  valid function, so the completion's definition replaces it while the prompt's imports and helpers
+  stay); one test: the benchmark's ``test`` source followed by ``check(<entry_point>)``.
+* MBPP: setup = ``test_setup_code``, solution = the completion, one test per assert of ``test_list``.
+
+Model text goes through `extract_code` first (the last fenced block that defines the expected function,
+else the last Python block; an unterminated fence is taken to the end; ChatML end tokens are dropped).
+
+`run_program` executes one program in a fresh process and returns a `CodeResult` (pass fraction over the
+tests, passed, failure reason: ``timeout``, ``syntax``, ``assertion``, ``memory``, ``output_limit``,
+``forbidden``, ``killed:SIGxxx``, ``no_result``, ``error:<ExceptionName>``, ``sandbox_error``). Tests of
+MBPP are counted one by one, streamed as they finish, so a program that hangs on its third assert keeps
+the credit of the first two. `verify_code_batch` runs many programs in parallel: a thread pool drives one
+subprocess per item (default ``os.cpu_count()`` at a time).
+
+Isolation layers (each used when the machine allows it; `sandbox_capabilities` says which are on):
+
+1. Always: a new session / process group killed as a whole (``SIGKILL``) at the wall-clock deadline and
+   after every run; rlimits set by the child before any untrusted code (address space ``memory_mb``,
+   CPU seconds, file size ``file_mb``, process count, 256 open files, no core files); a scrubbed
+   environment (PATH, LANG, HOME/TMPDIR = the working directory; nothing inherited, so no secrets);
+   ``python -I -S`` (stdlib only, no user site, no PYTHON* variables); a fresh temporary working directory,
+   removed afterwards; stdout/stderr go to files capped by RLIMIT_FSIZE and only the first
+   ``max_output_bytes`` are read back; results come back over a private pipe, tagged with a nonce.
+2. Root: the child drops to an unprivileged uid/gid of its own (``uid_base + slot``, a slot per concurrent
+   run, locked with flock across processes), so it cannot write root's files (the repository, the
+   caller's temp dirs), signal the caller, or read other processes' environ/memory, and RLIMIT_NPROC
+   (ignored for root) bounds a fork bomb. Without a PID namespace, leftover processes of that uid are
+   killed after each run (an escaped ``setsid`` daemon included).
+3. ``unshare`` (util-linux) when permitted: new network namespace (no network at all, not even the
+   host's loopback), PID namespace (every descendant dies with the run; ``/proc`` shows only the sandbox),
+   mount namespace with size-capped private tmpfs over /tmp, /var/tmp and /dev/shm (a write to /tmp/pwned
+   lands in a throw-away tmpfs), IPC namespace. As non-root, ``unshare --map-root-user`` gives the same
+   namespaces when unprivileged user namespaces are enabled.
+4. Python guard (``python_guard=True``): an audit hook refusing writes outside the working directory,
+   ``kill`` of other processes, fork/exec/subprocess, sockets other than AF_UNIX and ctypes.
+
+What running as root implies: the OS layers (2, 3) are all available and are what really stops hostile
+code; the guard only adds early, readable failures. As a non-root user without user namespaces only
+layers 1 and 4 remain: RLIMIT_NPROC then counts all the user's processes (it is set to their current
+number plus ``max_procs``), a ctypes-based program could write the user's files or signal the caller,
+and an escaped daemon outlives the run (its CPU time stays capped). The memory bound is per process:
+``max_procs`` x ``memory_mb`` is the worst case for a fork bomb that also allocates; use a cgroup if that
+matters. The nonce stops accidental forgery of results, not a program that introspects the harness.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import fcntl
+import json
+import math
+import os
+import pwd
+import re
+import secrets
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .data import Example
+
+__all__ = [
+    "SandboxConfig",
+    "CodeProgram",
+    "CodeResult",
+    "extract_code",
+    "build_program",
+    "run_program",
+    "verify_code",
+    "verify_code_batch",
+    "sandbox_capabilities",
+]
+
+_HARNESS = str(Path(__file__).with_name("_sandbox_harness.py"))
+_NS_FLAGS = ["--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Limits and switches of one sandboxed run (see the module docstring for what each layer does)."""
+
+    timeout_s: float = 5.0          # wall clock for the untrusted part, from the child's "ready"
+    startup_timeout_s: float = 20.0  # interpreter start + jail set-up
+    memory_mb: int = 1024           # RLIMIT_AS per process
+    max_procs: int = 16             # RLIMIT_NPROC (processes/threads of the sandbox uid)
+    file_mb: int = 10               # RLIMIT_FSIZE: largest file, stdout/stderr included
+    tmpfs_mb: int = 64              # size of each private tmpfs (namespaced runs)
+    max_output_bytes: int = 8192    # stdout/stderr bytes read back into the result
+    use_namespaces: bool = True     # unshare net/pid/mount/ipc when permitted
+    drop_privileges: bool = True    # as root: run as an unprivileged per-slot uid
+    python_guard: bool = True       # audit-hook policy inside the child
+    uid_base: int = 61000           # per-slot uids uid_base .. uid_base + 255 (must not be real users)
+
+
+@dataclass
+class CodeProgram:
+    """What runs in the sandbox: setup and solution once, then each test separately."""
+
+    solution: str
+    tests: list[str]
+    setup: str = ""
+
+
+@dataclass
+class CodeResult:
+    """Outcome of one program. ``reason`` is None when passed."""
+
+    pass_fraction: float
+    passed: bool
+    reason: str | None
+    n_tests: int
+    n_passed: int
+    duration_s: float = 0.0
+    test_errors: list[str | None] = field(default_factory=list)
+    stdout: str = ""
+    stderr: str = ""
+    layers: tuple[str, ...] = ()
+
+
+# ------------------------------------------------------------------------------------------ programs
+
+_FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+
+
+def extract_code(text: str, entry_point: str | None = None) -> str:
+    """The code in a model response: a fenced block if there is one (see the module docstring), else the text."""
+    for tok in _END_TOKENS:
+        cut = text.find(tok)
+        if cut >= 0:
+            text = text[:cut]
+    if "```" not in text:
+        return text
+    blocks = [(lang.lower(), body) for lang, body in _FENCE_RE.findall(text)]
+    if not blocks:
+        return text
+    python = [b for lang, b in blocks if lang in ("python", "py", "python3", "")] or [b for _, b in blocks]
+    if entry_point:
+        defining = [b for b in python if re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", b, re.M)]
+        if defining:
+            return defining[-1]
+    defining = [b for b in python if re.search(r"^\s*(def|class)\s", b, re.M)]
+    return (defining or python)[-1]
+
+
+def build_program(completion: str, example: Example, extract: bool = True) -> CodeProgram:
+    """The program that checks a completion of a code example (HumanEval or MBPP-style)."""
+    if example.kind != "code":
+        raise ValueError(f"example {example.id!r} is a {example.kind!r} example, not code")
+    ep = example.entry_point
+    code = extract_code(completion, ep or None) if extract else completion
+    if ep and example.test:
+        if re.search(rf"^def\s+{re.escape(ep)}\s*\(", code, re.M):
+            solution = example.prompt + "\n" + code
+        else:
+            solution = example.prompt + code
+        return CodeProgram(solution, [f"{example.test}\n\ncheck({ep})\n"])
+    if example.test_list:
+        return CodeProgram(code, list(example.test_list), example.test_setup_code)
+    raise ValueError(f"code example {example.id!r} has no tests (neither test/entry_point nor test_list)")
+
+
+# ------------------------------------------------------------------------------------------ capabilities
+
+_CAPS: dict | None = None
+_CAPS_LOCK = threading.Lock()
+
+
+def _probe_unshare(prefix: list[str]) -> bool:
+    try:
+        r = subprocess.run(
+            prefix + ["--", sys.executable, "-I", "-S", "-c", "pass"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def sandbox_capabilities() -> dict:
+    """What this machine allows (probed once): root, the unshare prefix (or None), a user namespace."""
+    global _CAPS
+    with _CAPS_LOCK:
+        if _CAPS is None:
+            root = os.geteuid() == 0
+            prefix = None
+            userns = False
+            exe = shutil.which("unshare")
+            if exe:
+                candidate = [exe] + ([] if root else ["--map-root-user"]) + _NS_FLAGS
+                if _probe_unshare(candidate):
+                    prefix, userns = candidate, not root
+            _CAPS = {"root": root, "unshare": prefix, "user_ns": userns}
+        return dict(_CAPS)
+
+
+# ------------------------------------------------------------------------------------------ uid slots
+
+
+class _UidSlot:
+    """An unprivileged uid held exclusively (flock across processes) for the length of one run."""
+
+    def __init__(self, base: int) -> None:
+        lock_dir = Path("/run/lightningrl_fast-sandbox")
+        try:
+            lock_dir.mkdir(mode=0o700, exist_ok=True)
+        except OSError:
+            lock_dir = Path(tempfile.gettempdir()) / "lightningrl_fast-sandbox-uids"
+            lock_dir.mkdir(mode=0o700, exist_ok=True)
+        deadline = time.monotonic() + 60
+        while True:
+            for uid in range(base, base + 256):
+                try:
+                    pwd.getpwuid(uid)
+                    continue  # a real account: never borrow it
+                except KeyError:
+                    pass
+                fd = os.open(lock_dir / f"uid-{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)
+                    continue
+                self.uid, self.fd = uid, fd
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no free sandbox uid in {base}..{base + 255}")
+            time.sleep(0.05)
+
+    def release(self) -> None:
+        os.close(self.fd)  # closing drops the flock
+
+
+def _pids_of_uid(uid: int) -> list[int]:
+    """Live (non-zombie) processes owned by uid."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid != uid:
+                    continue
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state not in (b"Z", b"X"):
+                pids.append(int(name))
+    return pids
+
+
+_KILL = shutil.which("kill", path="/usr/bin:/bin")
+
+
+def _sweep_uid(uid: int) -> None:
+    """Kill every process of the sandbox uid. ``kill -9 -1`` run *as that uid* reaches them all at once
+    (a fork bomb cannot outrun it); per-pid kills as root are the fallback. Never raises."""
+    for _ in range(50):
+        pids = _pids_of_uid(uid)
+        if not pids:
+            return
+        try:
+            if _KILL is None:
+                raise OSError("no kill binary")
+            subprocess.run(
+                [_KILL, "-9", "-1"], user=uid, group=uid, extra_groups=[], stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"}, cwd="/",
+                timeout=10,
+            )
+        except (OSError, subprocess.SubprocessError):
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+def _reason_of(err: str) -> str:
+    if err in ("SyntaxError", "IndentationError", "TabError"):
+        return "syntax"
+    if err == "AssertionError":
+        return "assertion"
+    if err == "MemoryError":
+        return "memory"
+    if err == "OutputLimit":
+        return "output_limit"
+    if err == "SandboxViolation":
+        return "forbidden"
+    return f"error:{err}"
+
+
+def _read_capped(path: Path, cap: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(cap).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _rmtree(path: str) -> None:
+    def onerror(func, p, exc):
+        try:
+            os.chmod(os.path.dirname(p), stat.S_IRWXU)
+            os.chmod(p, stat.S_IRWXU)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=onerror)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> CodeResult:
+    """Run one program in the sandbox and score it (never raises for anything the program does)."""
+    cfg = config or SandboxConfig()
+    caps = sandbox_capabilities()
+    t0 = time.monotonic()
+    n_tests = len(program.tests)
+    layers = ["rlimits", "session", "clean_env"]
+    prefix = caps["unshare"] if cfg.use_namespaces else None
+    slot: _UidSlot | None = None
+    tmp: str | None = None
+    proc = None
+    r_fd = w_fd = -1
+    try:
+        if caps["root"] and cfg.drop_privileges:
+            slot = _UidSlot(cfg.uid_base)
+        tmp = tempfile.mkdtemp(prefix="lrl-sandbox-")
+        os.chmod(tmp, 0o711)
+        work = os.path.join(tmp, "work")
+        os.mkdir(work, 0o700)
+        if slot is not None:
+            os.chown(work, slot.uid, slot.uid)
+            layers.append(f"uid:{slot.uid}")
+        if prefix:
+            layers.append("namespaces")
+        if cfg.python_guard:
+            layers.append("python_guard")
+        nonce = secrets.token_hex(16)
+        job = {
+            "nonce": nonce, "setup": program.setup, "solution": program.solution, "tests": list(program.tests),
+            "uid": slot.uid if slot else None, "private_tmp": bool(prefix), "own_user_ns": caps["user_ns"] and bool(prefix),
+            "tmpfs_mb": cfg.tmpfs_mb, "memory_mb": cfg.memory_mb, "cpu_s": int(math.ceil(cfg.timeout_s)) + 1,
+            "file_mb": cfg.file_mb, "max_procs": cfg.max_procs, "python_guard": cfg.python_guard,
+        }
+        job_path = os.path.join(tmp, "job.json")
+        fd = os.open(job_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(job).encode("utf-8"))
+        out_path, err_path = Path(tmp, "stdout"), Path(tmp, "stderr")
+        r_fd, w_fd = os.pipe()
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work,
+               "TMPDIR": work, "OMP_NUM_THREADS": "1"}
+        argv = (prefix + ["--"] if prefix else []) + [sys.executable, "-I", "-S", _HARNESS, job_path, str(w_fd)]
+        with open(out_path, "wb") as out_f, open(err_path, "wb") as err_f:
+            proc = subprocess.Popen(
+                argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f,
+                pass_fds=(w_fd,), start_new_session=True, close_fds=True,
+            )
+        os.close(w_fd)
+        w_fd = -1
+
+        # Read the result stream until "D", EOF or the deadline (startup allowance until "R"). When the
+        # direct child has exited, a descendant may still hold the pipe: give it 0.2 s, then stop.
+        tag = nonce.encode() + b" "
+        buf, kept = b"", 0
+        records: list[list[str]] = []
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        exit_grace: float | None = None
+        timed_out = done = False
+        while not done:
+            now = time.monotonic()
+            if exit_grace is None and proc.poll() is not None:
+                exit_grace = now + 0.2
+            limit = deadline if exit_grace is None else min(deadline, exit_grace)
+            if now >= limit:
+                timed_out = now >= deadline
+                break
+            ready, _, _ = select.select([r_fd], [], [], min(limit - now, 0.1))
+            if not ready:
+                continue
+            chunk = os.read(r_fd, 65536)
+            if not chunk:
+                break  # EOF: every writer is gone
+            if kept > 1 << 20:  # a flood on the result pipe: drain it, keep nothing more
+                continue
+            kept += len(chunk)
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if not line.startswith(tag):
+                    continue
+                rec = line[len(tag):].decode("ascii", "replace").split(" ")
+                records.append(rec)
+                if rec[0] == "R":
+                    deadline = time.monotonic() + cfg.timeout_s
+                elif rec[0] in ("D", "E"):
+                    done = True
+        _kill_group(proc.pid)
+        try:
+            returncode = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        if slot is not None and not prefix:
+            _sweep_uid(slot.uid)
+
+        passed_tests: dict[int, bool] = {}
+        errors: list[str | None] = [None] * n_tests
+        stage_err = setup_err = None
+        got_done = False
+        for rec in records:
+            if rec[0] == "T" and len(rec) >= 4 and rec[1].isdigit() and int(rec[1]) < n_tests:
+                i = int(rec[1])
+                if i not in passed_tests:
+                    passed_tests[i] = rec[2] == "1"
+                    errors[i] = None if rec[2] == "1" else _reason_of(rec[3])
+            elif rec[0] == "S" and len(rec) >= 2:
+                stage_err = _reason_of(rec[1])
+            elif rec[0] == "E":
+                setup_err = " ".join(rec[1:])
+            elif rec[0] == "D":
+                got_done = True
+        n_passed = sum(passed_tests.values())
+        if setup_err is not None:
+            reason = "sandbox_error"
+            n_passed = 0
+        elif stage_err is not None:
+            reason, n_passed = stage_err, 0
+        elif timed_out:
+            reason = "timeout"
+        elif not got_done and returncode is not None and returncode < 0:
+            sig = -returncode
+            reason = "timeout" if sig == signal.SIGXCPU else f"killed:{signal.Signals(sig).name}"
+        elif not got_done:
+            reason = "no_result"
+        elif n_passed < n_tests:
+            reason = next(e for e in errors if e is not None) if any(errors) else "no_result"
+        else:
+            reason = None
+        passed = reason is None and n_tests > 0
+        frac = n_passed / n_tests if n_tests else 0.0
+        return CodeResult(
+            pass_fraction=frac, passed=passed, reason=reason, n_tests=n_tests, n_passed=n_passed,
+            duration_s=time.monotonic() - t0, test_errors=errors,
+            stdout=_read_capped(out_path, cfg.max_output_bytes),
+            stderr=_read_capped(err_path, cfg.max_output_bytes) + (f"\n[sandbox] {setup_err}" if setup_err else ""),
+            layers=tuple(layers),
+        )
+    finally:
+        if proc is not None and proc.poll() is None:
+            _kill_group(proc.pid)
+            proc.wait()
+        for fd in (r_fd, w_fd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        if slot is not None:
+            if not prefix:
+                _sweep_uid(slot.uid)
+            slot.release()
+        if tmp is not None:
+            _rmtree(tmp)
+
+
+def verify_code(completion: str, example: Example, config: SandboxConfig | None = None) -> CodeResult:
+    """Build the program for a completion of ``example`` and run it."""
+    try:
+        program = build_program(completion, example)
+    except ValueError as e:
+        return CodeResult(0.0, False, f"error:{e}", 0, 0)
+    return run_program(program, config)
+
+
+def verify_code_batch(
+    items: Iterable[tuple[str, Example] | CodeProgram],
+    workers: int | None = None,
+    config: SandboxConfig | None = None,
+) -> list[CodeResult]:
+    """Run many (completion, example) pairs or `CodeProgram`s, ``workers`` subprocesses at a time; results in order."""
+    items = list(items)
+    workers = max(1, workers or os.cpu_count() or 1)
+
+    def one(item) -> CodeResult:
+        if isinstance(item, CodeProgram):
+            return run_program(item, config)
+        completion, example = item
+        return verify_code(completion, example, config)
+
+    if workers == 1 or len(items) <= 1:
+        return [one(x) for x in items]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
+        return list(pool.map(one, items))

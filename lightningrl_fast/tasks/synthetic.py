@@ -1,0 +1,140 @@
+"""The embedded default task: multi-step arithmetic with a worked trace, several equally valid phrasings.
+
+A prompt is `a+b+c?` (three operands in [0, max_operand]); a correct response is a worked trace ending in
+the answer, e.g. `6+4=10,10+5=15#15`, then EOS. Every example's SFT target is drawn at random from
+equally valid phrasings (REFERENCE §7):
+  * operand order of each step (`6+4=10` or `4+6=10`; `10+5=15` or `5+10=15`),
+  * spacing (`6+4=10` or `6 + 4 = 10`),
+so an SFT model cannot know which phrasing its neighbouring positions will take: its per-position
+confidence is split between modes, parallel (threshold) decoding unmasks few tokens per step, and TPF is
+low. LightningRL's job — collapse to one phrasing per prompt and raise TPF at equal accuracy — is real
+and measurable on a CPU in minutes. Had the data one phrasing, the SFT model would already decode every
+block in one step and there would be nothing to gain.
+
+Splits: the operand triples are split once by a fixed hash into train and held-out test, so the test
+accuracy measures generalization to unseen prompts. The verifier is exact: the text after the last `#`
+(before EOS) must be the true sum; `well_formed` also checks every step of the trace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+
+from ..tokenizer import CharTokenizer
+
+ALPHABET = "0123456789+=,# ?"
+_STEP = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*=\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class ArithExample:
+    """One prompt: operands and the true answer."""
+
+    operands: tuple[int, ...]
+
+    @property
+    def id(self) -> str:
+        return "+".join(map(str, self.operands))
+
+    @property
+    def prompt(self) -> str:
+        return "+".join(map(str, self.operands)) + "?"
+
+    @property
+    def answer(self) -> int:
+        return sum(self.operands)
+
+
+def trace(ex: ArithExample, rng: random.Random | None = None, swap: tuple[bool, ...] | None = None,
+          spaced: bool | None = None) -> str:
+    """A correct worked trace for `ex`; phrasing drawn from `rng` unless given (swap per step, spacing)."""
+    rng = rng or random.Random(0)
+    nsteps = len(ex.operands) - 1
+    swap = swap if swap is not None else tuple(rng.random() < 0.5 for _ in range(nsteps))
+    spaced = spaced if spaced is not None else rng.random() < 0.5
+    plus, eq = (" + ", " = ") if spaced else ("+", "=")
+    acc, steps = ex.operands[0], []
+    for i, x in enumerate(ex.operands[1:]):
+        lhs, rhs = (x, acc) if swap[i] else (acc, x)
+        acc += x
+        steps.append(f"{lhs}{plus}{rhs}{eq}{acc}")
+    return ",".join(steps) + f"#{acc}"
+
+
+def final_answer(response: str) -> int | None:
+    """The integer after the last '#', or None."""
+    if "#" not in response:
+        return None
+    tail = response.rsplit("#", 1)[1].strip()
+    return int(tail) if tail.isdigit() else None
+
+
+def well_formed(response: str, ex: ArithExample) -> bool:
+    """Every step `x+y=z` is true and chains the operands in order, and the answer is right."""
+    if final_answer(response) != ex.answer:
+        return False
+    steps = response.rsplit("#", 1)[0].split(",")
+    if len(steps) != len(ex.operands) - 1:
+        return False
+    acc = ex.operands[0]
+    for step, x in zip(steps, ex.operands[1:]):
+        m = _STEP.match(step)
+        if not m:
+            return False
+        lhs, rhs, res = map(int, m.groups())
+        if {lhs, rhs} != {acc, x} or (lhs, rhs) not in ((acc, x), (x, acc)) or res != acc + x:
+            return False
+        acc = res
+    return True
+
+
+class SyntheticArithmetic:
+    """Generator, splits and exact verifier of the default task (see the module docstring)."""
+
+    name = "synthetic"
+
+    def __init__(self, num_operands: int = 3, max_operand: int = 9, test_fraction: float = 0.2, seed: int = 0) -> None:
+        if num_operands < 2 or max_operand < 1 or not 0 < test_fraction < 1:
+            raise ValueError("need num_operands >= 2, max_operand >= 1 and 0 < test_fraction < 1")
+        self.num_operands, self.max_operand = num_operands, max_operand
+        self.tokenizer = CharTokenizer(ALPHABET)
+        triples = _all_operands(num_operands, max_operand)
+        test = [t for t in triples if _hash01(t, seed) < test_fraction]
+        train = [t for t in triples if _hash01(t, seed) >= test_fraction]
+        self.train = [ArithExample(t) for t in train]
+        self.test = [ArithExample(t) for t in test]
+
+    # -- the Task interface ---------------------------------------------------------------------------
+    def build_prompt(self, ex: ArithExample) -> str:
+        return ex.prompt
+
+    def is_correct(self, response: str, ex: ArithExample) -> bool:
+        return final_answer(response) == ex.answer
+
+    def score(self, response: str, ex: ArithExample) -> float:
+        return float(self.is_correct(response, ex))
+
+    # -- data -----------------------------------------------------------------------------------------
+    def sft_pair(self, ex: ArithExample, rng: random.Random) -> tuple[list[int], list[int]]:
+        """(prompt ids, response ids + EOS) with a random phrasing."""
+        tok = self.tokenizer
+        return tok.encode(ex.prompt), tok.encode(trace(ex, rng)) + [tok.special_id("<|im_end|>")]
+
+    def max_response_tokens(self) -> int:
+        big = ArithExample(tuple([self.max_operand] * self.num_operands))
+        return len(trace(big, spaced=True, swap=(False,) * (self.num_operands - 1))) + 1
+
+
+def _all_operands(k: int, m: int) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for _ in range(k):
+        out = [t + (x,) for t in out for x in range(m + 1)]
+    return out
+
+
+def _hash01(t: tuple[int, ...], seed: int) -> float:
+    h = hashlib.sha256(f"{seed}:{t}".encode()).digest()
+    return int.from_bytes(h[:8], "little") / 2**64
