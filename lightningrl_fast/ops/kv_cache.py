@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from lightningrl_fast import _ext
-from lightningrl_fast.ops._common import FLOAT_DTYPES, check_tensor, same_device
+from lightningrl_fast.ops._common import FLOAT_DTYPES, check_tensor, cuda_kernel, same_device
 
 __all__ = ["kv_cache_write", "kv_cache_write_reference"]
 
@@ -64,8 +63,9 @@ def _kv_cache_write_op(
     chunk_lens: torch.Tensor,
     error_flag: torch.Tensor | None,
 ) -> None:
-    if k_cache.is_cuda and _ext.has_cuda_kernels():
-        _ext.ext().kv_cache_write(k_cache, v_cache, k, v, cache_lens, chunk_lens, error_flag)
+    kernel = cuda_kernel("kv_cache_write", k_cache)  # None: no CUDA tensor or no CUDA build of _C
+    if kernel is not None:
+        kernel(k_cache, v_cache, k, v, cache_lens, chunk_lens, error_flag)
     else:
         kv_cache_write_reference(k_cache, v_cache, k, v, cache_lens, chunk_lens, error_flag)
 

@@ -1,0 +1,82 @@
+"""Benchmark kv_cache_write: CUDA kernel vs the PyTorch reference on decode-like shapes.
+
+    python profiling/bench_kv_cache.py            # GPU: SDAR-8B-like caches (Hkv 8, D 128, bf16)
+    python profiling/bench_kv_cache.py --cpu      # force the CPU (reference only, one tiny shape)
+
+Prints one table and ends with one JSON line. Columns: `op_us` the public op (validation with
+check_lengths=False + custom-op dispatch + kernel), `kernel_us` the bare `_C` call, `ref_us` the
+reference; `GB/s` and `%copy` for the bare kernel against the measured device copy bandwidth
+(bytes = k and v read + written). Small shapes are launch-bound: compare `op_us` with `kernel_us`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import copy_bandwidth_gbs, device_name, emit_json, print_table, time_fn  # noqa: E402
+
+from lightningrl_fast import _ext  # noqa: E402
+from lightningrl_fast.ops.kv_cache import kv_cache_write, kv_cache_write_reference  # noqa: E402
+
+# (B, C, L): decode one block of 4 / 32, a finished block + the next one, a prefill chunk
+GPU_SHAPES = [(1, 4, 4096), (32, 4, 4096), (128, 4, 4096), (128, 32, 4096), (128, 64, 4096), (16, 1024, 4096)]
+CPU_SHAPES = [(2, 4, 64)]
+
+
+def make(B, C, L, H, D, dtype, device):
+    k_cache = torch.zeros(B, L, H, D, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.randn(B, C, H, D, device=device).to(dtype)
+    v = torch.randn_like(k)
+    cache_lens = torch.randint(0, L - C + 1, (B,), dtype=torch.int32, device=device)
+    chunk_lens = torch.full((B,), C, dtype=torch.int32, device=device)
+    return k_cache, v_cache, k, v, cache_lens, chunk_lens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (reference only)")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    args = ap.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    H, D = args.heads, args.head_dim
+    on_gpu = device.type == "cuda"
+    kernels = on_gpu and _ext.has_cuda_kernels()
+    if not on_gpu:
+        print("No GPU (or --cpu): timing the PyTorch reference only, on one tiny shape.")
+        H, D = 2, 16
+    elif not kernels:
+        print("lightningrl_fast._C has no CUDA kernels: timing the reference only.")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    bw = copy_bandwidth_gbs(device)
+    print(f"device: {device_name(device)}; copy bandwidth {bw:.0f} GB/s; Hkv={H} D={D} {str(dtype)[6:]}")
+
+    rows = []
+    for B, C, L in GPU_SHAPES if on_gpu else CPU_SHAPES:
+        t = make(B, C, L, H, D, dtype, device)
+        nbytes = 2 * 2 * t[2].numel() * t[2].element_size()  # k and v, read + write
+        row = {"B": B, "C": C, "L": L}
+        row["ref_us"] = 1e3 * time_fn(lambda: kv_cache_write_reference(*t), device=device)
+        if kernels:
+            kernel = _ext.ext().kv_cache_write
+            row["op_us"] = 1e3 * time_fn(lambda: kv_cache_write(*t, check_lengths=False), device=device)
+            row["kernel_us"] = 1e3 * time_fn(lambda: kernel(*t, None), device=device)
+            row["GB/s"] = nbytes / (row["kernel_us"] * 1e-6) / 1e9
+            row["%copy"] = 100 * row["GB/s"] / bw
+            row["speedup"] = row["ref_us"] / row["op_us"]
+        rows.append(row)
+    print_table(rows)
+    emit_json("kv_cache_write", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:],
+              heads=H, head_dim=D, copy_gbs=round(bw, 1),
+              rows=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Shared helpers for the benchmark scripts in profiling/ (scripts, not tests).
+
+* `time_fn(fn)`: median milliseconds per call: CUDA events on the GPU, perf_counter on the CPU, after warmup.
+* `copy_bandwidth_gbs(device)`: measured device-to-device copy bandwidth (read + write bytes / s), the
+  roofline for memory-bound kernels.
+* `print_table(rows)`: one aligned table; `emit_json(name, **fields)`: the ONE final JSON line a script ends
+  with (`python profiling/bench_x.py | tail -n 1` is machine-readable).
+
+Run a script as `python profiling/bench_<op>.py` from the repository root (the package must be installed
+with its extension to time the kernels).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+import torch
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def time_fn(fn: Callable[[], object], *, device: torch.device, warmup: int = 10, iters: int = 50) -> float:
+    """Median milliseconds of one `fn()` call."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Measured copy bandwidth in GB/s, counting bytes read + written (2 * nbytes per copy)."""
+    if device.type != "cuda":
+        nbytes = min(nbytes, 1 << 26)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_fn(lambda: dst.copy_(src), device=device, warmup=3, iters=10)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def print_table(rows: Sequence[dict], file=sys.stdout) -> None:
+    """Print dict rows as one aligned table (columns from the first row, floats with 4 significant digits)."""
+    if not rows:
+        return
+    cols = list(rows[0])
+
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)), file=file)
+    print("  ".join("-" * w for w in widths), file=file)
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)), file=file)
+
+
+def emit_json(bench: str, **fields) -> None:
+    """The final line of a benchmark script: `{"bench": ..., ...}` as one JSON line."""
+    print(json.dumps({"bench": bench, **fields}), flush=True)

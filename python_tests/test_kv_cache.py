@@ -1,0 +1,328 @@
+"""kv_cache_write: reference vs a naive per-element loop (CPU), input errors, opcheck, CUDA kernel (GPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lightningrl_fast import _ext
+from lightningrl_fast.ops.kv_cache import kv_cache_write, kv_cache_write_reference
+
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+             torch.float64: torch.int64}
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit-exact equality (NaN poison included)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    a, e = actual.contiguous().view(_INT_VIEW[actual.dtype]), expected.contiguous().view(_INT_VIEW[expected.dtype])
+    bad = (a != e).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} elements differ, first at {bad[0].tolist()}"
+
+
+def poisoned(shape, dtype, device="cpu") -> torch.Tensor:
+    """A cache full of values the op must never write: NaN and 1e4 alternating."""
+    t = torch.full(shape, 1e4, dtype=dtype, device=device)
+    t.view(-1)[::2] = float("nan")
+    return t
+
+
+def naive_write(k_cache, v_cache, k, v, cache_lens, chunk_lens) -> None:
+    """The contract, one element at a time."""
+    B, _, H, D = k_cache.shape
+    for b in range(B):
+        s, n = int(cache_lens[b]), int(chunk_lens[b])
+        for t in range(n):
+            for h in range(H):
+                for d in range(D):
+                    k_cache[b, s + t, h, d] = k[b, t, h, d]
+                    v_cache[b, s + t, h, d] = v[b, t, h, d]
+
+
+def make_case(B, L, C, H, D, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, C, H, D, generator=g).to(dtype=dtype, device=device)
+    v = torch.randn(B, C, H, D, generator=g).to(dtype=dtype, device=device)
+    # mixed rows: empty cache + full chunk, cache filled to the end, empty chunk, random
+    cache_lens = [0, L - C, int(torch.randint(0, L - C + 1, (1,), generator=g))]
+    chunk_lens = [C, C, 0]
+    for _ in range(3, B):
+        n = int(torch.randint(0, C + 1, (1,), generator=g))
+        cache_lens.append(int(torch.randint(0, L - n + 1, (1,), generator=g)))
+        chunk_lens.append(n)
+    lens = [torch.tensor(x[:B], dtype=torch.int32, device=device) for x in (cache_lens, chunk_lens)]
+    return k, v, lens[0], lens[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("C", [1, 4, 9])
+@pytest.mark.parametrize("L", [97, 123])
+def test_reference_matches_naive_loop(dtype, C, L):
+    B, H, D = 5, 2, 3
+    k, v, cache_lens, chunk_lens = make_case(B, L, C, H, D, dtype)
+    k_cache, v_cache = poisoned((B, L, H, D), dtype), poisoned((B, L, H, D), dtype)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    naive_write(k_want, v_want, k, v, cache_lens, chunk_lens)
+    kv_cache_write(k_cache, v_cache, k, v, cache_lens, chunk_lens)
+    assert_bits_equal(k_cache, k_want)
+    assert_bits_equal(v_cache, v_want)
+
+
+def test_untouched_outside_written_ranges():
+    B, L, C, H, D = 3, 123, 9, 2, 4
+    k, v, cache_lens, chunk_lens = make_case(B, L, C, H, D, torch.float32)
+    k_cache, v_cache = poisoned((B, L, H, D), torch.float32), poisoned((B, L, H, D), torch.float32)
+    before = k_cache.clone()
+    kv_cache_write(k_cache, v_cache, k, v, cache_lens, chunk_lens)
+    pos = torch.arange(L)
+    written = (pos >= cache_lens[:, None].long()) & (pos < (cache_lens + chunk_lens)[:, None].long())  # [B, L]
+    assert written.sum() == chunk_lens.sum()
+    assert_bits_equal(k_cache[~written], before[~written])
+    assert_bits_equal(k_cache[written], torch.cat([k[b, : chunk_lens[b]] for b in range(B)]))
+
+
+def test_strided_views_and_lengths_not_advanced():
+    """Caches as views of a [layers, B, L, H, D] buffer, k/v as head slices of a wider tensor."""
+    B, L, C, H, D = 3, 97, 4, 2, 6
+    big_k, big_v = poisoned((2, B, L, H, D), torch.float32), poisoned((2, B, L, H, D), torch.float32)
+    wide = torch.randn(B, C, 2 * H, D)
+    k, v = wide[:, :, :H], wide[:, :, H:]
+    _, _, cache_lens, chunk_lens = make_case(B, L, C, H, D, torch.float32)
+    lens_before = (cache_lens.clone(), chunk_lens.clone())
+    k_want, v_want = big_k[1].clone(), big_v[1].clone()
+    naive_write(k_want, v_want, k, v, cache_lens, chunk_lens)
+    other_layer = big_k[0].clone()
+    kv_cache_write(big_k[1], big_v[1], k, v, cache_lens, chunk_lens)
+    assert_bits_equal(big_k[1], k_want)
+    assert_bits_equal(big_v[1], v_want)
+    assert_bits_equal(big_k[0], other_layer)
+    assert torch.equal(cache_lens, lens_before[0]) and torch.equal(chunk_lens, lens_before[1])
+
+
+def test_empty_batch_and_empty_chunk():
+    k_cache, v_cache = poisoned((0, 8, 1, 4), torch.float32), poisoned((0, 8, 1, 4), torch.float32)
+    z = torch.zeros(0, dtype=torch.int32)
+    kv_cache_write(k_cache, v_cache, torch.zeros(0, 2, 1, 4), torch.zeros(0, 2, 1, 4), z, z)
+    k_cache, v_cache = poisoned((2, 8, 1, 4), torch.float32), poisoned((2, 8, 1, 4), torch.float32)
+    before = k_cache.clone()
+    lens = torch.zeros(2, dtype=torch.int32)
+    kv_cache_write(k_cache, v_cache, torch.zeros(2, 0, 1, 4), torch.zeros(2, 0, 1, 4), lens, lens)
+    assert_bits_equal(k_cache, before)
+
+
+def test_out_of_range_row_skipped_and_flagged_without_host_check():
+    B, L, C, H, D = 3, 16, 4, 1, 2
+    k, v = torch.randn(B, C, H, D), torch.randn(B, C, H, D)
+    cache_lens = torch.tensor([0, 14, 3], dtype=torch.int32)  # row 1: 14 + 4 > 16
+    chunk_lens = torch.tensor([4, 4, 2], dtype=torch.int32)
+    k_cache, v_cache = poisoned((B, L, H, D), torch.float32), poisoned((B, L, H, D), torch.float32)
+    before = k_cache.clone()
+    flag = torch.zeros(1, dtype=torch.int32)
+    kv_cache_write(k_cache, v_cache, k, v, cache_lens, chunk_lens, error_flag=flag, check_lengths=False)
+    assert int(flag) == 1
+    assert_bits_equal(k_cache[1], before[1])
+    assert_bits_equal(k_cache[0, :4], k[0])
+    assert_bits_equal(k_cache[2, 3:5], k[2, :2])
+    flag.zero_()
+    kv_cache_write(k_cache, v_cache, k, v, cache_lens, torch.tensor([4, 2, 2], dtype=torch.int32), error_flag=flag)
+    assert int(flag) == 0
+
+
+def _good_args(dtype=torch.float32):
+    B, L, C, H, D = 2, 10, 3, 2, 4
+    return dict(
+        k_cache=torch.zeros(B, L, H, D, dtype=dtype), v_cache=torch.zeros(B, L, H, D, dtype=dtype),
+        k=torch.randn(B, C, H, D).to(dtype), v=torch.randn(B, C, H, D).to(dtype),
+        cache_lens=torch.tensor([0, 7], dtype=torch.int32), chunk_lens=torch.tensor([3, 3], dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(k_cache=torch.zeros(2, 10, 2, 4, dtype=torch.int32)), TypeError, "k_cache must have dtype"),
+        (dict(k=torch.zeros(2, 3, 2, 4, dtype=torch.float16)), TypeError, "k must have dtype"),
+        (dict(cache_lens=torch.tensor([0, 7])), TypeError, "cache_lens must have dtype"),
+        (dict(k_cache=torch.zeros(2, 10, 8)), ValueError, "k_cache must have 4 dimensions"),
+        (dict(v_cache=torch.zeros(2, 11, 2, 4)), ValueError, r"v_cache must have shape \[2, 10, 2, 4\]"),
+        (dict(k=torch.zeros(2, 3, 1, 4)), ValueError, r"k must have shape \[2, \*, 2, 4\]"),
+        (dict(v=torch.zeros(2, 4, 2, 4)), ValueError, r"v must have shape \[2, 3, 2, 4\]"),
+        (dict(chunk_lens=torch.tensor([3], dtype=torch.int32)), ValueError, "chunk_lens must have shape"),
+        (dict(k=torch.zeros(2, 3, 2, 4, device="meta")), ValueError, "k is on meta"),
+        (dict(cache_lens=torch.tensor([0, 8], dtype=torch.int32)), ValueError, r"row 1 does not fit.*L=10"),
+        (dict(cache_lens=torch.tensor([-1, 0], dtype=torch.int32)), ValueError, "row 0 does not fit"),
+        (dict(chunk_lens=torch.tensor([4, 0], dtype=torch.int32)), ValueError, r"row 0 does not fit.*C=3"),
+        (dict(chunk_lens=torch.tensor([-2, 0], dtype=torch.int32)), ValueError, "row 0 does not fit"),
+        (dict(k_cache=torch.zeros(2, 10, 4, 2).transpose(2, 3)), ValueError, "k_cache must have a contiguous last"),
+        (dict(k_cache=[[0.0]]), TypeError, "k_cache must be a torch.Tensor"),
+    ],
+)
+def test_bad_inputs_raise(change, error, match):
+    args = _good_args() | change
+    with pytest.raises(error, match=match):
+        kv_cache_write(**args)
+
+
+def test_bad_error_flag_raises():
+    with pytest.raises(TypeError, match="error_flag must have dtype"):
+        kv_cache_write(**_good_args(), error_flag=torch.zeros(1))
+    with pytest.raises(ValueError, match="error_flag must have at least one element"):
+        kv_cache_write(**_good_args(), error_flag=torch.zeros(0, dtype=torch.int32))
+
+
+def test_reference_is_vectorized_oracle_for_bad_rows():
+    """The reference itself (what the custom op runs on CPU) skips and flags out-of-range rows."""
+    a = _good_args()
+    a["cache_lens"] = torch.tensor([0, 8], dtype=torch.int32)
+    flag = torch.zeros(2, dtype=torch.int32)
+    kv_cache_write_reference(**a, error_flag=flag)
+    assert flag.tolist() == [1, 0]
+    assert torch.equal(a["k_cache"][0, :3], a["k"][0]) and not a["k_cache"][1].any()
+
+
+@pytest.mark.parametrize("with_flag", [False, True])
+def test_opcheck(with_flag):
+    a = _good_args()
+    flag = torch.zeros(1, dtype=torch.int32) if with_flag else None
+    torch.library.opcheck(
+        torch.ops.lightningrl_fast.kv_cache_write.default,
+        (a["k_cache"], a["v_cache"], a["k"], a["v"], a["cache_lens"], a["chunk_lens"], flag),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.fixture
+def cuda_kernels():
+    """The CUDA kernel must be what runs, else a GPU test would compare the reference with itself."""
+    if not _ext.has_cuda_kernels():
+        if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
+            pytest.fail("LRF_EXPECT_CUDA_BUILD=1 but lightningrl_fast._C has no CUDA kernels")
+        pytest.skip("lightningrl_fast._C is not built with CUDA")
+
+
+def _check_cuda_vs_reference(B, L, C, H, D, dtype, k_fn=lambda t: t, cache_fn=None):
+    k, v, cache_lens, chunk_lens = make_case(B, L, C, H, D, dtype)
+    make_cache = cache_fn or (lambda: poisoned((B, L, H, D), dtype))
+    k_cache, v_cache = make_cache(), make_cache()
+    k_gpu, v_gpu = k_fn(k.cuda()), k_fn(v.cuda())
+    kc_gpu, vc_gpu = k_cache.cuda(), v_cache.cuda()
+    kv_cache_write_reference(k_cache, v_cache, k, v, cache_lens, chunk_lens)
+    kv_cache_write(kc_gpu, vc_gpu, k_gpu, v_gpu, cache_lens.cuda(), chunk_lens.cuda())
+    assert_bits_equal(kc_gpu.cpu(), k_cache)
+    assert_bits_equal(vc_gpu.cpu(), v_cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("D", [64, 128, 40, 33])  # 33: no 16-byte unit -> narrower copies
+@pytest.mark.parametrize("C", [1, 4, 9])
+def test_cuda_matches_reference_bit_exact(cuda_kernels, dtype, D, C):
+    _check_cuda_vs_reference(B=3, L=123, C=C, H=2, D=D, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_misaligned_and_strided(cuda_kernels, dtype):
+    B, L, C, H, D = 3, 97, 5, 3, 64
+
+    def misaligned(t):  # same values, base pointer one element past a 16-byte boundary
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        out = buf[1:].view(t.shape)
+        out.copy_(t)
+        return out
+
+    _check_cuda_vs_reference(B, L, C, H, D, dtype, k_fn=misaligned)
+
+    def head_slice(t):  # stride over a wider head dimension
+        wide = torch.zeros(t.shape[0], t.shape[1], 2 * t.shape[2], t.shape[3], dtype=t.dtype, device=t.device)
+        wide[:, :, 1::2] = t
+        return wide[:, :, 1::2]
+
+    _check_cuda_vs_reference(B, L, C, H, D, dtype, k_fn=head_slice)
+
+
+@pytest.mark.gpu
+def test_cuda_out_of_range_row_skipped_and_flagged(cuda_kernels):
+    B, L, C, H, D = 3, 16, 4, 2, 64
+    k, v = torch.randn(B, C, H, D, device="cuda"), torch.randn(B, C, H, D, device="cuda")
+    k_cache, v_cache = poisoned((B, L, H, D), torch.float32, "cuda"), poisoned((B, L, H, D), torch.float32, "cuda")
+    before = k_cache.clone()
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for cache_lens, chunk_lens in (([0, 14, 3], [4, 4, 2]), ([0, -1, 3], [4, 1, 2]), ([0, 1, 3], [4, 5, 2])):
+        cl = torch.tensor(cache_lens, dtype=torch.int32, device="cuda")
+        nl = torch.tensor(chunk_lens, dtype=torch.int32, device="cuda")
+        flag.zero_()
+        kv_cache_write(k_cache, v_cache, k, v, cl, nl, error_flag=flag, check_lengths=False)
+        assert int(flag) == 1
+        assert_bits_equal(k_cache[1].cpu(), before[1].cpu())
+        assert_bits_equal(k_cache[0, :4].cpu(), k[0].cpu())
+        with pytest.raises(ValueError, match="row 1 does not fit"):
+            kv_cache_write(k_cache, v_cache, k, v, cl, nl)
+
+
+@pytest.mark.gpu
+def test_cuda_launcher_checks_inputs(cuda_kernels):
+    """The C++ launcher is safe to call directly: its TORCH_CHECKs name the argument."""
+    kernel = _ext.ext().kv_cache_write
+    a = {n: t.cuda() for n, t in _good_args().items()}
+    with pytest.raises(RuntimeError, match="cache_lens must have dtype"):
+        kernel(**(a | {"cache_lens": a["cache_lens"].long()}))
+    with pytest.raises(RuntimeError, match="v_cache must have shape"):
+        kernel(**(a | {"v_cache": a["v_cache"][:, :5]}))
+    with pytest.raises(RuntimeError, match="k must have the same dtype|k_cache and k must have the same dtype"):
+        kernel(**(a | {"k": a["k"].half()}))
+    with pytest.raises(RuntimeError, match="is on"):
+        kernel(**(a | {"chunk_lens": a["chunk_lens"].cpu()}))
+
+
+@pytest.mark.gpu
+def test_cuda_many_pairs_grid_stride(cuda_kernels):
+    """More (row, token) pairs than the kernel's grid cap (1 << 20)."""
+    B, C, H, D = 3, 400_000, 1, 8
+    L = C + 5
+    _check_cuda_vs_reference(B, L, C, H, D, torch.float16,
+                             cache_fn=lambda: torch.full((B, L, H, D), 7.0, dtype=torch.float16))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture(cuda_kernels):
+    B, L, C, H, D = 4, 64, 4, 2, 128
+    dtype = torch.bfloat16
+    k = torch.zeros(B, C, H, D, dtype=dtype, device="cuda")
+    v = torch.zeros_like(k)
+    cache_lens = torch.zeros(B, dtype=torch.int32, device="cuda")
+    chunk_lens = torch.zeros(B, dtype=torch.int32, device="cuda")
+    k_cache, v_cache = poisoned((B, L, H, D), dtype, "cuda"), poisoned((B, L, H, D), dtype, "cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture
+        kv_cache_write(k_cache, v_cache, k, v, cache_lens, chunk_lens, error_flag=flag)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kv_cache_write(k_cache, v_cache, k, v, cache_lens, chunk_lens, error_flag=flag)
+
+    ref_k, ref_v = k_cache.cpu(), v_cache.cpu()
+    for step in range(3):  # replay with new lengths and values written into the captured inputs
+        k.copy_(torch.randn(B, C, H, D))
+        v.copy_(torch.randn(B, C, H, D))
+        cl = torch.tensor([4 * step, 4 * step + 1, 0, L - C], dtype=torch.int32)
+        nl = torch.tensor([4, 3, step, 4], dtype=torch.int32)
+        cache_lens.copy_(cl)
+        chunk_lens.copy_(nl)
+        graph.replay()
+        kv_cache_write_reference(ref_k, ref_v, k.cpu(), v.cpu(), cl, nl)
+        torch.cuda.synchronize()
+        assert_bits_equal(k_cache.cpu(), ref_k)
+        assert_bits_equal(v_cache.cpu(), ref_v)
+    assert int(flag) == 0
+    cache_lens.fill_(L)  # over capacity on replay: nothing written, flag raised
+    graph.replay()
+    assert int(flag) == 1
+    assert_bits_equal(k_cache.cpu(), ref_k)
