@@ -13,12 +13,13 @@ package. Order matters — everything privileged happens before the first line o
 5. close every inherited descriptor except stdin/stdout/stderr and the result pipe;
 6. the optional Python guard: an audit hook (PEP 578, cannot be removed) refusing writes and
    renames outside the working directory, ``kill`` of other processes, ``fork``/``exec``/``subprocess``,
-   sockets and ``ctypes`` — defense in depth on top of the OS layers, not a substitute for them;
+   sockets and ``ctypes``; a forbidden event ends the process at once (no ``except`` can retry it) —
+   defense in depth on top of the OS layers, not a substitute for them;
 7. exec setup + solution, then each test separately, streaming one record per test.
 
 Records on the result pipe are ``<nonce> <TAG> ...`` lines built with plain string formatting and written
 with a saved reference to ``os.write``: ``R n`` (ready, n tests), ``S err`` (setup/solution failed),
-``T i ok err``, ``D`` (done), ``E msg`` (sandbox set-up error). The nonce stops accidental forgery (a
+``T i ok err``, ``D`` (done), ``V event`` (guard violation), ``E msg`` (sandbox set-up error). The nonce stops accidental forgery (a
 program printing "passed"); code that deliberately introspects this interpreter can still forge results:
 the OS layers protect the machine, not the score.
 """
@@ -37,10 +38,6 @@ def _clean(name):
     return "".join(c for c in str(name) if c.isalnum() or c == "_")[:64] or "Error"
 
 
-class SandboxViolation(PermissionError):
-    """Raised by the Python guard."""
-
-
 def _describe(where, e):
     """Best-effort one-line note on stderr (bounded; never fails)."""
     try:
@@ -51,8 +48,6 @@ def _describe(where, e):
 
 
 def _err_name(e):
-    if isinstance(e, SandboxViolation):
-        return "SandboxViolation"
     if isinstance(e, OSError) and getattr(e, "errno", None) == 27:  # EFBIG: RLIMIT_FSIZE hit
         return "OutputLimit"
     return _clean(type(e).__name__)
@@ -77,9 +72,11 @@ def _count_own_processes(uid):
     return n
 
 
-def _make_guard(workdir):
+def _make_guard(workdir, violation):
+    """The audit hook. A forbidden event ends the process at once (``violation`` reports it and exits), so
+    code that catches exceptions cannot retry its way around the policy."""
     work = os.path.realpath(workdir)
-    allowed_dev = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
+    allowed_dev = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/dev/stdout", "/dev/stderr")
     me = os.getpid()
     realpath, fspath, isabs, join = os.path.realpath, os.fspath, os.path.isabs, os.path.join
     getcwd = os.getcwd
@@ -93,10 +90,12 @@ def _make_guard(workdir):
                 p = p.decode("utf-8", "surrogateescape")
             if not isabs(p):
                 p = join(getcwd(), p)
-            p = realpath(p)
         except Exception:
             return False
-        return p == work or p.startswith(work + "/") or p in allowed_dev
+        if p in allowed_dev:
+            return True
+        p = realpath(p)
+        return p == work or p.startswith(work + "/")
 
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     path_events = {
@@ -118,17 +117,17 @@ def _make_guard(workdir):
                 mode is None and isinstance(flags, int) and flags & write_flags
             )
             if writing and not inside(path):
-                raise SandboxViolation("sandbox: writing outside the working directory")
+                violation("open-for-writing outside the working directory")
         elif event in path_events:
             for i in path_events[event]:
                 if i < len(args) and not inside(args[i]):
-                    raise SandboxViolation("sandbox: %s outside the working directory" % event)
+                    violation(event + " outside the working directory")
         elif event in denied:
             if event == "os.kill" and args[0] == me:
                 return
             if event == "socket.__new__" and args[1] == 1:  # AF_UNIX stays allowed
                 return
-            raise SandboxViolation("sandbox: %s is not allowed" % event)
+            violation(event)
 
     return hook
 
@@ -229,7 +228,16 @@ def main():
         sys.dont_write_bytecode = True
         setup, solution, tests = job["setup"], job["solution"], job["tests"]
         if job.get("python_guard"):
-            sys.addaudithook(_make_guard(workdir))
+
+            def violation(what):
+                try:
+                    _write(2, ("sandbox guard: %s is not allowed\n" % what).encode("ascii", "replace"))
+                except BaseException:
+                    pass
+                emit("V", _clean(what.split(" ")[0]))
+                _exit(4)
+
+            sys.addaudithook(_make_guard(workdir, violation))
     except BaseException as e:  # the jail is incomplete: run nothing
         emit("E", _clean(type(e).__name__), _clean(str(e)))
         _exit(3)

@@ -38,7 +38,8 @@ Isolation layers (each used when the machine allows it; `sandbox_capabilities` s
    lands in a throw-away tmpfs), IPC namespace. As non-root, ``unshare --map-root-user`` gives the same
    namespaces when unprivileged user namespaces are enabled.
 4. Python guard (``python_guard=True``): an audit hook refusing writes outside the working directory,
-   ``kill`` of other processes, fork/exec/subprocess, sockets other than AF_UNIX and ctypes.
+   ``kill`` of other processes, fork/exec/subprocess, sockets other than AF_UNIX and ctypes. The first
+   forbidden event ends the run with reason ``forbidden`` and score 0 (catching the error cannot help).
 
 What running as root implies: the OS layers (2, 3) are all available and are what really stops hostile
 code; the guard only adds early, readable failures. As a non-root user without user namespaces only
@@ -302,8 +303,6 @@ def _reason_of(err: str) -> str:
         return "memory"
     if err == "OutputLimit":
         return "output_limit"
-    if err == "SandboxViolation":
-        return "forbidden"
     return f"error:{err}"
 
 
@@ -418,19 +417,19 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
                 records.append(rec)
                 if rec[0] == "R":
                     deadline = time.monotonic() + cfg.timeout_s
-                elif rec[0] in ("D", "E"):
+                elif rec[0] in ("D", "E", "V"):
                     done = True
         _kill_group(proc.pid)
         try:
             returncode = proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             returncode = None
-        if slot is not None and not prefix:
-            _sweep_uid(slot.uid)
+        if slot is not None:
+            _sweep_uid(slot.uid)  # an escaped daemon (no PID namespace), or a namespace still tearing down
 
         passed_tests: dict[int, bool] = {}
         errors: list[str | None] = [None] * n_tests
-        stage_err = setup_err = None
+        stage_err = setup_err = violation = None
         got_done = False
         for rec in records:
             if rec[0] == "T" and len(rec) >= 4 and rec[1].isdigit() and int(rec[1]) < n_tests:
@@ -442,12 +441,15 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
                 stage_err = _reason_of(rec[1])
             elif rec[0] == "E":
                 setup_err = " ".join(rec[1:])
+            elif rec[0] == "V" and violation is None:
+                violation = " ".join(rec[1:])
             elif rec[0] == "D":
                 got_done = True
         n_passed = sum(passed_tests.values())
         if setup_err is not None:
-            reason = "sandbox_error"
-            n_passed = 0
+            reason, n_passed = "sandbox_error", 0
+        elif violation is not None:
+            reason, n_passed = "forbidden", 0
         elif stage_err is not None:
             reason, n_passed = stage_err, 0
         elif timed_out:
@@ -481,8 +483,7 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
                 except OSError:
                     pass
         if slot is not None:
-            if not prefix:
-                _sweep_uid(slot.uid)
+            _sweep_uid(slot.uid)
             slot.release()
         if tmp is not None:
             _rmtree(tmp)

