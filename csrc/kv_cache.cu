@@ -41,7 +41,7 @@ void launch(kernels::KvCacheWriteParams p, int64_t head_bytes, cudaStream_t stre
   const int64_t per_token = p.heads * p.units_per_head;
   const int threads = static_cast<int>(
       std::min<int64_t>(kernels::kKvCacheWriteMaxThreads, std::max<int64_t>(32, (per_token + 31) / 32 * 32)));
-  const int blocks = static_cast<int>(std::min(p.batch * p.chunk, kernels::kKvCacheWriteMaxBlocks));
+  const int blocks = static_cast<int>(std::min(kernels::kv_cache_write_pairs(p.batch, p.chunk), kernels::kKvCacheWriteMaxBlocks));
   kernels::kv_cache_write_kernel<Unit><<<blocks, threads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -91,7 +91,7 @@ void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
     flag = error_flag.data_ptr<int32_t>();
   }
 
-  if (B == 0 || C == 0 || H == 0 || D == 0) return;
+  if (B == 0) return;  // C == 0 still launches: out-of-range lengths are flagged like the reference does
 
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

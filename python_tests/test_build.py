@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,14 @@ def test_cpu_only_build_has_no_cuda_entry_points():
         pytest.skip("CUDA build")
     assert C.cuda_archs() == ""
     assert not hasattr(C, "kv_cache_write")
+
+
+def test_readme_quotes_ci_run_verbatim():
+    """README (Development, Tests) shows .ci/run exactly: the documented test command is the real one."""
+    repo = Path(__file__).resolve().parents[1]
+    readme, script = repo / "README.md", repo / ".ci" / "run"
+    if not readme.is_file() or not script.is_file():
+        pytest.skip("not run from a checkout")
+    text = readme.read_text()
+    assert "The test command: `bash .ci/run`" in text
+    assert f"```bash\n{script.read_text()}```" in text, "README's copy of .ci/run is out of date"

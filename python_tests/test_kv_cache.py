@@ -130,6 +130,17 @@ def test_out_of_range_row_skipped_and_flagged_without_host_check():
     assert int(flag) == 0
 
 
+def test_empty_chunk_still_checks_lengths():
+    k_cache, v_cache = poisoned((2, 8, 1, 4), torch.float32), poisoned((2, 8, 1, 4), torch.float32)
+    k = v = torch.zeros(2, 0, 1, 4)
+    bad, zero = torch.tensor([0, 9], dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="row 1 does not fit"):
+        kv_cache_write(k_cache, v_cache, k, v, bad, zero)
+    flag = torch.zeros(1, dtype=torch.int32)
+    kv_cache_write(k_cache, v_cache, k, v, bad, zero, error_flag=flag, check_lengths=False)
+    assert int(flag) == 1
+
+
 def _good_args(dtype=torch.float32):
     B, L, C, H, D = 2, 10, 3, 2, 4
     return dict(
@@ -262,6 +273,24 @@ def test_cuda_out_of_range_row_skipped_and_flagged(cuda_kernels):
         assert_bits_equal(k_cache[0, :4].cpu(), k[0].cpu())
         with pytest.raises(ValueError, match="row 1 does not fit"):
             kv_cache_write(k_cache, v_cache, k, v, cl, nl)
+
+
+@pytest.mark.gpu
+def test_cuda_empty_shapes(cuda_kernels):
+    z = torch.zeros(0, dtype=torch.int32, device="cuda")
+    empty = torch.zeros(0, 8, 1, 4, device="cuda")
+    kv_cache_write(empty, empty.clone(), torch.zeros(0, 2, 1, 4, device="cuda"), torch.zeros(0, 2, 1, 4, device="cuda"), z, z)
+    k_cache = poisoned((2, 8, 1, 4), torch.float32, "cuda")
+    before = k_cache.clone()
+    k = torch.zeros(2, 0, 1, 4, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    lens = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
+    kv_cache_write(k_cache, k_cache.clone(), k, k, lens, torch.zeros_like(lens), error_flag=flag)
+    assert int(flag) == 0
+    lens[1] = 9  # C == 0 still checks the lengths on the device
+    kv_cache_write(k_cache, k_cache.clone(), k, k, lens, torch.zeros_like(lens), error_flag=flag, check_lengths=False)
+    assert int(flag) == 1
+    assert_bits_equal(k_cache.cpu(), before.cpu())
 
 
 @pytest.mark.gpu

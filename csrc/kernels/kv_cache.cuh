@@ -49,14 +49,20 @@ __device__ __forceinline__ bool kv_cache_row_in_range(int32_t start, int32_t n, 
   return start >= 0 && n >= 0 && n <= chunk && int64_t(start) + int64_t(n) <= capacity;
 }
 
-// One block per (row b, chunk token t), grid-stride over the B * C pairs.
+// Pairs (row b, chunk token t) the grid covers: B * C, or B when C == 0 (the rows' lengths are still checked).
+__host__ __device__ __forceinline__ int64_t kv_cache_write_pairs(int64_t batch, int64_t chunk) {
+  return batch * (chunk > 0 ? chunk : 1);
+}
+
+// One block per (row b, chunk token t), grid-stride over the pairs.
 template <typename Unit>
 __global__ void kv_cache_write_kernel(const KvCacheWriteParams p) {
-  const int64_t pairs = p.batch * p.chunk;
+  const int64_t tokens = p.chunk > 0 ? p.chunk : 1;
+  const int64_t pairs = kv_cache_write_pairs(p.batch, p.chunk);
   const int64_t per_token = p.heads * p.units_per_head;
   for (int64_t pair = blockIdx.x; pair < pairs; pair += gridDim.x) {
-    const int64_t b = pair / p.chunk;
-    const int64_t t = pair - b * p.chunk;
+    const int64_t b = pair / tokens;
+    const int64_t t = pair - b * tokens;
     const int32_t start = p.cache_lens[b];
     const int32_t n = p.chunk_lens[b];
     if (!kv_cache_row_in_range(start, n, p.chunk, p.capacity)) {
