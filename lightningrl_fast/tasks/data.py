@@ -99,12 +99,16 @@ class RowError:
     line: int | None = None
     row: int | None = None
 
-    def __str__(self) -> str:
+    @property
+    def location(self) -> str:
         if self.line is not None:
-            return f"{self.path}:{self.line}: {self.message}"
+            return f"{self.path}:{self.line}"
         if self.row is not None:
-            return f"{self.path}[row {self.row}]: {self.message}"
-        return f"{self.path}: {self.message}"
+            return f"{self.path}[row {self.row}]"
+        return self.path
+
+    def __str__(self) -> str:
+        return f"{self.location}: {self.message}"
 
 
 class DataFormatError(ValueError):
@@ -385,7 +389,7 @@ def load_examples(
                 fmt = detect_format(row)
                 if fmt is None:
                     raise DataFormatError(
-                        f"{where}: cannot detect the format from keys {sorted(row)}; "
+                        f"{where.location}: cannot detect the format from keys {sorted(row)}; "
                         f"expected one of {FORMATS} (see lightningrl_fast.tasks.data) or pass fmt="
                     )
                 convert = _CONVERTERS[fmt]

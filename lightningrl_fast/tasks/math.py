@@ -377,16 +377,23 @@ class _MathVerifyPool:
             with self.lock:
                 self.count -= 1
 
-    def ask(self, gold: str, pred: str, timeout_s: float) -> bool | None:
-        w = self._acquire()
-        got = w.ask(gold, pred, timeout_s)
-        if got is None or not w.alive():
+    def _release(self, w: _Worker) -> None:
+        if w.alive():
+            self.idle.put(w)
+        else:
             w.kill()
             with self.lock:
                 self.count -= 1
-        else:
-            self.idle.put(w)
-        return got
+
+    def ask(self, gold: str, pred: str, timeout_s: float) -> bool | None:
+        w = self._acquire()
+        try:
+            return w.ask(gold, pred, timeout_s)
+        except BaseException:
+            w.kill()  # interrupted mid-request: its answer could be read by the next caller
+            raise
+        finally:
+            self._release(w)
 
     def close(self) -> None:
         while True:

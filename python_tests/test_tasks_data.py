@@ -1,0 +1,287 @@
+"""Tests for lightningrl_fast/tasks/data.py: every container (jsonl, jsonl.gz, json list / {"data"}, parquet),
+every row format (GSM8K, MATH500, MBPP, HumanEval, plain) with detection and forcing, malformed rows reported
+with file and line (skip with a counted warning, or raise), and the prompt builders. Files are written here.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from lightningrl_fast.tasks import get_task
+from lightningrl_fast.tasks.data import (
+    DataFormatError,
+    Example,
+    build_prompt,
+    code_prompt,
+    detect_format,
+    load_examples,
+    math_prompt,
+    parse_gsm8k_reference,
+)
+
+GSM = [
+    {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"},
+    {"question": "A shop sells 1,200 pens a day. Pens in 2 days?", "answer": "1,200 * 2 = 2,400\n#### 2,400"},
+]
+MATH = [
+    {"problem": "What is $1/2 + 1/4$?", "solution": "... $\\boxed{\\frac{3}{4}}$", "answer": "\\frac{3}{4}",
+     "unique_id": "test/algebra/1.json"},
+    {"problem": "Compute $2^3$.", "solution": "$\\boxed{8}$", "answer": "8"},
+]
+MBPP = [
+    {"task_id": 11, "text": "Write a function to add two numbers.", "code": "def add(a, b):\n    return a + b",
+     "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"], "test_setup_code": "",
+     "challenge_test_list": []},
+]
+HUMANEVAL = [
+    {"task_id": "HumanEval/0", "prompt": "def inc(x):\n    \"\"\"Return x + 1.\"\"\"\n",
+     "canonical_solution": "    return x + 1\n", "test": "def check(candidate):\n    assert candidate(1) == 2\n",
+     "entry_point": "inc"},
+]
+PLAIN = [{"prompt": "2+2?", "answer": 4}, {"id": "p2", "prompt": "3*3?", "answer": "9"}]
+
+
+def write_jsonl(path: Path, rows, gz: bool = False) -> Path:
+    text = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+    if gz:
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_gsm8k_jsonl(tmp_path):
+    res = load_examples(write_jsonl(tmp_path / "gsm8k_test.jsonl", GSM))
+    assert res.fmt == "gsm8k" and len(res) == 2 and res.skipped == 0 and res.n_rows == 2
+    ex = res[0]
+    assert ex.kind == "math" and ex.source == "gsm8k" and ex.answer == "7" and ex.prompt == GSM[0]["question"]
+    assert ex.solution == GSM[0]["answer"] and ex.id == "gsm8k_test/1"
+    assert res[1].answer == "2400"  # thousands separators removed
+
+
+def test_math500_json_list_and_data_wrapper(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps(MATH))
+    (tmp_path / "b.json").write_text(json.dumps({"data": MATH}))
+    for name in ("a.json", "b.json"):
+        res = load_examples(tmp_path / name)
+        assert res.fmt == "math500" and [e.answer for e in res] == ["\\frac{3}{4}", "8"]
+        assert res[0].id == "test/algebra/1.json" and res[0].solution.endswith("$")
+
+
+def test_mbpp_and_humaneval_gz(tmp_path):
+    mbpp = load_examples(write_jsonl(tmp_path / "mbpp.jsonl.gz", MBPP, gz=True))
+    ex = mbpp[0]
+    assert mbpp.fmt == "mbpp" and ex.kind == "code" and ex.id == "11" and ex.test_list == MBPP[0]["test_list"]
+    assert ex.answer == MBPP[0]["code"] and ex.prompt == MBPP[0]["text"]
+    he = load_examples(write_jsonl(tmp_path / "HumanEval.jsonl.gz", HUMANEVAL, gz=True))
+    ex = he[0]
+    assert he.fmt == "humaneval" and ex.entry_point == "inc" and ex.test == HUMANEVAL[0]["test"]
+    assert ex.prompt == HUMANEVAL[0]["prompt"] and ex.answer == "    return x + 1\n" and ex.id == "HumanEval/0"
+
+
+def test_mbpp_sanitized_variant(tmp_path):
+    row = {"task_id": 2, "prompt": "Add.", "code": "def add(a, b):\n    return a + b",
+           "test_list": ["assert add(1, 1) == 2"], "test_imports": ["import math"]}
+    ex = load_examples(write_jsonl(tmp_path / "s.jsonl", [row]))[0]
+    assert ex.prompt == "Add." and ex.test_setup_code == "import math"
+
+
+def test_plain_format_and_forced_format(tmp_path):
+    res = load_examples(write_jsonl(tmp_path / "plain.jsonl", PLAIN))
+    assert res.fmt == "plain" and [e.answer for e in res] == ["4", "9"] and res[1].id == "p2"
+    # forcing: a GSM8K-shaped file read as plain fails every row (no 'prompt'), and says so
+    with pytest.raises(DataFormatError, match="missing key 'prompt'"):
+        load_examples(write_jsonl(tmp_path / "g.jsonl", GSM), fmt="plain", on_error="raise")
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        load_examples(tmp_path / "g.jsonl", fmt="nope")
+
+
+def test_detect_format_table():
+    assert detect_format(GSM[0]) == "gsm8k"
+    assert detect_format(MATH[0]) == "math500"
+    assert detect_format(MBPP[0]) == "mbpp"
+    assert detect_format(HUMANEVAL[0]) == "humaneval"
+    assert detect_format(PLAIN[0]) == "plain"
+    assert detect_format({"foo": 1}) is None
+
+
+def test_unknown_keys_name_the_file(tmp_path):
+    path = write_jsonl(tmp_path / "odd.jsonl", [{"foo": 1}])
+    with pytest.raises(DataFormatError, match=r"odd\.jsonl:1: cannot detect the format"):
+        load_examples(path)
+
+
+def test_malformed_rows_skipped_with_file_and_line(tmp_path):
+    rows = [
+        GSM[0],
+        '{"question": "broken", "answer": ',          # line 2: bad JSON
+        {"question": "no answer key"},                # line 3: missing key
+        {"question": 5, "answer": "#### 5"},          # line 4: wrong type
+        {"question": "no marker", "answer": "42"},    # line 5: GSM8K answer without ####
+        "[1, 2]",                                     # line 6: not an object
+        GSM[1],
+    ]
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.warns(UserWarning, match=r"skipped 5 malformed row\(s\) of 7"):
+        res = load_examples(path)
+    assert len(res) == 2 and res.skipped == 5
+    lines = [e.line for e in res.errors]
+    assert lines == [2, 3, 4, 5, 6]
+    text = [str(e) for e in res.errors]
+    assert text[0].startswith(f"{path}:2: bad JSON")
+    assert "missing key 'answer'" in text[1]
+    assert "key 'question' should be str, got int" in text[2]
+    assert "no '#### <number>'" in text[3]
+    assert "expected a JSON object, got list" in text[4]
+    with pytest.raises(DataFormatError, match=rf"{path}:2: bad JSON") as info:
+        load_examples(path, on_error="raise")
+    assert info.value.error.line == 2
+
+
+def test_blank_lines_are_not_rows(tmp_path):
+    path = tmp_path / "blank.jsonl"
+    path.write_text("\n" + json.dumps(GSM[0]) + "\n\n   \n" + json.dumps(GSM[1]) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = load_examples(path)
+    assert len(res) == 2 and res.skipped == 0 and res.errors == []
+
+
+def test_json_rows_are_reported_by_index(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([MATH[0], {"problem": "x"}, 7, MATH[1]]))
+    with pytest.warns(UserWarning):
+        res = load_examples(path)
+    assert len(res) == 2 and [e.row for e in res.errors] == [1, 2]
+    assert str(res.errors[0]).startswith(f"{path}[row 1]: math500: missing key 'answer'")
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"problem": "x", "answer": 1},')
+    with pytest.raises(DataFormatError, match=r"bad\.json: not valid JSON \(line 1"):
+        load_examples(bad)
+    scalar = tmp_path / "scalar.json"
+    scalar.write_text("3")
+    with pytest.raises(DataFormatError, match="expected a JSON list"):
+        load_examples(scalar)
+
+
+def test_empty_and_all_bad_files(tmp_path):
+    for name in ("empty.jsonl", "empty.json"):
+        (tmp_path / name).write_text("")
+        with pytest.raises(DataFormatError, match="has no rows"):
+            load_examples(tmp_path / name)
+        assert len(load_examples(tmp_path / name, allow_empty=True)) == 0
+    gz = tmp_path / "empty.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write("")
+    with pytest.raises(DataFormatError, match="has no rows"):
+        load_examples(gz)
+    allbad = write_jsonl(tmp_path / "allbad.jsonl", ["{nope", "{nope"])
+    with pytest.raises(DataFormatError, match=r"no valid row among 2 \(.*allbad\.jsonl:1: bad JSON"):
+        load_examples(allbad)
+
+
+def test_gz_errors_and_missing_files(tmp_path):
+    notgz = tmp_path / "x.jsonl.gz"
+    notgz.write_bytes(b"this is not gzip")
+    with pytest.raises(DataFormatError, match=r"x\.jsonl\.gz: cannot read file"):
+        load_examples(notgz)
+    good = write_jsonl(tmp_path / "t.jsonl.gz", GSM * 50, gz=True)
+    truncated = tmp_path / "trunc.jsonl.gz"
+    truncated.write_bytes(good.read_bytes()[:-20])
+    with pytest.raises(DataFormatError, match=r"trunc\.jsonl\.gz: cannot read file"):
+        load_examples(truncated)
+    bad_line = write_jsonl(tmp_path / "badline.jsonl.gz", [GSM[0], "{oops"], gz=True)
+    with pytest.raises(DataFormatError, match=r"badline\.jsonl\.gz:2: bad JSON"):
+        load_examples(bad_line, on_error="raise")
+    with pytest.raises(FileNotFoundError):
+        load_examples(tmp_path / "missing.jsonl")
+    with pytest.raises(DataFormatError, match="unknown file type"):
+        (tmp_path / "data.csv").write_text("a,b\n")
+        load_examples(tmp_path / "data.csv")
+
+
+def test_limit(tmp_path):
+    res = load_examples(write_jsonl(tmp_path / "g.jsonl", GSM * 5), limit=3)
+    assert len(res) == 3
+
+
+def test_code_row_type_errors(tmp_path):
+    rows = [dict(MBPP[0], test_list="assert add(1, 2) == 3"), dict(MBPP[0], test_list=[1, 2]), dict(MBPP[0], test_list=[]),
+            dict(HUMANEVAL[0], entry_point="not valid"), MBPP[0]]
+    path = write_jsonl(tmp_path / "code.jsonl", rows, gz=False)
+    with pytest.warns(UserWarning):
+        res = load_examples(path, fmt="mbpp")
+    assert len(res) == 1 and res.skipped == 4
+    msgs = [e.message for e in res.errors]
+    assert "should be list or tuple, got str" in msgs[0] and "list of str" in msgs[1] and "empty" in msgs[2]
+    he = write_jsonl(tmp_path / "he.jsonl", [HUMANEVAL[0], dict(HUMANEVAL[0], entry_point="not valid")])
+    with pytest.raises(DataFormatError, match=r"he\.jsonl:2: humaneval: 'entry_point' 'not valid'"):
+        load_examples(he, on_error="raise")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow is not installed")
+def test_parquet_round_trip(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "mbpp.parquet"
+    pq.write_table(pa.Table.from_pylist(MBPP * 3), path)
+    res = load_examples(path)
+    assert res.fmt == "mbpp" and len(res) == 3 and res[0].test_list == MBPP[0]["test_list"]
+    gsm = tmp_path / "gsm.parquet"
+    pq.write_table(pa.Table.from_pylist([GSM[0], {"question": "q", "answer": "no marker"}]), gsm)
+    with pytest.warns(UserWarning):
+        res = load_examples(gsm)
+    assert len(res) == 1 and res.errors[0].row == 1 and str(res.errors[0]).startswith(f"{gsm}[row 1]:")
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 garbage")
+    with pytest.raises(DataFormatError, match=r"broken\.parquet: cannot read Parquet"):
+        load_examples(broken)
+
+
+def test_parquet_without_pyarrow_says_so(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name.startswith("pyarrow"):
+            raise ImportError("no pyarrow")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    path = tmp_path / "x.parquet"
+    path.write_bytes(b"PAR1")
+    with pytest.raises(DataFormatError, match=r"needs pyarrow.*pip install pyarrow"):
+        load_examples(path)
+
+
+def test_gsm8k_reference_parsing():
+    assert parse_gsm8k_reference("blah\n#### 1,000") == "1000"
+    assert parse_gsm8k_reference("#### $18.") == "18"
+    assert parse_gsm8k_reference("#### -3.5") == "-3.5"
+    assert parse_gsm8k_reference("no marker") is None
+
+
+def test_prompt_builders():
+    q = "What is 2+3?"
+    expected = ("<|im_start|>user\nWhat is 2+3?\nPlease reason step by step, and put your final answer within "
+                "\\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
+    assert math_prompt(q) == expected
+    ex = Example("1", q, "5", "math")
+    assert build_prompt(ex) == expected == get_task("math").build_prompt(ex)
+    mbpp = Example("m", "Write add.", "code", "code", "mbpp", test_list=["assert add(1, 2) == 3"])
+    p = code_prompt(mbpp)
+    assert p.startswith("<|im_start|>user\nWrite add.\nYour code should pass these tests:\n\nassert add(1, 2) == 3\n")
+    assert p.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    he = Example("h", "def inc(x):\n    pass\n", "", "code", "humaneval", test="...", entry_point="inc")
+    assert "```python\ndef inc(x):\n    pass\n```" in code_prompt(he) and build_prompt(he) == code_prompt(he)
+    with pytest.raises(ValueError, match="unknown example kind"):
+        build_prompt(Example("x", "q", "a", "poem"))  # type: ignore[arg-type]

@@ -1,0 +1,210 @@
+r"""Tests for lightningrl_fast/tasks/math.py: last-\boxed extraction, normalization, exact numeric equality,
+the math-verify symbolic path (in killable worker processes, usable from threads), its timeout and the
+fallbacks. Rows are hand-written GSM8K / MATH-style items with known answers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import threading
+import time
+from fractions import Fraction
+
+import pytest
+
+from lightningrl_fast.tasks import MathTask, get_task
+from lightningrl_fast.tasks import math as lm
+from lightningrl_fast.tasks.data import Example
+from lightningrl_fast.tasks.math import (
+    answers_match,
+    extract_answer,
+    extract_boxed,
+    normalize_answer,
+    parse_number,
+    verify_math,
+)
+
+HAS_MV = importlib.util.find_spec("math_verify") is not None
+needs_mv = pytest.mark.skipif(not HAS_MV, reason="math-verify is not installed (pip install math-verify==0.9.0)")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"so the answer is \boxed{42}.", "42"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"first \boxed{3}, on second thought \boxed{4}", "4"),
+        (r"\boxed{\sqrt{\frac{a}{b}}} done", r"\sqrt{\frac{a}{b}}"),
+        (r"\boxed{\boxed{5}}", r"\boxed{5}"),
+        (r"\fbox{7}", "7"),
+        (r"\boxed 5.", "5"),
+        (r"$\boxed 12$", "12"),
+        (r"\boxed{\{1,2\}}", r"\{1,2\}"),
+        (r"\boxed {x+1}", "x+1"),
+        (r"\boxed{unclosed", None),
+        (r"\boxed{3} and then \boxed{unclosed", "3"),
+        ("no box here, 42", None),
+        (r"\boxedx", None),
+    ],
+)
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+def test_extract_answer_fallbacks():
+    assert extract_answer("the total is 18", strict=True) is None
+    assert extract_answer("so\n#### 1,234", strict=False) == "1234"
+    assert extract_answer("The answer is 17 apples. Then 3 more", strict=False) == "17"
+    assert extract_answer("we get 3 then 5", strict=False) == "5"
+    assert extract_answer(r"\boxed{9} but 10", strict=False) == "9"
+
+
+@pytest.mark.parametrize(
+    "raw, norm",
+    [
+        ("$1,000$", "1000"),
+        ("18.00", "18"),
+        (r"\$18", "18"),
+        (r"50\%", "50"),
+        (r"12 \text{ cm}^2", "12"),
+        ("5 apples", "5apples"),
+        ("90^\\circ", "90"),
+        (r"x = \dfrac{3}{4}", r"\frac{3}{4}"),
+        (r"\frac12", r"\frac{1}{2}"),
+        (r"\left( 1, 2 \right)", "(1,2)"),
+        (r"\text{(B)}", "(b)"),
+        ("7.", "7"),
+        ("1,2", "1,2"),  # not a thousands separator: a tuple stays a tuple
+    ],
+)
+def test_normalize_answer(raw, norm):
+    assert normalize_answer(raw) == norm
+
+
+def test_parse_number_exact_and_bounded():
+    assert parse_number("0.5") == Fraction(1, 2)
+    assert parse_number(r"\frac{1}{2}") == Fraction(1, 2)
+    assert parse_number(r"-\frac{3}{4}") == Fraction(-3, 4)
+    assert parse_number("1/3") == Fraction(1, 3)
+    assert parse_number("1e3") == 1000
+    assert parse_number("x") is None and parse_number("1/0") is None
+    t0 = time.monotonic()
+    assert parse_number("1e999999999") is None  # never materializes a billion-digit number
+    assert parse_number("9" * 500) is None
+    assert time.monotonic() - t0 < 0.5
+
+
+ROWS = [
+    # (response, reference, expected)
+    (r"3 + 4 = 7, so \boxed{7}", "7", True),
+    (r"\boxed{8}", "7", False),
+    (r"The pens: \boxed{2,400}", "2400", True),
+    (r"\boxed{1000}", "1,000", True),
+    (r"\boxed{\frac{1}{2}}", "0.5", True),
+    (r"\boxed{0.5}", r"\frac{1}{2}", True),
+    (r"\boxed{\dfrac{3}{4}}", r"\frac34", True),
+    (r"\boxed{0.75}", r"\frac{3}{5}", False),
+    (r"\boxed{\$18.00}", "18", True),
+    (r"\boxed{18 \text{ dollars}}", "18", True),
+    (r"\boxed{50\%}", "50", True),
+    (r"\boxed{0.5}", r"50\%", False),  # percentages are not divided by 100
+    (r"\boxed{\boxed{5}}", "5", True),
+    (r"First \boxed{3}. Wait, it is \boxed{4}.", "4", True),
+    (r"First \boxed{3}. Wait, it is \boxed{4}.", "3", False),
+    (r"\boxed{-3}", "3", False),
+    ("The answer is 7", "7", False),  # strict: no box, no credit
+    (r"\boxed{}", "7", False),
+    (r"\boxed{7}", "", False),
+]
+
+
+@pytest.mark.parametrize("response, reference, expected", ROWS)
+def test_verify_math_rows(response, reference, expected):
+    assert verify_math(response, reference) is expected
+
+
+def test_cheap_path_decides_numbers_without_math_verify():
+    assert answers_match("1/2", r"\frac{1}{2}") is True
+    assert answers_match("0.3333", "1/3") is False
+    assert answers_match(r"\sqrt{2}/2", r"\frac{\sqrt{2}}{2}") is None  # left to math-verify
+    assert verify_math(r"\boxed{0.5}", r"\frac{1}{2}", mode="off") is True
+
+
+SYMBOLIC = [
+    (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}", True),
+    (r"\boxed{x^2+2x+1}", "(x+1)^2", True),
+    (r"\boxed{(x+1)^2}", "x^2+1", False),
+    (r"\boxed{2\pi}", r"2 \pi", True),
+    (r"\boxed{\pi}", "3.14", False),
+    (r"\boxed{[1, 3)}", r"[1,3)", True),
+]
+
+
+@needs_mv
+@pytest.mark.parametrize("response, reference, expected", SYMBOLIC)
+def test_symbolic_equivalence_through_math_verify(response, reference, expected):
+    assert verify_math(response, reference) is expected
+
+
+@needs_mv
+def test_math_verify_inline_mode_in_main_thread():
+    assert verify_math(r"\boxed{x^2+2x+1}", "(x+1)^2", mode="inline") is True
+
+
+def test_without_math_verify_falls_back(monkeypatch):
+    monkeypatch.setattr(lm, "_MV_AVAILABLE", False)
+    assert verify_math(r"\boxed{x^2+2x+1}", "(x+1)^2") is False  # needs symbols: no longer provable
+    assert verify_math(r"\boxed{x^2 + 2x+1}", "x^2+2x+1") is True  # normalized strings still match
+    assert verify_math(r"\boxed{\frac{1}{2}}", "0.5") is True
+
+
+@needs_mv
+def test_safe_and_parallel_off_the_main_thread():
+    rows = [(r, ref, e) for r, ref, e in ROWS + SYMBOLIC] * 2
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda row: verify_math(row[0], row[1]), rows))
+    assert got == [e for _, _, e in rows]
+    # inline mode off the main thread runs without signals (math-verify's alarm would raise there)
+    out = []
+    th = threading.Thread(target=lambda: out.append(verify_math(r"\boxed{x^2+2x+1}", "(x+1)^2", mode="inline")))
+    th.start()
+    th.join()
+    assert out == [True]
+
+
+@needs_mv
+def test_pathological_answer_times_out_and_the_pool_recovers():
+    """A huge power tower: math-verify's own alarm or the worker kill ends it; later calls still work."""
+    t0 = time.monotonic()
+    out = []
+    th = threading.Thread(target=lambda: out.append(verify_math(r"\boxed{9^{9^{9^{9}}}}", "2", timeout_s=1.0)))
+    th.start()
+    th.join(timeout=30)
+    assert out == [False] and time.monotonic() - t0 < 15
+    # a worker that really overruns (SIGSTOP: its own alarm cannot fire) is killed and replaced
+    pool = lm._pool()
+    worker = pool._acquire()
+    import os
+    import signal
+
+    os.kill(worker.proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    assert worker.ask("$x$", "$x$", 0.5) is None and not worker.alive()
+    assert time.monotonic() - t0 < 5
+    pool._release(worker)  # dead: dropped from the pool, the next call starts a new one
+    assert verify_math(r"\boxed{x^2+2x+1}", "(x+1)^2") is True
+
+
+def test_math_task_registry():
+    task = get_task("math")
+    assert isinstance(task, MathTask) and task.name == "math"
+    ex = Example("g/1", "Tom has 3 apples and buys 4. How many?", "7", "math", "gsm8k")
+    assert task.score(r"3+4=7 \boxed{7}", ex) == 1.0 and task.is_correct(r"\boxed{7}", ex)
+    assert task.score(r"\boxed{8}", ex) == 0.0 and not task.is_correct("7", ex)
+    assert task.score_batch([r"\boxed{7}", r"\boxed{6}"], [ex, ex]) == [1.0, 0.0]
+    assert task.is_correct_batch([r"\boxed{7}"], [ex]) == [True]
+    with pytest.raises(ValueError, match="1 responses for 2 examples"):
+        task.score_batch(["x"], [ex, ex])
+    with pytest.raises(KeyError, match="unknown task 'nope'"):
+        get_task("nope")
