@@ -72,6 +72,7 @@ class Rollout:
 
     prompt_ids: list[list[int]]
     sequences: torch.Tensor  # [N, Ltot] int64: prompt + decoded blocks (tokens past the response are padding)
+    seq_step_map: torch.Tensor  # [N, Ltot] int32 over `sequences`: -1 prompt, -2 never decoded, else the step
     prompt_lens: torch.Tensor  # [N] int64
     tokens: torch.Tensor  # [N, R] int64 response tokens; pad_id after the response
     response_mask: torch.Tensor  # [N, R] bool: tokens up to and including the first EOS
@@ -342,7 +343,7 @@ def _finish(prompts, out, plens, cfg: SamplerConfig, pad_id: int, total_forwards
         steps = step_map[i][resp[i]]
         tpf[i] = int(lengths[i]) / max(1, len(torch.unique(steps)))
     return Rollout(
-        prompt_ids=[list(p) for p in prompts], sequences=seq, prompt_lens=plens,
+        prompt_ids=[list(p) for p in prompts], sequences=seq, seq_step_map=smap, prompt_lens=plens,
         tokens=torch.where(resp, tokens, pad_id), response_mask=resp, step_map=torch.where(resp, step_map, -1),
         logp=torch.where(resp, logp, 0.0), conf=torch.where(resp, conf, 0.0), lengths=lengths, tpf=tpf,
         forwards=out["forwards"].cpu(), eos_found=eos_found, total_forwards=total_forwards, seconds=seconds,

@@ -165,3 +165,24 @@ def test_linear_logprobs_and_fused_loss_match_dense():
     torch.testing.assert_close(gw, ww, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match=r"targets must lie in \[0, 111\)"):
         linear_logprobs(hidden, weight, y + 111)
+
+
+@pytest.mark.parametrize("red", ["seq-tok-tok", "seq-seq-seq", "tok-tok-tok"])
+def test_microbatches_with_totals_sum_to_batch_loss(red):
+    g = torch.Generator().manual_seed(11)
+    T, nseq = 123, 10
+    seq = torch.sort(torch.randint(0, nseq, (T,), generator=g)).values
+    logp = -torch.rand(T, generator=g, dtype=torch.float64)
+    old, ref = logp + 0.1 * torch.randn(T, generator=g, dtype=torch.float64), logp - 0.2
+    adv = torch.randn(nseq, generator=g, dtype=torch.float64)[seq]
+    correct = torch.rand(nseq, generator=g) < 0.5
+    whole, _ = grpo_token_loss(logp, old, ref, adv, seq, nseq, correct, reduction=red)
+    present = torch.unique(seq)
+    totals = (len(present), T, int(correct[present].sum()), int(correct[seq].sum()))
+    parts = 0.0
+    for lo, hi in [(0, 3), (4, 4), (5, nseq - 1)]:  # micro-batches of whole sequences
+        sel = (seq >= lo) & (seq <= hi)
+        part, _ = grpo_token_loss(logp[sel], old[sel], ref[sel], adv[sel], seq[sel], nseq, correct, reduction=red,
+                                  totals=totals)
+        parts = parts + part
+    assert abs(float(parts) - float(whole)) < 1e-12

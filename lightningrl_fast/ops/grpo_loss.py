@@ -96,17 +96,22 @@ def _parse_reduction(reduction: str) -> tuple[str, str, str]:
     return parts  # type: ignore[return-value]
 
 
-def _reduce(x: torch.Tensor, how: str, seq_idx: torch.Tensor, num_seqs: int, sel: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean of x over the selected tokens ('tok') or mean over sequences of per-sequence means ('seq')."""
+def _reduce(x: torch.Tensor, how: str, seq_idx: torch.Tensor, num_seqs: int, sel: torch.Tensor | None = None,
+            denom: float | None = None) -> torch.Tensor:
+    """Mean of x over the selected tokens ('tok') or mean over sequences of per-sequence means ('seq').
+
+    `denom` replaces the count in the outer mean (tokens for 'tok', sequences for 'seq'): micro-batches of one
+    batch pass the whole batch's counts, so their losses add up to the loss of the whole batch.
+    """
     if sel is not None:
         x, seq_idx = x[sel], seq_idx[sel]
     if x.numel() == 0:
         return x.sum() * 0.0
     if how == "tok":
-        return x.mean()
+        return x.sum() / denom if denom else x.mean()
     means, cnt = _segment_mean(x, seq_idx, num_seqs)
     present = cnt > 0
-    return means[present].mean()
+    return means[present].sum() / denom if denom else means[present].mean()
 
 
 def grpo_token_loss(
@@ -122,11 +127,13 @@ def grpo_token_loss(
     beta: float = 0.01,
     mu: float = 0.1,
     reduction: str = "seq-tok-tok",
+    totals: tuple[float, float, float, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """LightningRL loss from per-token log-probs (differentiable in `logp`). See the module docstring.
 
     logp, old_logp, ref_logp, advantages [T] float; seq_idx [T] int64 in [0, num_seqs); correct [num_seqs] bool.
-    ref_logp may be None when beta == 0. Returns (scalar loss, detached stats: policy, kl, nll, clip_frac, ratio).
+    ref_logp may be None when beta == 0. `totals` = (sequences, tokens, correct sequences, their tokens) of the whole
+    batch when this call sees one micro-batch of it: the micro-batch losses then sum to the batch loss. Returns (scalar loss, detached stats: policy, kl, nll, clip_frac, ratio).
     """
     check_tensor("logp", logp, ndim=1, dtypes=FLOAT_DTYPES)
     t, dev = logp.shape[0], logp.device
@@ -149,17 +156,20 @@ def grpo_token_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
     pg = -torch.minimum(unclipped, clipped)  # [T]
-    policy = _reduce(pg, red_pg, seq_idx, num_seqs)
+    n_seq, n_tok, n_cseq, n_ctok = totals if totals is not None else (None, None, None, None)
+    den = {"seq": n_seq, "tok": n_tok}
+    policy = _reduce(pg, red_pg, seq_idx, num_seqs, denom=den[red_pg])
     loss = policy
     zero = logp.sum() * 0.0
     kl = zero
     if beta != 0.0:
         d = logp - ref_logp
-        kl = _reduce(torch.exp(-d) - 1.0 + d, red_kl, seq_idx, num_seqs)
+        kl = _reduce(torch.exp(-d) - 1.0 + d, red_kl, seq_idx, num_seqs, denom=den[red_kl])
         loss = loss + beta * kl
     nll = zero
     if mu != 0.0:
-        nll = _reduce(-logp, red_nll, seq_idx, num_seqs, sel=correct[seq_idx])
+        nll = _reduce(-logp, red_nll, seq_idx, num_seqs, sel=correct[seq_idx],
+                      denom=n_ctok if red_nll == "tok" else n_cseq)
         loss = loss + mu * nll
     with torch.no_grad():
         clip_frac = ((clipped < unclipped).float().mean() if t else zero.detach())
@@ -168,18 +178,22 @@ def grpo_token_loss(
     return loss, stats
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, suppress: int) -> torch.Tensor:
     logits = hidden @ weight.t()  # [t, V]
     if logits.dtype != torch.float64:
         logits = logits.float()
+    if suppress >= 0:
+        logits = logits.index_fill(1, torch.tensor([suppress], device=logits.device), float("-inf"))
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 1024,
+                    suppress_token: int | None = None) -> torch.Tensor:
     """Per-token log-probs [T] (float32; float64 for float64 input) of `targets` under softmax(hidden @ weight.T), in chunks of `chunk` tokens.
 
     hidden [T, H], weight [V, H] (same float dtype), targets [T] int64 in [0, V). Differentiable; each chunk is
-    recomputed in backward, so peak extra memory is O(chunk x V).
+    recomputed in backward, so peak extra memory is O(chunk x V). `suppress_token`: a vocabulary id left out of
+    the softmax (the sampler never emits the mask token, so its log-probs exclude it too).
     """
     check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, shape=(None, hidden.shape[1]), dtypes=(hidden.dtype,), device=hidden.device)
@@ -188,14 +202,15 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         raise ValueError(f"chunk must be positive, got {chunk}")
     if targets.numel() and not (0 <= int(targets.min()) and int(targets.max()) < weight.shape[0]):
         raise ValueError(f"targets must lie in [0, {weight.shape[0]})")
+    suppress = -1 if suppress_token is None else int(suppress_token)
     outs = []
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     for t0 in range(0, hidden.shape[0], chunk):
         h, y = hidden[t0 : t0 + chunk], targets[t0 : t0 + chunk]
         if need_grad:
-            outs.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h, weight, y, use_reentrant=False))
+            outs.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h, weight, y, suppress, use_reentrant=False))
         else:
-            outs.append(_chunk_logprobs(h, weight, y))
+            outs.append(_chunk_logprobs(h, weight, y, suppress))
     if not outs:
         return hidden.new_zeros((0,), dtype=torch.float32)
     return torch.cat(outs)

@@ -1,0 +1,319 @@
+"""[train step] One LightningRL step, top to bottom, in one process on one set of weights.
+
+    prompts -> generate -> score -> filter/refill -> advantages -> log-probs -> loss/backward -> step
+
+Each stage is a plain function taking and returning tensors / small dataclasses. The sampler reads the
+very parameters the optimizer updates, so the next rollout uses the new weights with no copy at all.
+`TrainState` holds what persists across steps (model, frozen reference, optimizer with its state kept
+across steps — the public pipeline restarts it every step —, scheduler, data cursor, step counter).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from ..model import SDARForCausalLM
+from ..ops.grpo_loss import grpo_token_loss
+from ..sampler import Rollout, SamplerConfig, generate
+from .advantages import Scored, compute_advantages, keep_groups, score_rollout
+from .logprobs import LayoutBatch, batch_logprobs, build_layout_batch
+
+
+@dataclass
+class RLConfig:
+    """LightningRL hyper-parameters (defaults: the paper's, REFERENCE §4)."""
+
+    steps: int = 100  # RL steps
+    prompts_per_step: int = 128  # groups per step after filtering (dynamic sampling refills)
+    group_size: int = 32  # samples per prompt (G)
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    grad_clip: float = 1.0
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    kl_beta: float = 0.01  # 0 disables the KL term and the reference model
+    nll_weight: float = 0.1  # mu: NLL on verifier-correct samples
+    tpf_weight: float = 1.0  # w_tpf in r = z_acc + w_tpf * z_tpf
+    adv_mode: str = "decoupled"  # "decoupled" | "sum" (the ablation)
+    reduction: str = "seq-tok-tok"
+    logprob_mode: str = "block_proxy"  # "block_proxy" | "trace"
+    min_tpf_range: float = 0.01  # drop groups whose TPF spread is below this
+    filter_groups: bool = True
+    max_refill_rounds: int = 2  # extra rollout rounds per step to refill filtered groups
+    updates_per_step: int = 1  # optimizer steps (PPO mini-batches) per rollout batch
+    micro_batch_tokens: int = 16384  # token budget of one forward/backward (memory knob)
+    max_nonfinite_steps: int = 3  # stop after this many non-finite updates in a row
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.adv_mode not in ("decoupled", "sum"):
+            raise ValueError(f"adv_mode must be 'decoupled' or 'sum', got {self.adv_mode!r}")
+        if self.logprob_mode not in ("block_proxy", "trace"):
+            raise ValueError(f"logprob_mode must be 'block_proxy' or 'trace', got {self.logprob_mode!r}")
+        for name in ("steps", "prompts_per_step", "group_size", "updates_per_step", "micro_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError("group_size must be >= 2: advantages are relative within a group")
+        if self.lr <= 0 or self.grad_clip <= 0:
+            raise ValueError("lr and grad_clip must be positive")
+
+
+class Task(Protocol):
+    def build_prompt(self, example: Any) -> str: ...
+    def is_correct(self, response: str, example: Any) -> bool: ...
+
+
+@dataclass
+class TrainState:
+    """Everything that persists across RL steps (and is checkpointed)."""
+
+    model: SDARForCausalLM
+    ref_model: SDARForCausalLM | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    step: int = 0
+    cursor: int = 0  # examples consumed from the shuffled training stream
+    nonfinite_in_row: int = 0
+
+
+def make_state(model: SDARForCausalLM, cfg: RLConfig) -> TrainState:
+    cfg.validate()
+    ref = None
+    if cfg.kl_beta > 0:
+        ref = copy.deepcopy(model).eval()
+        ref.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    warm = max(1, cfg.warmup_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    return TrainState(model, ref, opt, sched)
+
+
+def example_stream(n_examples: int, cursor: int, count: int, seed: int) -> list[int]:
+    """Indices `cursor .. cursor+count` of an endless stream of per-epoch shuffles (resumable exactly)."""
+    out = []
+    for c in range(cursor, cursor + count):
+        epoch, i = divmod(c, n_examples)
+        perm = list(range(n_examples))
+        random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+        out.append(perm[i])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# Stages
+# ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Groups:
+    """Scored samples of some prompts (G each), concatenated across refill rounds."""
+
+    sequences: list[torch.Tensor] = field(default_factory=list)  # per sample [L_i] int64
+    step_maps: list[torch.Tensor] = field(default_factory=list)  # per sample [L_i] int32
+    prompt_lens: list[int] = field(default_factory=list)
+    resp_lens: list[int] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+    tpf: list[float] = field(default_factory=list)
+    group_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.accuracy)
+
+    def extend(self, other: "Groups", keep: Sequence[bool]) -> None:
+        for name in vars(self):
+            getattr(self, name).extend(x for x, k in zip(getattr(other, name), keep) if k)
+
+    def scored(self) -> Scored:
+        return Scored(torch.tensor(self.accuracy), torch.tensor(self.tpf), torch.tensor(self.group_ids))
+
+
+def rollout_stage(model, tokenizer, task: Task, examples: list, cfg: RLConfig, scfg: SamplerConfig, seed: int,
+                  group_base: int) -> tuple[Groups, Rollout]:
+    """[generate + score] G samples per example; accuracy from the verifier, TPF from the sampler."""
+    prompts = [tokenizer.encode(task.build_prompt(ex)) for ex in examples]
+    ro = generate(model, [p for p in prompts for _ in range(cfg.group_size)], dataclasses.replace(scfg, seed=seed))
+    texts = [tokenizer.decode(ro.response_ids(i), skip_special=True) for i in range(len(ro))]
+    correct = [task.is_correct(t, examples[i // cfg.group_size]) for i, t in enumerate(texts)]
+    gids = torch.arange(len(examples)).repeat_interleave(cfg.group_size) + group_base
+    sc = score_rollout(correct, ro.tpf, ro.eos_found, gids)
+    g = Groups(
+        sequences=list(ro.sequences), step_maps=list(ro.seq_step_map), prompt_lens=ro.prompt_lens.tolist(),
+        resp_lens=ro.lengths.tolist(), accuracy=sc.accuracy.tolist(), tpf=sc.tpf.tolist(),
+        group_ids=gids.tolist(), texts=texts,
+    )
+    return g, ro
+
+
+def collect_groups(state: TrainState, tokenizer, task: Task, train_examples: list, cfg: RLConfig,
+                   scfg: SamplerConfig) -> tuple[Groups, dict]:
+    """[generate -> score -> filter -> refill] Rollouts until `prompts_per_step` groups carry signal.
+
+    Dynamic sampling: groups dropped by the TPF-aware filter are replaced by fresh prompts, for at most
+    `max_refill_rounds` extra rounds (then the batch is used as it is, possibly smaller).
+    """
+    kept, first = Groups(), None
+    need, rounds, drawn, stats = cfg.prompts_per_step, 0, 0, {"rollout_s": 0.0, "tokens": 0, "forwards": 0}
+    while need > 0 and rounds <= cfg.max_refill_rounds:
+        idx = example_stream(len(train_examples), state.cursor, need, cfg.seed)
+        state.cursor += need
+        t0 = time.perf_counter()
+        g, ro = rollout_stage(state.model, tokenizer, task, [train_examples[i] for i in idx], cfg, scfg,
+                              seed=cfg.seed * 7919 + state.step * 131 + rounds, group_base=drawn)
+        stats["rollout_s"] += time.perf_counter() - t0
+        stats["tokens"] += int(ro.lengths.sum())
+        stats["forwards"] += ro.total_forwards
+        first = first or g
+        drawn += need
+        keep = keep_groups(g.scored(), cfg.min_tpf_range) if cfg.filter_groups else torch.ones(len(g), dtype=torch.bool)
+        n_keep = int(keep.sum()) // cfg.group_size
+        if n_keep > need:  # keep the first `need` groups only
+            keep &= torch.tensor(g.group_ids) < sorted(set(torch.tensor(g.group_ids)[keep].tolist()))[need]
+            n_keep = need
+        kept.extend(g, keep.tolist())
+        need -= n_keep
+        rounds += 1
+    stats["rounds"] = rounds
+    stats["first_round"] = first
+    return kept, stats
+
+
+def advantage_stage(groups: Groups, cfg: RLConfig) -> torch.Tensor:
+    """[advantages] per sample [S]."""
+    return compute_advantages(groups.scored(), cfg.tpf_weight, cfg.adv_mode)
+
+
+def layout_stage(groups: Groups, block_size: int, mask_id: int, mode: str) -> LayoutBatch:
+    """[log-prob inputs] pad the samples to one length and build the training layout."""
+    length = max(len(s) for s in groups.sequences)
+    n = len(groups)
+    seqs = torch.full((n, length), mask_id, dtype=torch.int64)
+    smap = torch.full((n, length), -2, dtype=torch.int32)
+    for i, (s, m) in enumerate(zip(groups.sequences, groups.step_maps)):
+        seqs[i, : len(s)], smap[i, : len(m)] = s, m
+    return build_layout_batch(seqs, smap, torch.tensor(groups.prompt_lens), torch.tensor(groups.resp_lens),
+                              block_size, mask_id, mode)
+
+
+def micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges [r0, r1) within `rows` whose forward size stays under `budget` tokens."""
+    per_row = lb.input_ids.shape[1]
+    step = max(1, budget // per_row)
+    r0, r1 = rows[0], rows[-1] + 1
+    return [(a, min(a + step, r1)) for a in range(r0, r1, step)]
+
+
+@torch.no_grad()
+def logprob_stage(model: SDARForCausalLM, lb: LayoutBatch, budget: int) -> torch.Tensor:
+    """[log-probs] no-grad per-token log-probs [T] (old policy or frozen reference)."""
+    out = torch.empty(lb.num_tokens)
+    for r0, r1 in micro_batches(lb, range(lb.input_ids.shape[0]), budget):
+        sel = ((lb.tgt_row >= r0) & (lb.tgt_row < r1)).nonzero().squeeze(1)
+        out[sel] = batch_logprobs(model, lb.rows(r0, r1)).float().cpu()
+    return out
+
+
+def loss_backward_stage(model, lb: LayoutBatch, rows: range, adv_tok, old, ref, correct, cfg: RLConfig) -> dict:
+    """[loss + backward] micro-batched; the micro-batch losses add up to the mini-batch loss (Seq-Tok-Tok)."""
+    dev = next(model.parameters()).device
+    in_rows = (lb.tgt_row >= rows.start) & (lb.tgt_row < rows.stop)
+    seq_rows = lb.tgt_row[in_rows]
+    present = torch.unique(seq_rows)
+    totals = (len(present), int(in_rows.sum()), int(correct[present].sum()), int(correct[seq_rows].sum()))
+    agg: dict[str, float] = {}
+    for r0, r1 in micro_batches(lb, rows, cfg.micro_batch_tokens):
+        sel = ((lb.tgt_row >= r0) & (lb.tgt_row < r1)).nonzero().squeeze(1)
+        if sel.numel() == 0:
+            continue
+        logp = batch_logprobs(model, lb.rows(r0, r1))  # [t]
+        old_t = old[sel].to(dev) if old is not None else logp.detach()
+        ref_t = ref[sel].to(dev) if ref is not None else None
+        loss, stats = grpo_token_loss(
+            logp, old_t, ref_t, adv_tok[sel].to(dev), lb.tgt_row[sel].to(dev), lb.input_ids.shape[0], correct.to(dev),
+            eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.kl_beta if ref is not None else 0.0,
+            mu=cfg.nll_weight, reduction=cfg.reduction, totals=totals)
+        loss.backward()
+        w = sel.numel() / totals[1]
+        agg["loss"] = agg.get("loss", 0.0) + float(loss.detach())
+        for k in ("kl", "clip_frac"):
+            agg[k] = agg.get(k, 0.0) + w * float(stats[k])
+    return agg
+
+
+def optimizer_stage(state: TrainState, cfg: RLConfig) -> tuple[bool, float]:
+    """[step] clip, skip non-finite updates (counted), AdamW step, scheduler step. Returns (applied, grad norm)."""
+    params = [p for p in state.model.parameters() if p.grad is not None]
+    norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if params else 0.0
+    if not math.isfinite(norm):
+        state.optimizer.zero_grad(set_to_none=True)
+        state.nonfinite_in_row += 1
+        if state.nonfinite_in_row >= cfg.max_nonfinite_steps:
+            raise FloatingPointError(f"{state.nonfinite_in_row} non-finite updates in a row (grad norm {norm}); "
+                                     "stopping: lower the learning rate or check the data")
+        return False, norm
+    state.nonfinite_in_row = 0
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return True, norm
+
+
+def train_step(state: TrainState, tokenizer, task: Task, train_examples: list, cfg: RLConfig,
+               scfg: SamplerConfig, log: Callable[[str], None] | None = None) -> dict:
+    """One RL step; returns its metrics. The stages, in order:"""
+    t_start = time.perf_counter()
+    model = state.model
+    mcfg = model.config
+    # generate -> score -> filter/refill
+    groups, rstats = collect_groups(state, tokenizer, task, train_examples, cfg, scfg)
+    first: Groups = rstats.pop("first_round")
+    metrics = {"step": state.step + 1, "acc": sum(first.accuracy) / len(first), "tpf": sum(first.tpf) / len(first),
+               "groups_kept": len(groups) // cfg.group_size, **rstats}
+    if len(groups) == 0:
+        state.step += 1
+        state.scheduler.step()
+        metrics.update(skipped="no group carried signal", step_s=time.perf_counter() - t_start)
+        return metrics
+    # advantages
+    adv = advantage_stage(groups, cfg)  # [S]
+    correct = torch.tensor(groups.accuracy) > 0  # [S] verifier-correct (and finished)
+    # log-probs: layout, old policy (only needed with several updates), frozen reference
+    t0 = time.perf_counter()
+    lb = layout_stage(groups, mcfg.block_size, mcfg.mask_token_id, cfg.logprob_mode)
+    adv_tok = adv[lb.tgt_row]  # [T]
+    model.eval()
+    old = logprob_stage(model, lb, cfg.micro_batch_tokens) if cfg.updates_per_step > 1 else None
+    ref = logprob_stage(state.ref_model, lb, cfg.micro_batch_tokens) if state.ref_model is not None else None
+    metrics["logprob_s"] = time.perf_counter() - t0
+    # loss -> backward -> step, `updates_per_step` mini-batches of whole groups
+    t0 = time.perf_counter()
+    model.train()
+    n_groups = len(groups) // cfg.group_size
+    per = -(-n_groups // cfg.updates_per_step) * cfg.group_size
+    applied, losses = 0, {}
+    for u0 in range(0, len(groups), per):
+        rows = range(u0, min(len(groups), u0 + per))
+        agg = loss_backward_stage(model, lb, rows, adv_tok, old, ref, correct, cfg)
+        ok, gnorm = optimizer_stage(state, cfg)
+        applied += ok
+        for k, v in agg.items():
+            losses[k] = losses.get(k, 0.0) + v / cfg.updates_per_step
+        losses["grad_norm"] = gnorm
+    model.eval()
+    state.scheduler.step()
+    state.step += 1
+    metrics.update(losses, updates=applied, train_s=time.perf_counter() - t0, lr=state.scheduler.get_last_lr()[0],
+                   step_s=time.perf_counter() - t_start, kept_acc=sum(groups.accuracy) / len(groups),
+                   kept_tpf=sum(groups.tpf) / len(groups))
+    if applied < cfg.updates_per_step:
+        metrics["nonfinite_skipped"] = cfg.updates_per_step - applied
+    return metrics
