@@ -157,6 +157,14 @@ def test_failure_reasons():
     assert not r.passed and r.n_passed == 0
 
 
+def test_crashes_are_reported_by_signal():
+    ex = _mbpp(ADD_TESTS)
+    segv = "import ctypes\nctypes.string_at(0)\n"
+    assert verify_code(segv, ex, SandboxConfig(python_guard=True)).reason == "forbidden"  # ctypes is refused
+    r = verify_code(segv, ex, SandboxConfig(python_guard=False))
+    assert not r.passed and r.reason == "killed:SIGSEGV"
+
+
 def test_timeout_keeps_credit_of_earlier_asserts():
     tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 0) == 0"]
     code = "def add(a, b):\n    while a == 0:\n        pass\n    return a + b\n"
@@ -256,9 +264,13 @@ def test_fork_bomb_is_bounded(guard):
 
 @pytest.mark.parametrize("guard", GUARDS)
 def test_writing_outside_the_workdir_does_not_land(guard):
-    if not guard and not CAPS["root"] and CAPS["unshare"] is None:
+    outside = []
+    if guard or CAPS["unshare"]:  # without the guard: the private tmpfs of the mount namespace
+        outside.append(Path("/tmp") / f"pwned_{uuid.uuid4().hex}")
+    if guard or CAPS["root"]:  # without the guard: the uid drop (a non-root caller owns the repo itself)
+        outside.append(REPO / f"pwned_{uuid.uuid4().hex}")
+    if not outside:
         pytest.skip("without the guard only a uid drop or a private mount namespace stops this")
-    outside = [Path("/tmp") / f"pwned_{uuid.uuid4().hex}", REPO / f"pwned_{uuid.uuid4().hex}"]
     try:
         for path in outside:
             code = f"open({str(path)!r}, 'w').write('pwned')\n"

@@ -95,6 +95,14 @@ def test_parse_number_exact_and_bounded():
     assert time.monotonic() - t0 < 0.5
 
 
+def test_adversarial_lengths_stay_fast():
+    t0 = time.monotonic()
+    assert extract_boxed("\\boxed{" * 30000) is None  # unclosed boxes: one brace pass, not one per box
+    assert verify_math("\\boxed{" + "1" * 50000 + "x}", "5") is False  # over the answer length cap
+    assert normalize_answer("1" * 50000 + "x").startswith("111")  # no regex backtracking blow-up
+    assert time.monotonic() - t0 < 2.0
+
+
 ROWS = [
     # (response, reference, expected)
     (r"3 + 4 = 7, so \boxed{7}", "7", True),

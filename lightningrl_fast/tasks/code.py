@@ -23,7 +23,8 @@ Isolation layers (each used when the machine allows it; `sandbox_capabilities` s
 1. Always: a new session / process group killed as a whole (``SIGKILL``) at the wall-clock deadline and
    after every run; rlimits set by the child before any untrusted code (address space ``memory_mb``,
    CPU seconds, file size ``file_mb``, process count, 256 open files, no core files); a scrubbed
-   environment (PATH, LANG, HOME/TMPDIR = the working directory; nothing inherited, so no secrets);
+   environment (PATH, LANG, HOME/TMPDIR = the working directory; only LD_LIBRARY_PATH is passed on,
+   for interpreters that need it; no secrets);
    ``python -I -S`` (stdlib only, no user site, no PYTHON* variables); a fresh temporary working directory,
    removed afterwards; stdout/stderr go to files capped by RLIMIT_FSIZE and only the first
    ``max_output_bytes`` are read back; results come back over a private pipe, tagged with a nonce.
@@ -326,6 +327,13 @@ def _rmtree(path: str) -> None:
     shutil.rmtree(path, onerror=onerror)
 
 
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"SIG{sig}"
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -374,6 +382,8 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
         r_fd, w_fd = os.pipe()
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work,
                "TMPDIR": work, "OMP_NUM_THREADS": "1"}
+        if os.environ.get("LD_LIBRARY_PATH"):  # some interpreters (conda, relocated builds) need it to start
+            env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
         argv = (prefix + ["--"] if prefix else []) + [sys.executable, "-I", "-S", _HARNESS, job_path, str(w_fd)]
         with open(out_path, "wb") as out_f, open(err_path, "wb") as err_f:
             proc = subprocess.Popen(
@@ -390,7 +400,7 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
         records: list[list[str]] = []
         deadline = time.monotonic() + cfg.startup_timeout_s
         exit_grace: float | None = None
-        timed_out = done = False
+        timed_out = done = ready_seen = False
         while not done:
             now = time.monotonic()
             if exit_grace is None and proc.poll() is not None:
@@ -415,15 +425,22 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
                     continue
                 rec = line[len(tag):].decode("ascii", "replace").split(" ")
                 records.append(rec)
-                if rec[0] == "R":
+                if rec[0] == "R" and not ready_seen:
+                    ready_seen = True
                     deadline = time.monotonic() + cfg.timeout_s
                 elif rec[0] in ("D", "E", "V"):
                     done = True
+        if not done and not timed_out:  # EOF: the child is exiting; collect its own status (a signal?)
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        own_exit = proc.poll()  # the child's own status, before our kill below can stamp SIGKILL on it
         _kill_group(proc.pid)
         try:
-            returncode = proc.wait(timeout=10)
+            proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            returncode = None
+            pass
         if slot is not None:
             _sweep_uid(slot.uid)  # an escaped daemon (no PID namespace), or a namespace still tearing down
 
@@ -453,10 +470,9 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
         elif stage_err is not None:
             reason, n_passed = stage_err, 0
         elif timed_out:
-            reason = "timeout"
-        elif not got_done and returncode is not None and returncode < 0:
-            sig = -returncode
-            reason = "timeout" if sig == signal.SIGXCPU else f"killed:{signal.Signals(sig).name}"
+            reason = "timeout" if ready_seen else "sandbox_error"
+        elif not got_done and own_exit is not None and own_exit < 0:
+            reason = "timeout" if -own_exit == signal.SIGXCPU else f"killed:{_signal_name(-own_exit)}"
         elif not got_done:
             reason = "no_result"
         elif n_passed < n_tests:

@@ -5,7 +5,7 @@ r"""Math answer extraction and verification (the accuracy reward of GSM8K / MATH
 1. Extract the response's answer: the LAST top-level ``\boxed{...}`` / ``\fbox{...}`` (nested braces and
    escaped ``\{ \}`` handled; ``\boxed 5`` without braces takes the next token). With ``strict=False``
    a response without a box falls back to ``#### n``, then "the answer is n", then its last number.
-   No answer -> False.
+   No answer, or one longer than 1000 characters -> False.
 2. Normalize both sides (`normalize_answer`): drop ``$``, ``\left``/``\right``, spacing commands,
    ``\text{}``/``\mathrm{}`` wrappers, degree signs, ``\%``/``%``, trailing unit words after a number,
    thousands separators (``1,000``), ``x =`` prefixes, trailing ``.0``; ``\dfrac``/``\tfrac`` -> ``\frac``.
@@ -62,38 +62,36 @@ logger = logging.getLogger(__name__)
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 
 
-def _match_braces(text: str, start: int) -> int | None:
-    """Index just past the brace group opening at text[start] == '{', or None when it never closes."""
-    depth = 0
-    i = start
-    n = len(text)
+def _brace_pairs(text: str) -> dict[int, int]:
+    """Index of each '{' -> index just past its matching '}', in one pass (escaped \\{ \\} are literals)."""
+    pairs: dict[int, int] = {}
+    stack: list[int] = []
+    i, n = 0, len(text)
     while i < n:
         c = text[i]
         if c == "\\":
-            i += 2  # \{ and \} are literal braces, never group delimiters
+            i += 2
             continue
         if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
+            stack.append(i)
+        elif c == "}" and stack:
+            pairs[stack.pop()] = i + 1
         i += 1
-    return None
+    return pairs
 
 
-def _box_at(text: str, m: re.Match) -> tuple[str, int] | None:
+def _box_at(text: str, m: re.Match, pairs: dict[int, int]) -> tuple[str, int] | None:
     """Content and end index of the box whose command matched at m, or None when malformed."""
     i = m.end()
     n = len(text)
     while i < n and text[i] in " \t":
         i += 1
     if i < n and text[i] == "{":
-        end = _match_braces(text, i)
+        end = pairs.get(i)
         if end is None:
             return None
         return text[i + 1 : end - 1].strip(), end
-    if i == m.end():  # "\boxed5" is not a box: a space or a brace must follow
+    if i == m.end():  # "\\boxed5" is not a box: a space or a brace must follow
         return None
     j = i
     while j < n and not text[j].isspace() and text[j] not in "$}":
@@ -110,11 +108,12 @@ def extract_boxed(text: str) -> str | None:
     """
     last: str | None = None
     pos = 0
+    pairs = _brace_pairs(text)
     while True:
         m = _BOX_RE.search(text, pos)
         if m is None:
             return last
-        got = _box_at(text, m)
+        got = _box_at(text, m, pairs)
         if got is None:
             pos = m.end()
             continue
@@ -150,7 +149,7 @@ _UNIT_WORDS = (
     "dollars?|cents?|pounds?|lbs?|kg|grams?|g|liters?|l|ml|gallons?|mph|percent|points?|people|students?"
 )
 _TRAILING_UNITS_RE = re.compile(
-    r"^([-+]?[\d.,/]*\d[\d.,/]*)\s*(?:(?:\\text|\\mbox|\\mathrm)\{[^{}]*\}|(?:" + _UNIT_WORDS + r")\b)+(?:\^?\{?[23]\}?)?$",
+    r"^([-+]?(?:\d|\.\d)[\d.,/]*)\s*(?:(?:\\text|\\mbox|\\mathrm)\{[^{}]*\}|(?:" + _UNIT_WORDS + r")\b)+(?:\^?\{?[23]\}?)?$",
     re.IGNORECASE,
 )
 _TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
@@ -161,15 +160,16 @@ _FRAC_HALF_SHORT_RE = re.compile(r"\\frac\s*\{([^{}]*)\}\s*(\d)")
 
 
 def _unwrap_boxes(s: str) -> str:
-    while True:
+    for _ in range(20):  # nesting depth worth unwrapping
         m = _BOX_RE.search(s)
         if m is None:
             return s
-        got = _box_at(s, m)
+        got = _box_at(s, m, _brace_pairs(s))
         if got is None:
             return s
         content, end = got
         s = s[: m.start()] + content + s[end:]
+    return s
 
 
 def normalize_answer(s: str) -> str:
@@ -273,6 +273,7 @@ for line in sys.stdin:
 """
 
 _STARTUP_TIMEOUT_S = 120.0
+_MAX_ANSWER_CHARS = 1000  # no reference answer is longer; a longer "answer" is wrong, not worth a parse
 
 
 class _Worker:
@@ -478,7 +479,7 @@ def verify_math(
     if mode not in ("process", "inline", "off"):
         raise ValueError(f"mode must be 'process', 'inline' or 'off', got {mode!r}")
     answer = extract_answer(response, strict=strict)
-    if answer is None or not answer.strip():
+    if answer is None or not answer.strip() or len(answer) > _MAX_ANSWER_CHARS:
         return False
     reference = str(reference).strip()
     if not reference:
