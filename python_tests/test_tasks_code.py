@@ -165,6 +165,16 @@ def test_crashes_are_reported_by_signal():
     assert not r.passed and r.reason == "killed:SIGSEGV"
 
 
+def test_stdlib_only_by_default_site_packages_on_request():
+    prog = CodeProgram("import json, heapq, collections, fractions, re\nimport pytest\n", ["assert True"])
+    r = run_program(prog)
+    assert r.reason == "error:ModuleNotFoundError" and "pytest" in r.stderr
+    prog.solution = "import json, heapq, collections, fractions, re\n"
+    assert run_program(prog).passed
+    prog.solution = "import pytest\n"
+    assert run_program(prog, SandboxConfig(allow_site_packages=True, python_guard=False)).passed
+
+
 def test_timeout_keeps_credit_of_earlier_asserts():
     tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 0) == 0"]
     code = "def add(a, b):\n    while a == 0:\n        pass\n    return a + b\n"

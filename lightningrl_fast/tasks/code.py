@@ -25,7 +25,8 @@ Isolation layers (each used when the machine allows it; `sandbox_capabilities` s
    CPU seconds, file size ``file_mb``, process count, 256 open files, no core files); a scrubbed
    environment (PATH, LANG, HOME/TMPDIR = the working directory; only LD_LIBRARY_PATH is passed on,
    for interpreters that need it; no secrets);
-   ``python -I -S`` (stdlib only, no user site, no PYTHON* variables); a fresh temporary working directory,
+   ``python -I -S`` (stdlib only unless ``allow_site_packages``; no user site, no PYTHON* variables); a
+   fresh temporary working directory,
    removed afterwards; stdout/stderr go to files capped by RLIMIT_FSIZE and only the first
    ``max_output_bytes`` are read back; results come back over a private pipe, tagged with a nonce.
 2. Root: the child drops to an unprivileged uid/gid of its own (``uid_base + slot``, a slot per concurrent
@@ -106,6 +107,8 @@ class SandboxConfig:
     use_namespaces: bool = True     # unshare net/pid/mount/ipc when permitted
     drop_privileges: bool = True    # as root: run as an unprivileged per-slot uid
     python_guard: bool = True       # audit-hook policy inside the child
+    allow_site_packages: bool = False  # let programs import installed packages: no `-S` (numpy needs
+    #                                    ctypes, so also python_guard=False; the OS layers still hold)
     uid_base: int = 61000           # per-slot uids uid_base .. uid_base + 255 (must not be real users)
 
 
@@ -384,7 +387,8 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
                "TMPDIR": work, "OMP_NUM_THREADS": "1"}
         if os.environ.get("LD_LIBRARY_PATH"):  # some interpreters (conda, relocated builds) need it to start
             env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
-        argv = (prefix + ["--"] if prefix else []) + [sys.executable, "-I", "-S", _HARNESS, job_path, str(w_fd)]
+        flags = ["-I"] if cfg.allow_site_packages else ["-I", "-S"]
+        argv = (prefix + ["--"] if prefix else []) + [sys.executable, *flags, _HARNESS, job_path, str(w_fd)]
         with open(out_path, "wb") as out_f, open(err_path, "wb") as err_f:
             proc = subprocess.Popen(
                 argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f,
@@ -506,12 +510,8 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
 
 
 def verify_code(completion: str, example: Example, config: SandboxConfig | None = None) -> CodeResult:
-    """Build the program for a completion of ``example`` and run it."""
-    try:
-        program = build_program(completion, example)
-    except ValueError as e:
-        return CodeResult(0.0, False, f"error:{e}", 0, 0)
-    return run_program(program, config)
+    """Build the program for a completion of ``example`` and run it (ValueError for a non-code example)."""
+    return run_program(build_program(completion, example), config)
 
 
 def verify_code_batch(
