@@ -27,8 +27,13 @@ CSRC = ROOT / "csrc"
 EXT_NAME = "lightningrl_fast._C"
 
 
+# pip runs setup.py once for metadata (egg_info / dist_info) and once to build: speak only when building
+METADATA_ONLY = any(cmd in sys.argv for cmd in ("egg_info", "dist_info", "sdist"))
+
+
 def log(msg: str) -> None:
-    print(f"lightningrl_fast build: {msg}", file=sys.stderr, flush=True)
+    if not METADATA_ONLY:
+        print(f"lightningrl_fast build: {msg}", file=sys.stderr, flush=True)
 
 
 def read_sources() -> list[str]:
@@ -92,7 +97,7 @@ def extensions() -> tuple[list, dict]:
         import torch
         from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     except ImportError:
-        if any(cmd in sys.argv for cmd in ("egg_info", "sdist", "dist_info")):
+        if METADATA_ONLY:
             return [], {}  # metadata and sdist need no compiler
         raise SystemExit(
             "lightningrl_fast: torch is not importable in this build environment. Install torch first and "
