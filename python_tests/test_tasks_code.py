@@ -11,9 +11,7 @@ runs when a uid drop or a PID namespace confines it.
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
-import json
 import os
 import socket
 import subprocess
@@ -173,6 +171,14 @@ def test_stdlib_only_by_default_site_packages_on_request():
     assert run_program(prog).passed
     prog.solution = "import pytest\n"
     assert run_program(prog, SandboxConfig(allow_site_packages=True, python_guard=False)).passed
+
+
+def test_a_sandbox_that_cannot_start_is_an_error_not_a_pass(monkeypatch, tmp_path):
+    import lightningrl_fast.tasks.code as code_mod
+
+    monkeypatch.setattr(code_mod, "_HARNESS", str(tmp_path / "missing_harness.py"))
+    r = run_program(CodeProgram("pass", ["assert True"]))
+    assert not r.passed and r.reason == "sandbox_error" and r.pass_fraction == 0.0
 
 
 def test_timeout_keeps_credit_of_earlier_asserts():

@@ -9,7 +9,9 @@ package. Order matters — everything privileged happens before the first line o
    ``/tmp``, ``/var/tmp`` and ``/dev/shm``, the working directory inside the new ``/tmp``;
 3. resource limits (address space, CPU seconds, file size, processes, open files, no core dumps),
    soft == hard so they cannot be raised again;
-4. ``PR_SET_NO_NEW_PRIVS`` and, when started as root, a drop to the job's unprivileged uid/gid;
+4. ``PR_SET_NO_NEW_PRIVS`` and, when started as root, a drop to the job's unprivileged uid/gid (the
+   stdlib is then imported through ``/proc/self/fd/N``, a directory descriptor opened before the drop,
+   because the interpreter may live under a directory that uid cannot traverse, e.g. ``/root``);
 5. close every inherited descriptor except stdin/stdout/stderr and the result pipe;
 6. the optional Python guard: an audit hook (PEP 578, cannot be removed) refusing writes and
    renames outside the working directory, ``kill`` of other processes, ``fork``/``exec``/``subprocess``,
@@ -19,9 +21,9 @@ package. Order matters — everything privileged happens before the first line o
 
 Records on the result pipe are ``<nonce> <TAG> ...`` lines built with plain string formatting and written
 with a saved reference to ``os.write``: ``R n`` (ready, n tests), ``S err`` (setup/solution failed),
-``T i ok err``, ``D`` (done), ``V event`` (guard violation), ``E msg`` (sandbox set-up error). The nonce stops accidental forgery (a
-program printing "passed"); code that deliberately introspects this interpreter can still forge results:
-the OS layers protect the machine, not the score.
+``T i ok err``, ``D`` (done), ``V event`` (guard violation), ``E msg`` (sandbox set-up error). The nonce
+stops accidental forgery (a program printing "passed"); code that deliberately introspects this
+interpreter can still forge results: the OS layers protect the machine, not the score.
 """
 
 import builtins
@@ -239,7 +241,8 @@ def main():
 
             sys.addaudithook(_make_guard(workdir, violation))
     except BaseException as e:  # the jail is incomplete: run nothing
-        emit("E", _clean(type(e).__name__), _clean(str(e)))
+        msg = "".join(c if " " <= c <= "~" else "?" for c in str(e)[:300])
+        emit("E", _clean(type(e).__name__), msg)
         _exit(3)
 
     emit("R", len(tests))

@@ -23,12 +23,11 @@ Isolation layers (each used when the machine allows it; `sandbox_capabilities` s
 1. Always: a new session / process group killed as a whole (``SIGKILL``) at the wall-clock deadline and
    after every run; rlimits set by the child before any untrusted code (address space ``memory_mb``,
    CPU seconds, file size ``file_mb``, process count, 256 open files, no core files); a scrubbed
-   environment (PATH, LANG, HOME/TMPDIR = the working directory; only LD_LIBRARY_PATH is passed on,
-   for interpreters that need it; no secrets);
-   ``python -I -S`` (stdlib only unless ``allow_site_packages``; no user site, no PYTHON* variables); a
-   fresh temporary working directory,
-   removed afterwards; stdout/stderr go to files capped by RLIMIT_FSIZE and only the first
-   ``max_output_bytes`` are read back; results come back over a private pipe, tagged with a nonce.
+   environment (PATH, LANG, HOME/TMPDIR = the working directory; only LD_LIBRARY_PATH is passed on, for
+   interpreters that need it; no secrets); ``python -I -S`` (stdlib only unless ``allow_site_packages``;
+   no user site, no PYTHON* variables); a fresh temporary working directory, removed afterwards;
+   stdout/stderr go to files capped by RLIMIT_FSIZE and only the first ``max_output_bytes`` are read
+   back; results come back over a private pipe, tagged with a nonce.
 2. Root: the child drops to an unprivileged uid/gid of its own (``uid_base + slot``, a slot per concurrent
    run, locked with flock across processes), so it cannot write root's files (the repository, the
    caller's temp dirs), signal the caller, or read other processes' environ/memory, and RLIMIT_NPROC
@@ -48,8 +47,9 @@ code; the guard only adds early, readable failures. As a non-root user without u
 layers 1 and 4 remain: RLIMIT_NPROC then counts all the user's processes (it is set to their current
 number plus ``max_procs``), a ctypes-based program could write the user's files or signal the caller,
 and an escaped daemon outlives the run (its CPU time stays capped). The memory bound is per process:
-``max_procs`` x ``memory_mb`` is the worst case for a fork bomb that also allocates; use a cgroup if that
-matters. The nonce stops accidental forgery of results, not a program that introspects the harness.
+``max_procs`` x ``memory_mb`` (8 GiB by default, per concurrent run) is the worst case for a fork bomb
+that also allocates; use a cgroup if that matters. The nonce stops accidental forgery of results, not a
+program that introspects the harness.
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from .data import Example
 
@@ -100,7 +100,7 @@ class SandboxConfig:
     timeout_s: float = 5.0          # wall clock for the untrusted part, from the child's "ready"
     startup_timeout_s: float = 20.0  # interpreter start + jail set-up
     memory_mb: int = 1024           # RLIMIT_AS per process
-    max_procs: int = 16             # RLIMIT_NPROC (processes/threads of the sandbox uid)
+    max_procs: int = 8              # RLIMIT_NPROC (processes/threads of the sandbox uid)
     file_mb: int = 10               # RLIMIT_FSIZE: largest file, stdout/stderr included
     tmpfs_mb: int = 64              # size of each private tmpfs (namespaced runs)
     max_output_bytes: int = 8192    # stdout/stderr bytes read back into the result
@@ -467,14 +467,14 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
             elif rec[0] == "D":
                 got_done = True
         n_passed = sum(passed_tests.values())
-        if setup_err is not None:
+        if setup_err is not None or not ready_seen:  # the jail never came up: nothing untrusted ran
             reason, n_passed = "sandbox_error", 0
         elif violation is not None:
             reason, n_passed = "forbidden", 0
         elif stage_err is not None:
             reason, n_passed = stage_err, 0
         elif timed_out:
-            reason = "timeout" if ready_seen else "sandbox_error"
+            reason = "timeout"
         elif not got_done and own_exit is not None and own_exit < 0:
             reason = "timeout" if -own_exit == signal.SIGXCPU else f"killed:{_signal_name(-own_exit)}"
         elif not got_done:
