@@ -327,7 +327,10 @@ def _rmtree(path: str) -> None:
         except OSError:
             pass
 
-    shutil.rmtree(path, onerror=onerror)
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=onerror)
+    else:
+        shutil.rmtree(path, onerror=onerror)
 
 
 def _signal_name(sig: int) -> str:
@@ -389,7 +392,8 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
             env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
         flags = ["-I"] if cfg.allow_site_packages else ["-I", "-S"]
         argv = (prefix + ["--"] if prefix else []) + [sys.executable, *flags, _HARNESS, job_path, str(w_fd)]
-        with open(out_path, "wb") as out_f, open(err_path, "wb") as err_f:
+        private = lambda p, flags: os.open(p, flags | os.O_CREAT | os.O_EXCL, 0o600)  # noqa: E731
+        with open(out_path, "wb", opener=private) as out_f, open(err_path, "wb", opener=private) as err_f:
             proc = subprocess.Popen(
                 argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f,
                 pass_fds=(w_fd,), start_new_session=True, close_fds=True,
@@ -493,20 +497,26 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
             layers=tuple(layers),
         )
     finally:
-        if proc is not None and proc.poll() is None:
-            _kill_group(proc.pid)
-            proc.wait()
+        try:
+            if proc is not None and proc.poll() is None:
+                _kill_group(proc.pid)
+                proc.wait(timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            pass
         for fd in (r_fd, w_fd):
             if fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        if slot is not None:
-            _sweep_uid(slot.uid)
-            slot.release()
-        if tmp is not None:
-            _rmtree(tmp)
+        try:
+            if slot is not None:
+                _sweep_uid(slot.uid)
+        finally:
+            if slot is not None:
+                slot.release()
+            if tmp is not None:
+                _rmtree(tmp)
 
 
 def verify_code(completion: str, example: Example, config: SandboxConfig | None = None) -> CodeResult:
