@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -79,23 +80,39 @@ def cutlass_include_dirs() -> list[str]:
     return []
 
 
+def is_toolkit(root: str | Path | None) -> bool:
+    return root is not None and (Path(root) / "bin" / "nvcc").exists() and (Path(root) / "include" / "cuda_runtime.h").exists()
+
+
+def guess_cuda_home() -> None:
+    """Without CUDA_HOME/CUDA_PATH torch guesses the toolkit from `which nvcc`, which a wrapper script in
+    /usr/local/bin turns into /usr/local (no CUDA headers): pick a real toolkit before torch looks."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    for root in ([Path(nvcc).resolve().parents[1]] if nvcc else []) + [Path("/usr/local/cuda")]:
+        if is_toolkit(root):
+            os.environ["CUDA_HOME"] = str(root)
+            return
+
+
 def cuda_build_reason(torch) -> str | None:
     """None when the CUDA build is possible, else why not."""
-    from torch.utils.cpp_extension import CUDA_HOME
-
     if os.environ.get("LRF_SKIP_CUDA", "0") not in ("", "0"):
         return "LRF_SKIP_CUDA is set"
     if torch.version.cuda is None:
         return f"torch {torch.__version__} is a CPU build"
-    if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
-        return "nvcc not found (set CUDA_HOME)"
+    guess_cuda_home()
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if not is_toolkit(CUDA_HOME):
+        return f"no CUDA toolkit (nvcc + headers) at CUDA_HOME={CUDA_HOME}; set CUDA_HOME"
     return None
 
 
 def extensions() -> tuple[list, dict]:
     try:
         import torch
-        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     except ImportError:
         if METADATA_ONLY:
             return [], {}  # metadata and sdist need no compiler
@@ -105,10 +122,12 @@ def extensions() -> tuple[list, dict]:
         )
 
     os.environ.setdefault("MAX_JOBS", "2")
+    why_not = cuda_build_reason(torch)  # before importing cpp_extension, which fixes CUDA_HOME on import
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
     sources = read_sources()
     include_dirs = [str(CSRC)] + cutlass_include_dirs()
     cxx_flags = ["-O3"]
-    why_not = cuda_build_reason(torch)
     if why_not is not None:
         log(f"CPU-ONLY BUILD ({why_not}): _C has no CUDA kernels; ops on CUDA tensors use the PyTorch reference")
         ext = CppExtension(
@@ -123,8 +142,8 @@ def extensions() -> tuple[list, dict]:
                       "--threads", os.environ.get("NVCC_THREADS", "2"), *gencode_flags(archs)]
         if os.environ.get("LRF_PTXAS_VERBOSE", "0") not in ("", "0"):
             nvcc_flags.append("-Xptxas=-v")
-        log(f"CUDA build for sm_{', sm_'.join(a.removesuffix('+PTX') for a in archs)} "
-            f"(torch {torch.__version__}, CUDA {torch.version.cuda}, MAX_JOBS={os.environ['MAX_JOBS']})")
+        log(f"CUDA build for sm_{', sm_'.join(a.removesuffix('+PTX') for a in archs)} (torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}, CUDA_HOME={CUDA_HOME}, MAX_JOBS={os.environ['MAX_JOBS']})")
         ext = CUDAExtension(
             EXT_NAME,
             sources,

@@ -51,7 +51,7 @@ void launch(kernels::KvCacheWriteParams p, int64_t head_bytes, cudaStream_t stre
 void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& cache_lens, const at::Tensor& chunk_lens,
                     const std::optional<at::Tensor>& maybe_error_flag) {
-  CHECK_CUDA(k_cache);
+  // Device last, so that every other check can be exercised on CPU tensors (python_tests, no GPU needed).
   CHECK_DIM(k_cache, 4);
   CHECK_DIM(k, 4);
   const int64_t B = k_cache.size(0), L = k_cache.size(1), H = k_cache.size(2), D = k_cache.size(3);
@@ -91,6 +91,7 @@ void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
     flag = error_flag.data_ptr<int32_t>();
   }
 
+  CHECK_CUDA(k_cache);
   if (B == 0) return;  // C == 0 still launches: out-of-range lengths are flagged like the reference does
 
   const c10::cuda::CUDAGuard guard(k_cache.device());
