@@ -38,7 +38,7 @@ from lightningrl_fast.tasks.data import Example, load_examples
 
 REPO = Path(__file__).resolve().parents[1]
 CAPS = sandbox_capabilities()
-OS_LAYERS = CAPS["root"] or CAPS["unshare"] is not None
+OS_LAYERS = CAPS["uid_drop"] or CAPS["unshare"] is not None
 GUARDS = [True, False] if OS_LAYERS else [True]
 needs_os_layers = pytest.mark.skipif(not OS_LAYERS, reason="needs root (uid drop) or unshare namespaces")
 FAST = SandboxConfig(timeout_s=1.0, max_procs=8)
@@ -226,7 +226,7 @@ def _run_hostile(code: str, guard: bool, **kw) -> "CodeResult":  # noqa: F821
     r = run_program(CodeProgram(code, list(ADD_TESTS)), cfg)
     assert time.monotonic() - t0 < 15
     assert not r.passed and r.pass_fraction == 0.0, (r.reason, r.stderr)
-    if CAPS["root"]:
+    if CAPS["uid_drop"]:
         assert _sandbox_uid_processes() == [], "a sandbox process outlived its run"
     return r
 
@@ -274,7 +274,7 @@ def test_fork_bomb_is_bounded(guard):
         assert r.reason == "forbidden" and r2.reason == "forbidden"
     else:
         assert r.reason == "timeout" and r2.reason in ("error:BlockingIOError", "timeout")
-        if CAPS["root"]:
+        if CAPS["uid_drop"]:
             assert 1 < peak[0] <= 8, peak[0]
 
 
@@ -283,7 +283,7 @@ def test_writing_outside_the_workdir_does_not_land(guard):
     outside = []
     if guard or CAPS["unshare"]:  # without the guard: the private tmpfs of the mount namespace
         outside.append(Path("/tmp") / f"pwned_{uuid.uuid4().hex}")
-    if guard or CAPS["root"]:  # without the guard: the uid drop (a non-root caller owns the repo itself)
+    if guard or CAPS["uid_drop"]:  # without the guard: the uid drop (a non-root caller owns the repo itself)
         outside.append(REPO / f"pwned_{uuid.uuid4().hex}")
     if not outside:
         pytest.skip("without the guard only a uid drop or a private mount namespace stops this")

@@ -28,10 +28,10 @@ Isolation layers (each used when the machine allows it; `sandbox_capabilities` s
    no user site, no PYTHON* variables); a fresh temporary working directory, removed afterwards;
    stdout/stderr go to files capped by RLIMIT_FSIZE and only the first ``max_output_bytes`` are read
    back; results come back over a private pipe, tagged with a nonce.
-2. Root: the child drops to an unprivileged uid/gid of its own (``uid_base + slot``, a slot per concurrent
-   run, locked with flock across processes), so it cannot write root's files (the repository, the
-   caller's temp dirs), signal the caller, or read other processes' environ/memory, and RLIMIT_NPROC
-   (ignored for root) bounds a fork bomb. Without a PID namespace, leftover processes of that uid are
+2. Root that can switch uid (not so in rootless containers): the child drops to an unprivileged uid/gid
+   of its own (``uid_base + slot``, a slot per concurrent run, locked with flock across processes), so
+   it cannot write root's files (the repository, the caller's temp dirs), signal the caller, or read
+   other processes' environ/memory, and RLIMIT_NPROC (ignored for root) bounds a fork bomb. Without a PID namespace, leftover processes of that uid are
    killed after each run (an escaped ``setsid`` daemon included).
 3. ``unshare`` (util-linux) when permitted: new network namespace (no network at all, not even the
    host's loopback), PID namespace (every descendant dies with the run; ``/proc`` shows only the sandbox),
@@ -186,31 +186,35 @@ _CAPS: dict | None = None
 _CAPS_LOCK = threading.Lock()
 
 
-def _probe_unshare(prefix: list[str]) -> bool:
+def _probe(argv: list[str]) -> bool:
     try:
         r = subprocess.run(
-            prefix + ["--", sys.executable, "-I", "-S", "-c", "pass"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30,
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30
         )
-    except (OSError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.SubprocessError):
         return False
     return r.returncode == 0
 
 
 def sandbox_capabilities() -> dict:
-    """What this machine allows (probed once): root, the unshare prefix (or None), a user namespace."""
+    """What this machine allows, probed once: ``root``; ``uid_drop`` (root that can really switch to an
+    unmapped uid: not the case in rootless containers); ``unshare`` (the namespace prefix, or None);
+    ``user_ns`` (the namespaces come with a user namespace, i.e. we are not root)."""
     global _CAPS
     with _CAPS_LOCK:
         if _CAPS is None:
             root = os.geteuid() == 0
+            uid = SandboxConfig().uid_base - 1  # probe with an id below the slot range
+            drop = root and _probe(
+                [sys.executable, "-I", "-S", "-c", f"import os\nos.setgroups([])\nos.setgid({uid})\nos.setuid({uid})"]
+            )
             prefix = None
-            userns = False
             exe = shutil.which("unshare")
             if exe:
                 candidate = [exe] + ([] if root else ["--map-root-user"]) + _NS_FLAGS
-                if _probe_unshare(candidate):
-                    prefix, userns = candidate, not root
-            _CAPS = {"root": root, "unshare": prefix, "user_ns": userns}
+                if _probe(candidate + ["--", sys.executable, "-I", "-S", "-c", "pass"]):
+                    prefix = candidate
+            _CAPS = {"root": root, "uid_drop": drop, "unshare": prefix, "user_ns": prefix is not None and not root}
         return dict(_CAPS)
 
 
@@ -360,7 +364,7 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
     proc = None
     r_fd = w_fd = -1
     try:
-        if caps["root"] and cfg.drop_privileges:
+        if caps["uid_drop"] and cfg.drop_privileges:
             slot = _UidSlot(cfg.uid_base)
         tmp = tempfile.mkdtemp(prefix="lrl-sandbox-")
         os.chmod(tmp, 0o711)
