@@ -39,9 +39,9 @@ def keep_groups(sc: Scored, min_tpf_range: float = 0.01, drop_all_wrong: bool = 
     """[S] bool: samples of the groups that carry a learning signal (TPF-aware filtering)."""
     _, inv = torch.unique(sc.group_ids, return_inverse=True)
     ng = int(inv.max()) + 1
-    any_right = torch.zeros(ng).index_reduce_(0, inv, sc.accuracy, "amax", include_self=False)
-    tmax = torch.full((ng,), -float("inf")).index_reduce_(0, inv, sc.tpf, "amax", include_self=False)
-    tmin = torch.full((ng,), float("inf")).index_reduce_(0, inv, sc.tpf, "amin", include_self=False)
+    any_right = torch.zeros(ng).scatter_reduce(0, inv, sc.accuracy.float(), "amax")
+    tmax = torch.full((ng,), -float("inf")).scatter_reduce(0, inv, sc.tpf.float(), "amax")
+    tmin = torch.full((ng,), float("inf")).scatter_reduce(0, inv, sc.tpf.float(), "amin")
     good = (tmax - tmin) >= min_tpf_range
     if drop_all_wrong:
         good &= any_right > 0

@@ -28,7 +28,7 @@ def collate(pairs: list[tuple[list[int], list[int]]], block_size: int, pad_id: i
 
 
 def sft_loss(model: SDARForCausalLM, ids: torch.Tensor, prompt_lens: torch.Tensor, lens: torch.Tensor,
-             generator: torch.Generator, eps: float = 1e-3) -> torch.Tensor:
+             generator: torch.Generator, eps: float = 0.05) -> torch.Tensor:
     """The SDAR objective on a padded batch (see the module docstring). ids [N, n]."""
     cfg = model.config
     bs, (nrows, n) = cfg.block_size, ids.shape
@@ -79,7 +79,7 @@ def train_sft(model: SDARForCausalLM, sample_pair, steps: int, batch_size: int, 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if log and (step + 1) % log_every == 0:
             log(f"sft step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f} "
                 f"({time.perf_counter() - t0:.0f}s)")

@@ -1,0 +1,471 @@
+"""[checkpoint] Save and restore the whole RL state, atomically, so that `--resume` continues exactly.
+
+Layout of a run folder `out/`:
+
+    out/checkpoint-<step>/     an SDAR model folder (config.json, model.safetensors, tokenizer files: loadable
+                               with checkpoint.load_model and `--model`) plus `trainer_state.pt`
+    out/latest                 one line: the name of the newest complete checkpoint folder
+    out/reference/             the frozen reference policy (only when kl_beta > 0 and the initial policy does
+                               not already live in a folder the caller names, see below)
+
+`trainer_state.pt` (torch.save, read back with weights_only=True): step, data cursor, non-finite counter,
+optimizer state (AdamW moments and step counts), scheduler state, RNG states (python, torch CPU, CUDA,
+numpy), the RL config dict, the metrics history length (lines of metrics.jsonl at save time, so a resumed
+run drops what a killed run logged after its last checkpoint), the reference record and `extra` (any
+JSON-serializable dict of the caller: evaluation results, elapsed time, the run config).
+
+Atomicity. Everything is written into a hidden sibling `.checkpoint-<step>.tmp-<pid>-<token>/`, each file
+fsynced, then the folder is renamed into place (an existing folder of the same step is swapped out with
+renameat2(RENAME_EXCHANGE) where available), then `latest` is rewritten through a temporary file and
+`os.replace`, then older checkpoints beyond `keep` are renamed away and deleted. A save killed at any
+point leaves `latest` naming a complete checkpoint (the previous one, or the new one once its rename is
+done); leftovers of dead saves are removed by the next save. A model with a non-finite parameter is never
+written: `NonFiniteModelError` is raised before anything touches the disk.
+
+The frozen reference (KL term, kl_beta > 0) must stay the INITIAL policy across resumes, so it is not taken
+from the resumed weights. Decision: each checkpoint records where the initial policy lives and a fingerprint
+of its files. `save_checkpoint(..., reference_dir=D)` records D (the `--model` folder the run started from:
+no copy of a large model is made); without it, the reference model itself is written once per run to
+`out/reference/` (the embedded default's SFT model is tiny). `load_checkpoint` loads the reference weights
+from there and refuses a folder whose files changed since (fingerprint mismatch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ..checkpoint import CheckpointError, checkpoint_files, save_model
+from .trainer import TrainState
+
+TRAINER_STATE = "trainer_state.pt"
+LATEST = "latest"
+REFERENCE = "reference"
+PREFIX = "checkpoint-"
+FORMAT_VERSION = 1
+
+__all__ = [
+    "NonFiniteModelError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "list_checkpoints",
+    "nonfinite_parameters", "load_weights_into", "save_reference", "fingerprint", "rng_state", "set_rng_state",
+    "LoadedCheckpoint",
+]
+
+
+class NonFiniteModelError(FloatingPointError):
+    """The model holds NaN/inf parameters; nothing was saved."""
+
+
+def _crash_point(stage: str) -> None:
+    """No-op; tests replace it to interrupt a save at `stage` (model_written, state_written, renamed, latest_written)."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------------------
+
+def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of parameters holding NaN or inf."""
+    return [n for n, p in model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False when unsupported."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn(-100, os.fsencode(str(a)), -100, os.fsencode(str(b)), 2) == 0
+
+
+def _step_of(name: str) -> int | None:
+    if not name.startswith(PREFIX):
+        return None
+    tail = name[len(PREFIX):]
+    return int(tail) if tail.isdigit() else None
+
+
+def list_checkpoints(out_dir: str | Path) -> list[Path]:
+    """Complete checkpoint folders of a run, oldest step first."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    found = [(s, p) for p in out.iterdir() if (s := _step_of(p.name)) is not None and (p / TRAINER_STATE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def _clean_leftovers(out: Path) -> None:
+    """Remove hidden temp/old/deleting folders of saves whose process is gone; restore an orphaned backup."""
+    for p in out.iterdir():
+        if not p.name.startswith("."):
+            continue
+        for kind in (".tmp-", ".old-", ".del-"):
+            if kind in p.name:
+                base, _, tail = p.name.partition(kind)
+                pid = tail.split("-")[0]
+                if not pid.isdigit() or _pid_alive(int(pid)):
+                    break
+                final = out / base[1:]
+                if kind == ".old-" and p.is_dir() and not final.exists():
+                    os.rename(p, final)  # killed between the two fallback renames: put it back
+                elif p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                break
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, torch CPU, CUDA (when initialized) and numpy RNG states, in weights_only-loadable types."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached": float(cached)}
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            s = state["numpy"]
+            np.random.set_state((s["kind"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["cached"]))
+        except ImportError:
+            pass
+
+
+def fingerprint(folder: str | Path) -> str:
+    """sha256 over config.json and the weight files (whole files up to 64 MiB, else size + head + tail)."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    names = sorted(p.name for p in folder.iterdir()
+                   if p.name == "config.json" or p.name.endswith(".safetensors") or p.name.endswith(".index.json"))
+    for name in names:
+        p = folder / name
+        size = p.stat().st_size
+        h.update(f"{name}:{size}\n".encode())
+        with open(p, "rb") as f:
+            if size <= 64 * 2**20:
+                h.update(f.read())
+            else:
+                h.update(f.read(4 * 2**20))
+                f.seek(size - 4 * 2**20)
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def load_weights_into(model: torch.nn.Module, folder: str | Path) -> None:
+    """Copy the weights of an SDAR folder into an existing model in place (its dtype/device), shard by shard.
+
+    Every parameter must be present with the right shape (CheckpointError naming the culprits otherwise).
+    """
+    folder = Path(folder)
+    files = checkpoint_files(folder)
+    params = dict(model.named_parameters())
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)
+    missing = sorted(set(params) - set(files))
+    unexpected = sorted(set(files) - set(params) - aliases)
+    if missing or unexpected:
+        raise CheckpointError(f"{folder} does not match the model: missing {missing or 'none'}, "
+                              f"unexpected {unexpected or 'none'}")
+    shards: dict[Path, list[str]] = {}
+    for n, f in files.items():
+        if n in params:
+            shards.setdefault(f, []).append(n)
+    with torch.no_grad():
+        for shard, names in sorted(shards.items()):
+            with safe_open(str(shard), framework="pt") as f:
+                for n in names:
+                    t = f.get_tensor(n)
+                    p = params[n]
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise CheckpointError(f"{shard}: {n} has shape {list(t.shape)}, the model {list(p.shape)}")
+                    p.copy_(t.to(device=p.device, dtype=p.dtype))
+
+
+def _check_json(extra: dict[str, Any]) -> None:
+    try:
+        json.dumps(extra, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"save_checkpoint: `extra` must be JSON-serializable ({e})") from None
+
+
+def _config_dict(config: Any) -> dict[str, Any] | None:
+    if config is None:
+        return None
+    d = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# reference model
+# ------------------------------------------------------------------------------------------------------------
+
+def save_reference(out_dir: str | Path, ref_model: torch.nn.Module, tokenizer: Any = None) -> Path:
+    """Write the frozen reference policy to `out_dir/reference/` once (atomic); returns the folder."""
+    folder = Path(out_dir) / REFERENCE
+    if (folder / "config.json").is_file():
+        return folder
+    bad = nonfinite_parameters(ref_model)
+    if bad:
+        raise NonFiniteModelError(f"the reference model has non-finite parameters ({', '.join(bad[:5])}); not saved")
+    return save_model(ref_model, ref_model.config, folder, tokenizer=tokenizer)
+
+
+def _reference_record(out: Path, state: TrainState, reference_dir: str | Path | None, tokenizer: Any) -> dict | None:
+    if state.ref_model is None:
+        return None
+    if reference_dir is None:
+        folder = save_reference(out, state.ref_model, tokenizer)
+    else:
+        folder = Path(reference_dir)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"reference_dir {folder} holds no config.json")
+    folder = folder.absolute()
+    try:
+        stored = str(folder.relative_to(out.absolute()))  # inside the run folder: relative (the run can move)
+        relative = True
+    except ValueError:
+        stored, relative = str(folder), False
+    return {"dir": stored, "relative": relative, "fingerprint": fingerprint(folder)}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# save
+# ------------------------------------------------------------------------------------------------------------
+
+def save_checkpoint(out_dir: str | Path, state: TrainState, extra: dict[str, Any] | None = None, *,
+                    config: Any = None, keep: int = 3, tokenizer: Any = None,
+                    reference_dir: str | Path | None = None, metrics_len: int | None = None) -> Path:
+    """Write `out_dir/checkpoint-<state.step>/` atomically, point `latest` at it, keep the last `keep`.
+
+    config: the RLConfig (stored as a dict); tokenizer: written into the model folder (so it is a complete
+    `--model` folder); reference_dir: the folder of the initial policy when kl_beta > 0 (None: the
+    reference model is saved once to out_dir/reference); metrics_len: lines of metrics.jsonl so far.
+    Raises NonFiniteModelError (nothing written) when a parameter is NaN/inf. Returns the folder.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    extra = dict(extra or {})
+    _check_json(extra)
+    bad = nonfinite_parameters(state.model)
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise NonFiniteModelError(f"not saving checkpoint of step {state.step}: non-finite values in "
+                                  f"{', '.join(bad[:5])}{more}")
+    out = Path(out_dir).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(out)
+    reference = _reference_record(out, state, reference_dir, tokenizer)
+    name = f"{PREFIX}{state.step}"
+    final = out / name
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out / f".{name}.tmp-{token}"
+    payload = {
+        "format": FORMAT_VERSION,
+        "step": state.step,
+        "cursor": state.cursor,
+        "nonfinite_in_row": state.nonfinite_in_row,
+        "optimizer": state.optimizer.state_dict(),
+        "scheduler": state.scheduler.state_dict(),
+        "rng": rng_state(),
+        "rl_config": _config_dict(config),
+        "metrics_len": metrics_len,
+        "reference": reference,
+        "extra": json.dumps(extra, allow_nan=True),
+        "torch_version": torch.__version__,
+    }
+    try:
+        save_model(state.model, state.model.config, tmp, tokenizer=tokenizer)
+        _crash_point("model_written")
+        with open(tmp / TRAINER_STATE, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(tmp)
+        _crash_point("state_written")
+        if not final.exists():
+            os.rename(tmp, final)
+        elif _rename_exchange(tmp, final):
+            shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous folder of this step
+        else:
+            old = out / f".{name}.old-{token}"
+            os.rename(final, old)
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                os.rename(old, final)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        _fsync(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _crash_point("renamed")
+    _write_latest(out, name)
+    _crash_point("latest_written")
+    _prune(out, keep, name)
+    return final
+
+
+def _write_latest(out: Path, name: str) -> None:
+    tmp = out / f".{LATEST}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out / LATEST)
+    _fsync(out)
+
+
+def _prune(out: Path, keep: int, current: str) -> None:
+    ckpts = list_checkpoints(out)
+    doomed = [p for p in ckpts[:-keep] if p.name != current] if len(ckpts) > keep else []
+    for p in doomed:
+        gone = out / f".{p.name}.del-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.rename(p, gone)  # out of sight first: a half-deleted folder never looks like a checkpoint
+        shutil.rmtree(gone, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# load
+# ------------------------------------------------------------------------------------------------------------
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder meant by `path`: a checkpoint folder itself, or a run folder (its `latest`, else
+    its highest complete checkpoint). FileNotFoundError / ValueError with a readable message otherwise."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such folder")
+    if not p.is_dir():
+        raise ValueError(f"{p} is not a folder")
+    if (p / TRAINER_STATE).is_file():
+        return p
+    latest = p / LATEST
+    if latest.is_file():
+        name = latest.read_text(encoding="utf-8").strip()
+        target = p / name
+        if not target.exists():  # killed between the two fallback renames of a same-step re-save
+            olds = sorted(q for q in p.iterdir() if q.name.startswith(f".{name}.old-"))
+            if olds:
+                os.rename(olds[-1], target)
+        if (target / TRAINER_STATE).is_file():
+            return target
+        raise ValueError(f"{latest} names {name!r}, which is not a complete checkpoint folder")
+    ckpts = list_checkpoints(p)
+    if ckpts:
+        return ckpts[-1]
+    raise ValueError(f"{p} holds no checkpoint (no {TRAINER_STATE}, no {LATEST} file, no {PREFIX}<step> folder)")
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    step: int
+    extra: dict[str, Any]
+    metrics_len: int | None
+    rl_config: dict[str, Any] | None
+    reference_dir: Path | None
+
+
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The raw trainer_state.pt of a checkpoint (or run) folder; `extra` decoded."""
+    ck = resolve_checkpoint(path)
+    ts = torch.load(ck / TRAINER_STATE, map_location="cpu", weights_only=True)
+    if ts.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{ck / TRAINER_STATE}: unknown format {ts.get('format')!r} (expected {FORMAT_VERSION})")
+    ts["extra"] = json.loads(ts["extra"]) if isinstance(ts.get("extra"), str) else (ts.get("extra") or {})
+    ts["path"] = ck
+    return ts
+
+
+def _reference_path(ck: Path, rec: dict) -> Path:
+    return (ck.parent / rec["dir"]) if rec.get("relative") else Path(rec["dir"])
+
+
+def load_checkpoint(path: str | Path, state: TrainState, *, config: Any = None, restore_rng: bool = True,
+                    load_model_weights: bool = True) -> LoadedCheckpoint:
+    """Restore `state` in place from a checkpoint (or run) folder: model weights, frozen reference (from the
+    recorded initial-policy folder, fingerprint-checked), optimizer, scheduler, step, cursor, non-finite
+    counter and (restore_rng) the RNG states. `config` (the current RLConfig) is compared with the saved one;
+    differences are warned about. Returns what else the checkpoint holds (extra, metrics length, ...)."""
+    ts = read_trainer_state(path)
+    ck: Path = ts["path"]
+    ref_dir = None
+    if state.ref_model is not None:
+        rec = ts.get("reference")
+        if rec is None:
+            raise CheckpointError(f"{ck} was saved without a reference model (kl_beta was 0), but this run has "
+                                  "kl_beta > 0 and needs the initial policy; resume with --kl-beta 0")
+        ref_dir = _reference_path(ck, rec)
+        if not (ref_dir / "config.json").is_file():
+            raise CheckpointError(f"{ck}: the reference (initial policy) folder {ref_dir} is gone")
+        if fingerprint(ref_dir) != rec["fingerprint"]:
+            raise CheckpointError(f"{ck}: the reference (initial policy) folder {ref_dir} changed since the run "
+                                  "started (its files differ); the KL term would use another model")
+    if load_model_weights:
+        load_weights_into(state.model, ck)
+    if ref_dir is not None:
+        load_weights_into(state.ref_model, ref_dir)
+    state.optimizer.load_state_dict(ts["optimizer"])
+    state.scheduler.load_state_dict(ts["scheduler"])
+    state.step, state.cursor, state.nonfinite_in_row = int(ts["step"]), int(ts["cursor"]), int(ts["nonfinite_in_row"])
+    if restore_rng:
+        set_rng_state(ts["rng"])
+    saved = ts.get("rl_config")
+    if config is not None and saved is not None:
+        now = _config_dict(config) or {}
+        diff = sorted(k for k in set(now) | set(saved) if k != "steps" and now.get(k) != saved.get(k))
+        if diff:
+            warnings.warn(f"resuming {ck} with a different RL config: "
+                          + ", ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in diff), stacklevel=2)
+    return LoadedCheckpoint(ck, state.step, ts["extra"], ts.get("metrics_len"), saved, ref_dir)

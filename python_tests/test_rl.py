@@ -1,0 +1,151 @@
+"""The RL stages: advantages and filtering, layouts and train/rollout consistency, micro-batching, train_step."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightningrl_fast.model import SDARConfig, build_model
+from lightningrl_fast.rl.advantages import Scored, compute_advantages, keep_groups, score_rollout
+from lightningrl_fast.rl.logprobs import batch_logprobs, build_layout_batch
+from lightningrl_fast.rl.trainer import (
+    Groups,
+    RLConfig,
+    example_stream,
+    layout_stage,
+    loss_backward_stage,
+    make_state,
+    train_step,
+)
+from lightningrl_fast.sampler import SamplerConfig, generate
+from lightningrl_fast.tasks.synthetic import SyntheticArithmetic
+
+MASK, V = 110, 111
+
+
+def tiny_model(seed=0, dtype=torch.float64, peaky=60.0):
+    cfg = SDARConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, block_size=4, mask_token_id=MASK, torch_dtype="float32",
+                     max_position_embeddings=256)
+    m = build_model(cfg, dtype=dtype, seed=seed).eval()
+    m.lm_head.weight.data *= peaky  # confident enough that several tokens pass the threshold per step
+    return m
+
+
+def test_advantages_hand_examples():
+    # group 0: acc [1, 0], tpf [2, 2] -> z_acc [1, -1], z_tpf [0, 0]; group 1: acc [1, 1], tpf [1, 3] -> z_tpf [-1, 1]
+    sc = Scored(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([2.0, 2.0, 1.0, 3.0]), torch.tensor([0, 0, 1, 1]))
+    adv = compute_advantages(sc, tpf_weight=0.5)
+    r = torch.tensor([1.0, -1.0, -0.5, 0.5])
+    torch.testing.assert_close(adv, (r - r.mean()) / r.std(unbiased=False))
+    # single-sample groups: every z-score is 0 -> advantages 0
+    sc1 = Scored(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([3.0, 1.0, 2.0]), torch.tensor([0, 1, 2]))
+    assert torch.equal(compute_advantages(sc1), torch.zeros(3))
+    # sum-then-normalize differs from decoupled when the rewards have different scales
+    sc2 = Scored(torch.tensor([1.0, 0.0, 0.0]), torch.tensor([1.0, 5.0, 9.0]), torch.tensor([0, 0, 0]))
+    assert not torch.allclose(compute_advantages(sc2, mode="sum"), compute_advantages(sc2))
+
+
+def test_filtering_and_scoring():
+    sc = Scored(torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0, 1.0]), torch.tensor([2.0, 3.0, 2.0, 2.005, 1.0, 4.0]),
+                torch.tensor([0, 0, 1, 1, 2, 2]))
+    # group 0 all wrong, group 1 TPF spread 0.005 < 0.01, group 2 kept
+    assert keep_groups(sc).tolist() == [False, False, False, False, True, True]
+    assert keep_groups(sc, min_tpf_range=0.0).tolist() == [False, False, True, True, True, True]
+    # a correct answer without EOS (hit max_new_tokens) counts as wrong
+    s = score_rollout([True, True], torch.tensor([2.0, 3.0]), torch.tensor([True, False]), torch.tensor([0, 0]))
+    assert s.accuracy.tolist() == [1.0, 0.0]
+
+
+def test_example_stream_is_resumable():
+    a = example_stream(10, 0, 25, seed=3)
+    b = example_stream(10, 0, 12, seed=3) + example_stream(10, 12, 13, seed=3)
+    assert a == b and sorted(a[:10]) == list(range(10)) and a[:10] != a[10:20]
+
+
+def test_trace_logprobs_equal_the_sampler_logprobs():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 100, (n,), generator=g).tolist() for n in [1, 3, 4, 5, 9]]
+    ro = generate(model, prompts, SamplerConfig(threshold=0.5, temperature=1.0, max_new_tokens=14, eos_ids=(3,)))
+    assert float(ro.tpf.max()) > 1.5  # several tokens per step, so rounds matter
+    lb = build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, 4, MASK, "trace")
+    assert lb.layout.num_copies > 2
+    with torch.no_grad():
+        lp = batch_logprobs(model, lb)
+    recorded = ro.logp[lb.tgt_row, lb.resp_pos]
+    assert lb.num_tokens == int(ro.lengths.sum())
+    torch.testing.assert_close(lp.float(), recorded, rtol=0, atol=1e-5)
+    # block proxy reads every response token with its whole block masked: a different (cheaper) estimate
+    lbp = build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, 4, MASK, "block_proxy")
+    assert lbp.layout.num_copies == 2 and torch.equal(lbp.targets, lb.targets)
+    with pytest.raises(ValueError, match="logprob mode"):
+        build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, 4, MASK, "exact")
+
+
+@pytest.mark.parametrize("mode", ["block_proxy", "trace"])
+def test_microbatched_backward_equals_one_batch(mode):
+    model = tiny_model(dtype=torch.float64, peaky=20.0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, 100, (n,), generator=g).tolist() for n in [2, 5, 7, 3]]
+    ro = generate(model, [p for p in prompts for _ in range(2)],
+                  SamplerConfig(threshold=0.5, temperature=1.0, max_new_tokens=10, eos_ids=(3,)))
+    groups = Groups(sequences=list(ro.sequences), step_maps=list(ro.seq_step_map), prompt_lens=ro.prompt_lens.tolist(),
+                    resp_lens=ro.lengths.tolist(), accuracy=[1.0, 0.0] * 4, tpf=ro.tpf.tolist(),
+                    group_ids=[0, 0, 1, 1, 2, 2, 3, 3], texts=[""] * 8)
+    lb = layout_stage(groups, 4, MASK, mode)
+    adv_tok = torch.randn(8, generator=g, dtype=torch.float64)[lb.tgt_row]
+    correct = torch.tensor(groups.accuracy) > 0
+    ref = -torch.rand(lb.num_tokens, generator=g, dtype=torch.float64)
+    grads = []
+    for budget in (10**6, lb.input_ids.shape[1] * 3):  # one micro-batch vs micro-batches of 3 rows
+        model.zero_grad()
+        cfg = RLConfig(micro_batch_tokens=budget, kl_beta=0.05, nll_weight=0.1, group_size=2, prompts_per_step=4)
+        agg = loss_backward_stage(model, lb, range(8), adv_tok, None, ref, correct, cfg)
+        grads.append(([p.grad.clone() for p in model.parameters()], agg["loss"]))
+    for a, b in zip(grads[0][0], grads[1][0]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert grads[0][1] == pytest.approx(grads[1][1], rel=1e-9)
+
+
+class HalfRightTask(SyntheticArithmetic):
+    """A random model is never right on arithmetic; call a response right when its length is even."""
+
+    def is_correct(self, response, ex):
+        return len(response) % 2 == 0
+
+
+def test_train_step_updates_the_weights_the_sampler_uses():
+    task = HalfRightTask(max_operand=4)
+    tok = task.tokenizer
+    cfg = SDARConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=8,
+                     mask_token_id=tok.mask_token_id, torch_dtype="float32", max_position_embeddings=64)
+    model = build_model(cfg, dtype=torch.float32, seed=0).eval()
+    scfg = SamplerConfig(threshold=0.9, temperature=1.0, max_new_tokens=20, eos_ids=tuple(sorted(tok.eos_token_ids)))
+    rc = RLConfig(steps=1, prompts_per_step=2, group_size=4, lr=1e-2, kl_beta=0.01, filter_groups=False,
+                  max_refill_rounds=0, micro_batch_tokens=4096)
+    state = make_state(model, rc)
+    before = [p.detach().clone() for p in model.parameters()]
+    probe = [tok.encode(task.train[0].prompt)]
+    ro_before = generate(model, probe, dataclasses.replace(scfg, temperature=0))
+    m = train_step(state, tok, task, task.train, rc, scfg)
+    assert state.step == 1 and m["updates"] == 1 and state.cursor == 2
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(torch.equal(a, p) for a, p in zip(before, state.ref_model.parameters()))  # frozen reference
+    ro_after = generate(model, probe, dataclasses.replace(scfg, temperature=0))  # same object, new weights
+    with torch.no_grad():
+        lb = build_layout_batch(ro_after.sequences, ro_after.seq_step_map, ro_after.prompt_lens, ro_after.lengths,
+                                8, tok.mask_token_id, "trace")
+        lp_new = batch_logprobs(model, lb)
+        lp_ref = batch_logprobs(state.ref_model, lb)
+    torch.testing.assert_close(lp_new, ro_after.logp[lb.tgt_row, lb.resp_pos], atol=1e-5, rtol=0)
+    assert not torch.allclose(lp_new, lp_ref)
+    assert ro_before.tokens.shape == ro_after.tokens.shape
+
+
+def test_rl_config_validation():
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        RLConfig(group_size=1).validate()
+    with pytest.raises(ValueError, match="logprob_mode"):
+        RLConfig(logprob_mode="exact").validate()
