@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from lightningrl_fast.tasks import get_task
+from lightningrl_fast.tasks import (
+    MathTask,
+    Task,
+    TaskLike,
+    available_tasks,
+    get_task,
+    is_correct_batch,
+    register_task,
+    score_batch,
+)
 from lightningrl_fast.tasks.data import (
     DataFormatError,
     Example,
@@ -285,3 +294,42 @@ def test_prompt_builders():
     assert "```python\ndef inc(x):\n    pass\n```" in code_prompt(he) and build_prompt(he) == code_prompt(he)
     with pytest.raises(ValueError, match="unknown example kind"):
         build_prompt(Example("x", "q", "a", "poem"))  # type: ignore[arg-type]
+
+
+def test_registry_names_lazy_entries_and_duck_typed_tasks(monkeypatch):
+    assert {"math", "code", "synthetic"} <= set(available_tasks())
+    assert isinstance(get_task("math", strict=False), MathTask) and get_task("math", strict=False).strict is False
+    with pytest.raises(KeyError, match="unknown task 'nope'; available: .*math"):
+        get_task("nope")
+
+    class Echo:  # duck-typed: no Task base class
+        name = "echo"
+
+        def build_prompt(self, example):
+            return example.prompt
+
+        def score(self, response, example):
+            return float(response == example.answer)
+
+        def is_correct(self, response, example):
+            return response == example.answer
+
+    import lightningrl_fast.tasks as tasks_pkg
+
+    monkeypatch.setattr(tasks_pkg, "_REGISTRY", dict(tasks_pkg._REGISTRY))  # registration stays in this test
+    register_task("echo", Echo)
+    task = get_task("echo")
+    ex = Example("e", "say hi", "hi", "math")
+    assert isinstance(task, TaskLike) and not isinstance(task, Task)
+    assert score_batch(task, ["hi", "ho"], [ex, ex]) == [1.0, 0.0]
+    assert is_correct_batch(task, ["hi"], [ex]) == [True]
+    assert score_batch(get_task("math"), [r"\boxed{hi}"], [ex]) == [1.0]
+    with pytest.raises(TypeError, match="needs a class with build_prompt"):
+        register_task("bad", object)
+
+
+def test_registry_builds_the_synthetic_task_when_present():
+    if importlib.util.find_spec("lightningrl_fast.tasks.synthetic") is None:
+        pytest.skip("tasks/synthetic.py is not there")
+    task = get_task("synthetic")
+    assert task.name == "synthetic" and isinstance(task, TaskLike)

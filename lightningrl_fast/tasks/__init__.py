@@ -10,15 +10,18 @@ A task turns an `Example` into a prompt string and scores a model response again
 ``score_batch`` / ``is_correct_batch`` score many pairs at once (the code task runs its sandboxes in
 parallel). ``response`` is the generated text only (what follows the prompt).
 
-Adding a task: subclass `Task` in ``tasks/<name>.py`` and register it, either by calling
-``register_task("<name>", Cls)`` or by adding ``"<name>": "lightningrl_fast.tasks.<name>:Cls"`` to
-``_BUILTIN`` (imported lazily on first use).
+Adding a task: write a class in ``tasks/<name>.py`` with ``name``, ``build_prompt``, ``score`` and
+``is_correct`` (subclassing `Task` gives the batch methods; any class with those four members is
+accepted, see `TaskLike`) and register it, either by calling ``register_task("<name>", Cls)`` or by
+adding ``"<name>": "lightningrl_fast.tasks.<name>:Cls"`` to ``_BUILTIN`` (imported lazily on first use,
+so heavy modules cost nothing until asked for). ``score_batch(task, ...)`` / ``is_correct_batch(task,
+...)`` work with either kind.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 from .data import (
     DataFormatError,
@@ -33,6 +36,9 @@ from .data import (
 
 __all__ = [
     "Task",
+    "TaskLike",
+    "score_batch",
+    "is_correct_batch",
     "MathTask",
     "CodeTask",
     "get_task",
@@ -47,6 +53,19 @@ __all__ = [
     "code_prompt",
     "build_prompt",
 ]
+
+
+@runtime_checkable
+class TaskLike(Protocol):
+    """What the trainer needs from a task (`Task` subclasses and duck-typed classes alike)."""
+
+    name: str
+
+    def build_prompt(self, example: Any) -> str: ...
+
+    def score(self, response: str, example: Any) -> float: ...
+
+    def is_correct(self, response: str, example: Any) -> bool: ...
 
 
 class Task:
@@ -139,14 +158,16 @@ class CodeTask(Task):
         return [r.passed for r in self.run_batch(responses, examples)]
 
 
-_BUILTIN: dict[str, str] = {}  # name -> "module:Class", imported on first use (e.g. tasks/synthetic.py)
-_REGISTRY: dict[str, type[Task]] = {"math": MathTask, "code": CodeTask}
+# name -> "module:Class", imported on first use
+_BUILTIN: dict[str, str] = {"synthetic": "lightningrl_fast.tasks.synthetic:SyntheticArithmetic"}
+_REGISTRY: dict[str, type] = {"math": MathTask, "code": CodeTask}
+_MEMBERS = ("build_prompt", "score", "is_correct")
 
 
-def register_task(name: str, cls: type[Task]) -> None:
-    """Make ``get_task(name)`` build ``cls``."""
-    if not (isinstance(cls, type) and issubclass(cls, Task)):
-        raise TypeError(f"register_task({name!r}, ...) needs a Task subclass, got {cls!r}")
+def register_task(name: str, cls: type) -> None:
+    """Make ``get_task(name)`` build ``cls`` (a `Task` subclass or any class with the `TaskLike` members)."""
+    if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in _MEMBERS):
+        raise TypeError(f"register_task({name!r}, ...) needs a class with {', '.join(_MEMBERS)}; got {cls!r}")
     _REGISTRY[name] = cls
 
 
@@ -154,7 +175,7 @@ def available_tasks() -> list[str]:
     return sorted(set(_REGISTRY) | set(_BUILTIN))
 
 
-def get_task(name: str, **kwargs: Any) -> Task:
+def get_task(name: str, **kwargs: Any) -> TaskLike:
     """A new task object by name (keyword arguments go to its constructor)."""
     if name not in _REGISTRY and name in _BUILTIN:
         module, _, attr = _BUILTIN[name].partition(":")
@@ -162,3 +183,19 @@ def get_task(name: str, **kwargs: Any) -> Task:
     if name not in _REGISTRY:
         raise KeyError(f"unknown task {name!r}; available: {', '.join(available_tasks())}")
     return _REGISTRY[name](**kwargs)
+
+
+def score_batch(task: TaskLike, responses: Sequence[str], examples: Sequence[Any]) -> list[float]:
+    """``task.score_batch`` when the task has one (parallel code sandboxes), else one ``score`` per pair."""
+    if hasattr(task, "score_batch"):
+        return list(task.score_batch(responses, examples))
+    _check_pairs(responses, examples)
+    return [float(task.score(r, e)) for r, e in zip(responses, examples)]
+
+
+def is_correct_batch(task: TaskLike, responses: Sequence[str], examples: Sequence[Any]) -> list[bool]:
+    """``task.is_correct_batch`` when the task has one, else one ``is_correct`` per pair."""
+    if hasattr(task, "is_correct_batch"):
+        return list(task.is_correct_batch(responses, examples))
+    _check_pairs(responses, examples)
+    return [bool(task.is_correct(r, e)) for r, e in zip(responses, examples)]
