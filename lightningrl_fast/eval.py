@@ -1,0 +1,500 @@
+"""[eval] Accuracy vs parallelism: decode a benchmark at several confidence thresholds, score, report AUP.
+
+    python -m lightningrl_fast.eval --model DIR --task math|code|synthetic [--data FILE]
+        [--thresholds 0.5,0.7,0.9,0.95] [--limit N] [--out DIR] [--label NAME] [--overlay other.json ...]
+        [--block-size B] [--max-new-tokens N] [--batch-size N] [--temperature 0] [--device ...] [--dtype ...]
+
+For each threshold tau the examples are decoded (greedy by default, REFERENCE §2: evaluation is greedy with
+the rollout's block and tau) and scored by the task's verifier; per threshold it reports accuracy, mean TPF
+(over examples), tokens/s and forwards/s (decode time only, scoring excluded), and the engine's forwards.
+`--task synthetic` without `--data` uses the embedded task's held-out test split (`tasks.synthetic`);
+with `--data`, a JSONL of {"operands": [a, b, c]} or {"prompt": "a+b+c?"} rows. Math/code read the benchmark
+files of `tasks.data.load_examples` (GSM8K, MATH500, MBPP, HumanEval, plain). Code completions run in the
+sandboxed verifier, many at a time (`--workers`), and every batch is scored in a background thread while the
+next batch decodes.
+
+Outputs: a table on stdout; `<out>/<label>.<task>.json` (the points, AUP, sampler settings, device);
+`<out>/<label>.<task>.png`, the accuracy-vs-TPF curve of this run with every `--overlay` results file drawn on
+the same axes (needs matplotlib; without it the PNG is skipped with a note). Overlays are earlier results
+JSONs of this tool, e.g. the base model's curve under the trained model's.
+
+AUP (accuracy under parallelism), as d3LLM defines it (Qian et al., "d3LLM: Ultra-Fast Diffusion LLM using
+Pseudo-Trajectory Distillation", and its public leaderboard code), on points (rho_i = TPF, y_i = accuracy in
+PERCENT, 0..100):
+  1. sort the points by TPF (ties: higher accuracy first);
+  2. keep the points with y_i >= y_1 - 5, y_1 the accuracy of the lowest-TPF point (a run that loses more than
+     five points of accuracy gets no credit for the extra parallelism);
+  3. AUP = rho_1 * y_1 + sum_{i>=2} (rho_i - rho_{i-1}) * (y_i W(y_i) + y_{i-1} W(y_{i-1})) / 2, with
+     W(y) = min(exp(-3 (1 - y / y_max)), 1): the rectangle under the first point (unweighted) plus the
+     trapezoids of the weighted accuracy between consecutive points.
+  y_max is the best accuracy among all compared runs (d3LLM normalizes every method of a task by the best
+  one): `aup(points)` alone uses the points' own maximum; with overlays the JSON also records each run's AUP
+  under the shared y_max (`aup_shared`). The unit of AUP is "TPF x accuracy-percent": a run at 90% with TPF 4
+  everywhere scores 360. Raw accuracy and TPF are always reported beside it.
+
+Python API (the trainer calls these): `evaluate(model, tokenizer, task, examples, thresholds, sampler_cfg)`
+-> dict, `aup(points, y_max=None)` -> float, `plot_curves(runs, path)`, `load_results(path)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .generate import (
+    CLIError,
+    add_decoding_args,
+    batches,
+    check_decoding_args,
+    check_model_dir,
+    decode_block_size,
+    decode_texts,
+    eos_ids_for,
+    load_model_checked,
+    load_tokenizer_checked,
+    progress,
+    resolve_device,
+    resolve_dtype,
+)
+
+DEFAULT_THRESHOLDS = (0.5, 0.7, 0.9, 0.95)
+AUP_ALPHA = 3.0
+AUP_Y_MIN_OFFSET = 5.0
+AUP_DEFINITION = ("d3LLM AUP: points (TPF, accuracy %) sorted by TPF; keep accuracy >= y_1 - 5; "
+                  "AUP = rho_1*y_1 + sum trapezoids of y*W(y), W(y) = min(exp(-3(1 - y/y_max)), 1)")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# AUP
+# ------------------------------------------------------------------------------------------------------------
+
+def aup_weight(y: float, y_max: float, alpha: float = AUP_ALPHA) -> float:
+    """W(y) = min(exp(-alpha (1 - y / y_max)), 1); 1 when y_max is 0 (then every y is 0)."""
+    if y_max <= 0:
+        return 1.0
+    return min(math.exp(-alpha * (1.0 - y / y_max)), 1.0)
+
+
+def aup(points: Sequence[tuple[float, float]], y_max: float | None = None, *, alpha: float = AUP_ALPHA,
+        y_min_offset: float = AUP_Y_MIN_OFFSET) -> float:
+    """Accuracy under parallelism of (TPF, accuracy-percent) points; see the module docstring.
+
+    `y_max` defaults to the best accuracy among `points`; pass the best over every compared run to rank runs.
+    Accuracies are percentages in [0, 100] (the d3LLM convention; the 5-point filter is in those units).
+    """
+    pts = [(float(r), float(y)) for r, y in points]
+    if not pts:
+        raise ValueError("aup needs at least one (tpf, accuracy) point")
+    for r, y in pts:
+        if not (math.isfinite(r) and r > 0):
+            raise ValueError(f"aup: TPF must be a positive number, got {r}")
+        if not (math.isfinite(y) and 0 <= y <= 100):
+            raise ValueError(f"aup: accuracy must be a percentage in [0, 100], got {y}")
+    if y_max is None:
+        y_max = max(y for _, y in pts)
+    pts.sort(key=lambda p: (p[0], -p[1]))
+    floor = pts[0][1] - y_min_offset
+    kept = [p for p in pts if p[1] >= floor]
+    total = kept[0][0] * kept[0][1]
+    for (r0, y0), (r1, y1) in zip(kept, kept[1:]):
+        total += 0.5 * (r1 - r0) * (y1 * aup_weight(y1, y_max, alpha) + y0 * aup_weight(y0, y_max, alpha))
+    return total
+
+
+def run_points(result: dict) -> list[tuple[float, float]]:
+    """(TPF, accuracy %) of every threshold of a results dict (points with no finite TPF are skipped)."""
+    return [(p["mean_tpf"], 100.0 * p["accuracy"]) for p in result["points"]
+            if isinstance(p.get("mean_tpf"), (int, float)) and math.isfinite(p["mean_tpf"]) and p["mean_tpf"] > 0]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# evaluation
+# ------------------------------------------------------------------------------------------------------------
+
+def _correct_batch(task, responses: list[str], examples: list) -> list[bool]:
+    if hasattr(task, "is_correct_batch"):
+        return list(task.is_correct_batch(responses, examples))
+    return [bool(task.is_correct(r, e)) for r, e in zip(responses, examples)]
+
+
+def _encode(tokenizer, task, examples) -> list[list[int]]:
+    out = []
+    for i, ex in enumerate(examples):
+        text = task.build_prompt(ex)
+        try:
+            ids = tokenizer.encode(text)
+        except ValueError as e:
+            ex_id = getattr(ex, "id", i)
+            raise ValueError(f"example {ex_id!r}: the prompt cannot be tokenized: {e}") from None
+        if not ids:
+            raise ValueError(f"example {getattr(ex, 'id', i)!r}: the prompt encodes to no tokens")
+        out.append(ids)
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequence[float], sampler_cfg,
+             *, batch_size: int = 32, progress_bar: bool = False, keep_responses: bool = False,
+             on_batch: Callable[[float, int, int], None] | None = None) -> dict:
+    """Decode `examples` at each threshold with `sampler_cfg` (its `threshold` is replaced), score, and report.
+
+    `task` has `build_prompt(example) -> str` and `is_correct(response, example)` (or `is_correct_batch`);
+    the response passed to the verifier is the decoded text without its EOS. The model is put in eval mode for
+    the call and its mode restored. When `sampler_cfg.block_size` differs from the model's, the model's
+    attention runs with the sampler's block size for the call.
+
+    Returns {"points": [per threshold: threshold, n, correct, accuracy (fraction), mean_tpf, tokens,
+    tokens_per_s, forwards, forwards_per_s, truncated, decode_s, score_s (+ responses)], "aup", "aup_y_max",
+    "sampler": settings, "n_examples"}.
+    """
+    if not examples:
+        raise ValueError("evaluate: no examples")
+    if not thresholds:
+        raise ValueError("evaluate: no thresholds")
+    if batch_size < 1:
+        raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
+    examples = list(examples)
+    ids = _encode(tokenizer, task, examples)
+    groups = batches(len(ids), batch_size)
+    was_training = model.training
+    model.eval()
+    points = []
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-score")
+    bar = progress(len(groups) * len(thresholds), "eval", enabled=progress_bar)
+    try:
+        with decode_block_size(model, sampler_cfg.block_size):
+            for tau in thresholds:
+                cfg = dataclasses.replace(sampler_cfg, threshold=float(tau))
+                responses: list[str] = [""] * len(ids)
+                tpf = [math.nan] * len(ids)
+                pending: list[tuple[range, concurrent.futures.Future]] = []
+                n_tok = n_fwd = truncated = 0
+                decode_s = 0.0
+                for b, idx in enumerate(groups):
+                    bcfg = dataclasses.replace(cfg, seed=cfg.seed + b)
+                    t0 = time.perf_counter()
+                    ro, texts = decode_texts(model, tokenizer, [ids[i] for i in idx], bcfg)
+                    decode_s += time.perf_counter() - t0
+                    n_fwd += ro.total_forwards
+                    n_tok += int(ro.lengths.sum())
+                    truncated += sum(r == "length" for r in ro.finish_reason)
+                    for j, i in enumerate(idx):
+                        responses[i] = texts[j]
+                        tpf[i] = float(ro.tpf[j])
+                    exs = [examples[i] for i in idx]
+                    pending.append((idx, pool.submit(_timed, _correct_batch, task, texts, exs)))
+                    bar.update(1)
+                    if on_batch is not None:
+                        on_batch(float(tau), b, len(groups))
+                correct = [False] * len(ids)
+                score_s = 0.0
+                for idx, fut in pending:
+                    ok, s = fut.result()
+                    score_s += s
+                    for j, i in enumerate(idx):
+                        correct[i] = bool(ok[j])
+                n_ok = sum(correct)
+                pt = {
+                    "threshold": float(tau), "n": len(ids), "correct": n_ok, "accuracy": n_ok / len(ids),
+                    "mean_tpf": sum(tpf) / len(tpf), "tokens": n_tok,
+                    "tokens_per_s": n_tok / decode_s if decode_s > 0 else math.nan,
+                    "forwards": n_fwd, "forwards_per_s": n_fwd / decode_s if decode_s > 0 else math.nan,
+                    "truncated": truncated, "decode_s": decode_s, "score_s": score_s,
+                }
+                if keep_responses:
+                    pt["responses"] = [{"response": r, "correct": c, "tpf": t} for r, c, t in zip(responses, correct, tpf)]
+                points.append(pt)
+    finally:
+        bar.close()
+        pool.shutdown(wait=True)
+        model.train(was_training)
+    pts = run_points({"points": points})
+    y_max = max(y for _, y in pts) if pts else 0.0
+    settings = {k: v for k, v in dataclasses.asdict(sampler_cfg).items() if k != "threshold"}
+    settings["eos_ids"] = list(settings["eos_ids"])
+    settings["block_size"] = sampler_cfg.block_size or model.config.block_size
+    return {"points": points, "aup": aup(pts) if pts else math.nan, "aup_y_max": y_max,
+            "aup_definition": AUP_DEFINITION, "sampler": settings, "n_examples": len(examples)}
+
+
+def _timed(fn, *a):
+    t0 = time.perf_counter()
+    out = fn(*a)
+    return out, time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# results files and plots
+# ------------------------------------------------------------------------------------------------------------
+
+def load_results(path: str | Path) -> dict:
+    """A results JSON written by this tool (checked: a "points" list with accuracy and mean_tpf)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CLIError(f"overlay {path} does not exist")
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CLIError(f"overlay {path} is not valid JSON: {e}") from None
+    pts = d.get("points") if isinstance(d, dict) else None
+    if not isinstance(pts, list) or not pts:
+        raise CLIError(f"overlay {path} is not a results file of lightningrl_fast.eval (no \"points\" list)")
+    for i, p in enumerate(pts):
+        if not isinstance(p, dict) or not all(isinstance(p.get(k), (int, float)) for k in ("accuracy", "mean_tpf")):
+            raise CLIError(f"overlay {path}: point {i} lacks numeric \"accuracy\" / \"mean_tpf\"")
+    d.setdefault("label", path.stem)
+    return d
+
+
+def plot_curves(runs: Sequence[dict], path: str | Path, title: str = "") -> bool:
+    """Accuracy (%) vs mean TPF, one line per run (label and AUP in the legend; thresholds annotated).
+
+    Returns False (and writes nothing) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    ys: list[float] = []
+    for run in runs:
+        pts = sorted(((p["mean_tpf"], 100 * p["accuracy"], p.get("threshold")) for p in run["points"]
+                      if math.isfinite(p["mean_tpf"])), key=lambda t: t[0])
+        if not pts:
+            continue
+        x, y, taus = zip(*pts)
+        a = run.get("aup_shared", run.get("aup"))
+        block = (run.get("sampler") or {}).get("block_size")
+        label = str(run.get("label", "?")) + (f" b{block}" if block else "")
+        if isinstance(a, (int, float)) and math.isfinite(a):
+            label += f" (AUP {a:.1f})"
+        ax.plot(x, y, marker="o", label=label)
+        ys.extend(y)
+        for xi, yi, t in zip(x, y, taus):
+            if t is not None:
+                ax.annotate(f"{t:g}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    if ys:  # AUP integrates from TPF 0; accuracy within [0, 100] with a margin
+        lo, hi = min(ys), max(ys)
+        pad = max(2.0, 0.1 * (hi - lo))
+        ax.set_ylim(max(0.0, lo - pad) if lo > 0 else -1.0, min(100.0, hi + pad) if hi < 100 else 101.0)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("tokens per forward (TPF)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(title or "accuracy vs parallelism")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def format_table(result: dict) -> str:
+    cols = ("threshold", "accuracy%", "mean_tpf", "tokens/s", "forwards/s", "forwards", "truncated", "n")
+    rows = []
+    for p in result["points"]:
+        rows.append((f"{p['threshold']:g}", f"{100 * p['accuracy']:.2f}", f"{p['mean_tpf']:.3f}",
+                     f"{p['tokens_per_s']:.1f}", f"{p['forwards_per_s']:.1f}", str(p["forwards"]),
+                     str(p["truncated"]), str(p["n"])))
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tasks and data for the command line
+# ------------------------------------------------------------------------------------------------------------
+
+_SYNTH_PROMPT = re.compile(r"^\s*\d+(\s*\+\s*\d+)+\s*\?\s*$")
+
+
+def load_synthetic(path: str | Path | None, task):
+    """The synthetic task's test split, or ArithExamples from a JSONL of operands / prompts (file:line errors)."""
+    from .tasks.synthetic import ArithExample
+
+    if path is None:
+        return list(task.test)
+    path = Path(path)
+    if not path.is_file():
+        raise CLIError(f"data file {path} does not exist")
+    out, errors = [], []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            errors.append(f"{path}:{lineno}: not valid JSON ({e.msg})")
+            continue
+        ops = row.get("operands") if isinstance(row, dict) else None
+        if ops is None and isinstance(row, dict) and isinstance(row.get("prompt"), str) and _SYNTH_PROMPT.match(row["prompt"]):
+            ops = [int(x) for x in re.findall(r"\d+", row["prompt"])]
+        if not (isinstance(ops, list) and len(ops) >= 2 and all(isinstance(x, int) and x >= 0 for x in ops)):
+            errors.append(f"{path}:{lineno}: expected {{\"operands\": [a, b, ...]}} or {{\"prompt\": \"a+b+c?\"}}")
+            continue
+        out.append(ArithExample(tuple(ops)))
+    if errors:
+        raise CLIError(f"{len(errors)} malformed row(s) in {path}:\n  " + "\n  ".join(errors[:10]))
+    if not out:
+        raise CLIError(f"{path}: no examples")
+    return out
+
+
+def make_task(name: str, workers: int | None):
+    if name == "synthetic":
+        from .tasks.synthetic import SyntheticArithmetic
+
+        return SyntheticArithmetic()
+    from .tasks import get_task
+
+    return get_task(name, workers=workers) if name == "code" else get_task(name)
+
+
+def load_data(args, task) -> list:
+    if args.task == "synthetic":
+        exs = load_synthetic(args.data, task)
+    else:
+        if args.data is None:
+            raise CLIError(f"--task {args.task} needs --data FILE (a benchmark file; nothing is downloaded)")
+        from .tasks.data import DataFormatError, load_examples
+
+        try:
+            exs = list(load_examples(args.data, fmt=args.format, limit=args.limit))
+        except FileNotFoundError:
+            raise CLIError(f"data file {args.data} does not exist") from None
+        except (DataFormatError, ValueError) as e:
+            raise CLIError(str(e)) from None
+        wrong = [e for e in exs if e.kind != args.task]
+        if wrong:
+            raise CLIError(f"{args.data}: {len(wrong)} of {len(exs)} examples are {wrong[0].kind!r} problems, "
+                           f"not {args.task!r} (e.g. {wrong[0].id}); pick the matching --task")
+    return exs[: args.limit] if args.limit else exs
+
+
+def parse_thresholds(text: str) -> list[float]:
+    try:
+        vals = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise CLIError(f"--thresholds {text!r}: expected comma-separated numbers, e.g. 0.5,0.7,0.9") from None
+    if not vals:
+        raise CLIError("--thresholds: no value given")
+    bad = [v for v in vals if not 0 <= v <= 1.0001]
+    if bad:
+        raise CLIError(f"--thresholds: values must be in [0, 1], got {bad}")
+    return vals
+
+
+def _safe_name(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "run"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# command line
+# ------------------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m lightningrl_fast.eval",
+                                 description="Accuracy vs tokens-per-forward over confidence thresholds, and AUP.")
+    ap.add_argument("--model", required=True, help="checkpoint folder")
+    ap.add_argument("--task", required=True, choices=("math", "code", "synthetic"))
+    ap.add_argument("--data", default=None, help="benchmark file (optional for --task synthetic: its test split)")
+    ap.add_argument("--format", default=None, help="force the data format (gsm8k, math500, mbpp, humaneval, plain)")
+    ap.add_argument("--thresholds", default=",".join(f"{t:g}" for t in DEFAULT_THRESHOLDS))
+    ap.add_argument("--limit", type=int, default=None, help="first N examples only")
+    ap.add_argument("--out", default="eval_results", help="folder for the results JSON and PNG (default eval_results)")
+    ap.add_argument("--label", default=None, help="name of this run in tables, files and plots (default: model folder)")
+    ap.add_argument("--overlay", nargs="*", default=[], help="results JSONs of earlier runs to draw on the same plot")
+    ap.add_argument("--workers", type=int, default=None, help="parallel code sandboxes (default: CPU count)")
+    ap.add_argument("--save-responses", action="store_true", help="keep every response in the results JSON")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_decoding_args(ap, temperature=0.0, max_new_tokens=None, batch_size=32)
+    return ap
+
+
+def run(args) -> dict:
+    check_decoding_args(args)
+    if args.limit is not None and args.limit < 1:
+        raise CLIError(f"--limit must be >= 1, got {args.limit}")
+    thresholds = parse_thresholds(args.thresholds)
+    model_dir = check_model_dir(args.model)
+    overlays = [load_results(p) for p in args.overlay]
+    task = make_task(args.task, args.workers)
+    examples = load_data(args, task)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    tokenizer = load_tokenizer_checked(model_dir)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = task.max_response_tokens() if hasattr(task, "max_response_tokens") else 512
+    model = load_model_checked(model_dir, device, dtype)
+    from .generate import sampler_config_from_args
+
+    cfg = sampler_config_from_args(args, eos_ids_for(tokenizer, model.config.vocab_size))
+    label = args.label or model_dir.resolve().name
+    try:
+        res = evaluate(model, tokenizer, task, examples, thresholds, cfg, batch_size=args.batch_size,
+                       progress_bar=not args.quiet, keep_responses=args.save_responses)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    res.update(label=label, task=args.task, model=str(model_dir), data=args.data or "synthetic:test",
+               device=str(device), dtype=str(dtype)[6:], date=datetime.datetime.now().isoformat(timespec="seconds"))
+
+    runs = [res, *overlays]
+    all_pts = [p for r in runs for p in run_points(r)]
+    y_max = max((y for _, y in all_pts), default=0.0)
+    for r in runs:
+        pts = run_points(r)
+        r["aup_shared"] = aup(pts, y_max=y_max) if pts else math.nan
+    res["aup_shared_y_max"] = y_max
+    res["overlays"] = {r["label"]: {"aup": r.get("aup"), "aup_shared": r["aup_shared"]} for r in overlays}
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{_safe_name(label)}.{args.task}"
+    json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
+    json_path.write_text(json.dumps(res, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    plotted = plot_curves(runs, png_path, title=f"{args.task}: accuracy vs tokens per forward")
+
+    print(f"{label} on {args.task} ({len(examples)} examples, {device}, {res['dtype']}, "
+          f"block {res['sampler']['block_size']}, max_new_tokens {cfg.max_new_tokens})")
+    print(format_table(res))
+    print(f"AUP {res['aup']:.2f} (y_max {res['aup_y_max']:.2f}; accuracy in %, TPF x accuracy units)")
+    if overlays:
+        print(f"with overlays, shared y_max {y_max:.2f}:")
+        for r in runs:
+            best = max(r["points"], key=lambda p: p["accuracy"])
+            print(f"  {r['label']:<24} AUP {r['aup_shared']:8.2f}   best accuracy {100 * best['accuracy']:.2f}% "
+                  f"at TPF {best['mean_tpf']:.3f}")
+    print(f"wrote {json_path}")
+    print(f"wrote {png_path}" if plotted else "matplotlib is not installed: no PNG (pip install matplotlib)")
+    res["json_path"], res["png_path"] = str(json_path), str(png_path) if plotted else None
+    return res
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except CLIError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""[cli] Decode prompts from a file with an SDAR checkpoint and write JSONL results.
+
+    python -m lightningrl_fast.generate --model DIR --prompts FILE [--out FILE.jsonl]
+        [--block-size B] [--threshold T] [--rule threshold|quota] [--steps-per-block S]
+        [--temperature X] [--top-k K] [--top-p P] [--max-new-tokens N] [--batch-size N] [--seed S]
+        [--chat/--no-chat] [--device auto|cpu|cuda[:i]] [--dtype auto|bfloat16|float16|float32] [--no-cuda-graphs]
+
+Prompts file:
+  * `.txt`: one prompt per non-blank line (the line's text, without its newline);
+  * anything else is read as JSONL: one JSON object per non-blank line with a non-empty string "prompt"
+    (an optional "id" is copied to the output row).
+Every row is checked (and tokenized, and checked against the checkpoint's vocabulary and
+max_position_embeddings) BEFORE the model is loaded; errors name the file and the line (`file:line: ...`).
+
+`--chat` (default) wraps each prompt in the ChatML user turn (`tokenizer.chat_prompt`); `--no-chat` feeds it
+as is. Decoding is greedy unless `--temperature` > 0. `--block-size` other than the checkpoint's also sets the
+model's attention block size for this run (the sampler's blocks and the attention mask must agree).
+
+Output: one JSON row per prompt, in input order — `prompt`, `text` (the response decoded, EOS dropped),
+`tokens` (response length, EOS included), `token_ids`, `tpf`, `forwards` (forwards the row took part in),
+`finish_reason` ("eos" or "length") and `id` when the input had one — to `--out`, or to stdout when `--out`
+is absent (the summary then goes to stderr). The summary: tokens/s, forwards/s (the engine's forwards over the
+decode time) and mean TPF. A progress bar over batches uses tqdm when it is installed.
+
+`decode_texts(model, tokenizer, prompt_ids, cfg)` is the shared helper (eval.py uses it): one `sampler.generate`
+call plus the decoded response texts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32}
+
+
+class CLIError(Exception):
+    """A user error the command line reports as `error: ...` (exit status 2), without a traceback."""
+
+
+@dataclass
+class PromptRow:
+    text: str
+    line: int  # 1-based line in the prompts file
+    id: Any = None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------------------
+
+def _fail_rows(path: Path, errors: list[str], what: str) -> None:
+    if errors:
+        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
+        raise CLIError(f"{len(errors)} {what} in {path}:\n  " + "\n  ".join(errors[:10]) + more)
+
+
+def read_prompts(path: str | Path) -> list[PromptRow]:
+    """Rows of a prompts file (see the module docstring); CLIError listing every bad row as `file:line: why`."""
+    path = Path(path)
+    if not path.exists():
+        raise CLIError(f"prompts file {path} does not exist")
+    if not path.is_file():
+        raise CLIError(f"prompts file {path} is not a file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{path}: not UTF-8 text ({e})") from None
+    rows: list[PromptRow] = []
+    errors: list[str] = []
+    plain = path.suffix.lower() == ".txt"
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if plain:
+            rows.append(PromptRow(line, lineno))
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            errors.append(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})")
+            continue
+        if not isinstance(obj, dict):
+            errors.append(f"{path}:{lineno}: expected a JSON object with a \"prompt\" string, got {type(obj).__name__}")
+            continue
+        if "prompt" not in obj:
+            errors.append(f"{path}:{lineno}: no \"prompt\" key (keys: {sorted(obj)})")
+            continue
+        p = obj["prompt"]
+        if not isinstance(p, str):
+            errors.append(f"{path}:{lineno}: \"prompt\" must be a string, got {type(p).__name__}")
+            continue
+        if not p.strip():
+            errors.append(f"{path}:{lineno}: \"prompt\" is empty")
+            continue
+        rows.append(PromptRow(p, lineno, obj.get("id")))
+    _fail_rows(path, errors, "malformed prompt row(s)")
+    if not rows:
+        raise CLIError(f"{path}: no prompts (the file is empty or blank)")
+    return rows
+
+
+def encode_prompts(rows: Sequence[PromptRow], tokenizer, path: str | Path, chat: bool, vocab_size: int,
+                   max_len: int, max_new_tokens: int, mask_id: int) -> list[list[int]]:
+    """Token ids per row; CLIError naming `file:line` for rows that cannot be decoded with this checkpoint."""
+    from .tokenizer import chat_prompt
+
+    out, errors = [], []
+    for r in rows:
+        text = chat_prompt(r.text) if chat else r.text
+        where = f"{path}:{r.line}"
+        try:
+            ids = tokenizer.encode(text)
+        except ValueError as e:
+            hint = " (try --no-chat)" if chat else ""
+            errors.append(f"{where}: cannot tokenize{hint}: {e}")
+            continue
+        if not ids:
+            errors.append(f"{where}: the prompt encodes to no tokens")
+            continue
+        bad = sorted({t for t in ids if t >= vocab_size})
+        if bad:
+            errors.append(f"{where}: token id(s) {bad[:5]} are outside the model's vocabulary [0, {vocab_size})")
+            continue
+        if mask_id in ids:
+            errors.append(f"{where}: the prompt contains the mask token (id {mask_id})")
+            continue
+        if len(ids) + max_new_tokens > max_len:
+            errors.append(f"{where}: {len(ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed the model's "
+                          f"max_position_embeddings {max_len}")
+            continue
+        out.append(ids)
+    _fail_rows(Path(path), errors, "prompt(s) that cannot be decoded")
+    return out
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """The checkpoint folder, or CLIError (missing folder / config.json), before anything heavy is loaded."""
+    p = Path(path)
+    if not p.exists():
+        raise CLIError(f"model folder {p} does not exist")
+    if not p.is_dir():
+        raise CLIError(f"--model {p} is not a folder (expected an SDAR checkpoint folder with config.json)")
+    if not (p / "config.json").is_file():
+        raise CLIError(f"model folder {p} has no config.json")
+    return p
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise CLIError(f"--device {name!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {name}: CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise CLIError(f"--dtype {name!r} is not one of auto, {', '.join(sorted(DTYPES))}")
+    return DTYPES[name]
+
+
+def eos_ids_for(tokenizer, vocab_size: int) -> tuple[int, ...]:
+    """The tokenizer's EOS ids inside the model vocabulary (the sampler stops on any of them)."""
+    ids = tuple(sorted(i for i in getattr(tokenizer, "eos_token_ids", ()) if 0 <= i < vocab_size))
+    if not ids:
+        raise CLIError("the tokenizer declares no EOS token inside the model's vocabulary; cannot stop decoding")
+    return ids
+
+
+@contextlib.contextmanager
+def decode_block_size(model, block_size: int | None) -> Iterator[None]:
+    """Temporarily run the model's attention with `block_size` (the sampler's blocks and the mask must agree)."""
+    old = model.config.block_size
+    if block_size is None or block_size == old:
+        yield
+        return
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    model.config.block_size = block_size
+    try:
+        yield
+    finally:
+        model.config.block_size = old
+
+
+# ------------------------------------------------------------------------------------------------------------
+# decoding
+# ------------------------------------------------------------------------------------------------------------
+
+def decode_texts(model, tokenizer, prompt_ids: list[list[int]], cfg) -> tuple[Any, list[str]]:
+    """(Rollout, response texts): one `sampler.generate` call; texts are decoded without the final EOS."""
+    from .sampler import generate
+
+    ro = generate(model, prompt_ids, cfg, pad_id=getattr(tokenizer, "pad_token_id", None))
+    texts = []
+    for i in range(len(ro)):
+        ids = ro.response_ids(i)
+        if ro.eos_found[i] and ids:
+            ids = ids[:-1]
+        texts.append(tokenizer.decode(ids))
+    return ro, texts
+
+
+def progress(total: int, desc: str, enabled: bool = True):
+    """A tqdm bar on stderr when tqdm is installed, else a minimal stand-in printing `desc i/total`."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _PlainProgress(total, desc, enabled)
+    return tqdm(total=total, desc=desc, unit="batch", disable=not enabled, file=sys.stderr, leave=False)
+
+
+class _PlainProgress:
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.total, self.desc, self.enabled, self.n = total, desc, enabled, 0
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+        if self.enabled:
+            print(f"{self.desc} {self.n}/{self.total}", file=sys.stderr, flush=True)
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def batches(n: int, size: int) -> list[range]:
+    return [range(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def sampler_config_from_args(args, eos_ids: tuple[int, ...]):
+    from .sampler import SamplerConfig
+
+    return SamplerConfig(block_size=args.block_size, threshold=args.threshold, rule=args.rule,
+                         steps_per_block=args.steps_per_block, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids,
+                         cuda_graphs=not args.no_cuda_graphs, seed=args.seed)
+
+
+def add_decoding_args(ap: argparse.ArgumentParser, temperature: float = 0.0, max_new_tokens: int | None = 256,
+                      batch_size: int = 16) -> None:
+    """Sampler / device options shared by the generate and eval command lines."""
+    g = ap.add_argument_group("decoding")
+    g.add_argument("--block-size", type=int, default=None, help="block size (default: the checkpoint's)")
+    g.add_argument("--threshold", type=float, default=0.9, help="confidence threshold tau (default 0.9)")
+    g.add_argument("--rule", choices=("threshold", "quota"), default="threshold",
+                   help="threshold = top-1 + threshold (LightningRL); quota = SDAR's per-step quota")
+    g.add_argument("--steps-per-block", type=int, default=None, help="S for --rule quota (default: block size)")
+    g.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    g.add_argument("--batch-size", type=int, default=batch_size, help="prompts per sampler call")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run the denoising step eagerly on CUDA")
+
+
+def check_decoding_args(args) -> None:
+    if args.block_size is not None and args.block_size <= 0:
+        raise CLIError(f"--block-size must be positive, got {args.block_size}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise CLIError(f"--top-k must be >= 0 and --top-p in (0, 1], got {args.top_k}, {args.top_p}")
+    if args.temperature < 0:
+        raise CLIError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.steps_per_block is not None and args.steps_per_block < 1:
+        raise CLIError(f"--steps-per-block must be >= 1, got {args.steps_per_block}")
+
+
+def load_tokenizer_checked(model_dir: Path):
+    """The checkpoint's tokenizer, errors as CLIError."""
+    from .tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(model_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise CLIError(f"cannot load the tokenizer of {model_dir}: {e}") from None
+
+
+def load_model_checked(model_dir: Path, device: torch.device, dtype: torch.dtype):
+    """The checkpoint's model (eval mode), errors as CLIError."""
+    from .checkpoint import load_model
+
+    try:
+        model, _ = load_model(model_dir, dtype=dtype, device=device)
+    except (OSError, ValueError, KeyError) as e:
+        raise CLIError(f"cannot load the model in {model_dir}: {e}") from None
+    return model
+
+
+def read_config_checked(model_dir: Path):
+    from .checkpoint import read_config
+
+    try:
+        return read_config(model_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise CLIError(f"cannot read {model_dir}/config.json: {e}") from None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# command line
+# ------------------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m lightningrl_fast.generate",
+                                 description="Decode prompts with an SDAR block-diffusion checkpoint.")
+    ap.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer)")
+    ap.add_argument("--prompts", required=True, help="JSONL rows {\"prompt\": str} or a .txt file, one prompt a line")
+    ap.add_argument("--out", default=None, help="output JSONL (default: stdout, summary on stderr)")
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                    help="wrap prompts in the ChatML user turn (default: on)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_decoding_args(ap)
+    return ap
+
+
+def run(args) -> dict:
+    """Everything `main` does; returns the summary dict. Raises CLIError for user errors."""
+    from .profiling import nvtx_range
+
+    check_decoding_args(args)
+    model_dir = check_model_dir(args.model)
+    rows = read_prompts(args.prompts)
+    if args.out is not None and Path(args.out).is_dir():
+        raise CLIError(f"--out {args.out} is a folder; give a file name")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    mcfg = read_config_checked(model_dir)
+    tokenizer = load_tokenizer_checked(model_dir)
+    eos_ids = eos_ids_for(tokenizer, mcfg.vocab_size)
+    ids = encode_prompts(rows, tokenizer, args.prompts, args.chat, mcfg.vocab_size, mcfg.max_position_embeddings,
+                         args.max_new_tokens, mcfg.mask_token_id)
+    cfg = sampler_config_from_args(args, eos_ids)
+
+    model = load_model_checked(model_dir, device, dtype)
+    out_f = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    log = sys.stdout if args.out else sys.stderr
+    n_tok = n_fwd = 0
+    seconds = 0.0
+    tpfs: list[float] = []
+    finish = {"eos": 0, "length": 0}
+    groups = batches(len(ids), args.batch_size)
+    bar = progress(len(groups), "generate", enabled=not args.quiet)
+    try:
+        with decode_block_size(model, args.block_size), nvtx_range("generate"):
+            for b, idx in enumerate(groups):
+                bcfg = dataclasses.replace(cfg, seed=cfg.seed + b)  # distinct Philox streams per batch
+                t0 = time.perf_counter()
+                ro, texts = decode_texts(model, tokenizer, [ids[i] for i in idx], bcfg)
+                seconds += time.perf_counter() - t0
+                n_fwd += ro.total_forwards
+                for j, i in enumerate(idx):
+                    n = int(ro.lengths[j])
+                    n_tok += n
+                    tpfs.append(float(ro.tpf[j]))
+                    finish[ro.finish_reason[j]] = finish.get(ro.finish_reason[j], 0) + 1
+                    row = {"prompt": rows[i].text, "text": texts[j], "tokens": n, "token_ids": ro.response_ids(j),
+                           "tpf": round(float(ro.tpf[j]), 4), "forwards": int(ro.forwards[j]),
+                           "finish_reason": ro.finish_reason[j]}
+                    if rows[i].id is not None:
+                        row = {"id": rows[i].id, **row}
+                    out_f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                out_f.flush()
+                bar.update(1)
+                bar.set_postfix_str(f"{n_tok / max(seconds, 1e-9):.1f} tok/s")
+    finally:
+        bar.close()
+        if out_f is not sys.stdout:
+            out_f.close()
+    summary = {
+        "prompts": len(ids), "batches": len(groups), "tokens": n_tok, "forwards": n_fwd, "seconds": round(seconds, 4),
+        "tokens_per_s": n_tok / seconds if seconds > 0 else math.nan,
+        "forwards_per_s": n_fwd / seconds if seconds > 0 else math.nan,
+        "mean_tpf": sum(tpfs) / len(tpfs), "finish": finish, "device": str(device), "dtype": str(dtype)[6:],
+        "block_size": cfg.block_size or model.config.block_size, "threshold": cfg.threshold,
+    }
+    print(f"prompts {summary['prompts']} in {summary['batches']} batch(es) on {device} ({summary['dtype']}); "
+          f"generated {n_tok} tokens in {seconds:.2f} s", file=log)
+    print(f"tokens/s {summary['tokens_per_s']:.1f}  forwards/s {summary['forwards_per_s']:.1f}  "
+          f"mean TPF {summary['mean_tpf']:.3f}  (forwards {n_fwd}; finish: eos {finish.get('eos', 0)}, "
+          f"length {finish.get('length', 0)})", file=log)
+    if args.out:
+        print(f"wrote {args.out}", file=log)
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except CLIError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
