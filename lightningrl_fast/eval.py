@@ -123,9 +123,9 @@ def run_points(result: dict) -> list[tuple[float, float]]:
 # ------------------------------------------------------------------------------------------------------------
 
 def _correct_batch(task, responses: list[str], examples: list) -> list[bool]:
-    if hasattr(task, "is_correct_batch"):
-        return list(task.is_correct_batch(responses, examples))
-    return [bool(task.is_correct(r, e)) for r, e in zip(responses, examples)]
+    from .tasks import is_correct_batch
+
+    return is_correct_batch(task, responses, examples)
 
 
 def _encode(tokenizer, task, examples) -> list[list[int]]:
@@ -357,10 +357,6 @@ def load_synthetic(path: str | Path | None, task):
 
 
 def make_task(name: str, workers: int | None):
-    if name == "synthetic":
-        from .tasks.synthetic import SyntheticArithmetic
-
-        return SyntheticArithmetic()
     from .tasks import get_task
 
     return get_task(name, workers=workers) if name == "code" else get_task(name)

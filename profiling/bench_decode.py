@@ -1,0 +1,315 @@
+"""Benchmark block-diffusion decoding: tokens/s, forwards/s and memory-bandwidth utilization.
+
+    python profiling/bench_decode.py --config sdar-8b            # GPU: SDAR-8B shapes, random bf16 weights
+    python profiling/bench_decode.py --config sdar-4b --tpf 2 --batches 1,64 --blocks 4
+    python profiling/bench_decode.py                             # no GPU: the tiny config on the CPU
+    python profiling/bench_decode.py --cpu                       # force the CPU
+
+What it runs: `sampler.generate` (the real engine: prefill, folded commits, CUDA-graph step) on random prompts
+of `--prompt-len` tokens, decoding `--new-tokens` tokens per row, for every batch in `--batches` (default
+1,8,64,256) x block in `--blocks` (default 4,8,32) x CUDA graphs on/off x kernels/reference ops.
+
+A fixed TPF is forced so that runs are comparable whatever the random weights predict: greedy decoding,
+threshold 1.01 (no confidence reaches it) and SDAR's quota rule with steps_per_block = block / K, so every
+step unmasks exactly K tokens (`--tpf K`, default 4; K is capped at the block and must divide it for an exact
+TPF; the measured TPF is reported). EOS is set to the mask token id, which the sampler never emits, so every
+row decodes exactly `--new-tokens` tokens (prompt length and new tokens are multiples of 32 by default, so
+every block starts fully masked).
+
+Columns: `fwd` engine forwards per call (prefill included), `s` median seconds per generate call (the
+captured graph of the step is rebuilt by each call: it is included), `tok/s` generated tokens / s, `fwd/s`
+forwards / s, `GB/fwd` bytes one forward must read at least = weights (every matrix once; the embedding table
+only when tied to the LM head) + the KV cache of the batch at the mean context (prompt + new/2 tokens), `bound`
+the physical bound forwards/s <= copy bandwidth / (GB/fwd) with the copy bandwidth measured by
+profiling/common.py, `%bw` = fwd/s / bound (the memory-bandwidth utilization; large batches become
+compute-bound, so the ratio falls there by design), `peakGB` peak allocated device memory.
+
+Reference vs kernels: kernel rows run in this process. Reference rows run in a child process started with
+LRF_DISABLE_KERNELS=1, which the ops must honour (the child checks that `ops._common.cuda_kernel` then returns
+None; if it does not, the reference rows are reported as unavailable rather than silently timing kernels).
+On the CPU there are no kernels and no graphs: reference rows only.
+
+NVTX: every timed region is inside a range `bench b=<batch> blk=<block> graphs=<on|off> impl=<impl>`, and the
+sampler adds `prefill`, `denoise_step` and `commit`: see profiling/README.md for nsys/ncu.
+`--torch-trace FILE` writes a torch.profiler Chrome trace of the first combination's timed call (a fallback
+where nsys is missing). Prints one table and ends with ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import copy_bandwidth_gbs, device_name, emit_json, print_table  # noqa: E402
+
+from lightningrl_fast import _ext  # noqa: E402
+from lightningrl_fast.model import SDARConfig, SDARForCausalLM, build_model  # noqa: E402
+from lightningrl_fast.profiling import Timer, nvtx_range  # noqa: E402
+from lightningrl_fast.sampler import SamplerConfig, generate  # noqa: E402
+
+_SDAR = dict(vocab_size=151936, head_dim=128, mask_token_id=151669, max_position_embeddings=32768,
+             rms_norm_eps=1e-6, rope_theta=1e6, torch_dtype="bfloat16")
+CONFIGS = {  # REFERENCE §1
+    "sdar-1.7b": dict(_SDAR, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                      num_key_value_heads=8, tie_word_embeddings=True),
+    "sdar-4b": dict(_SDAR, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8),
+    "sdar-8b": dict(_SDAR, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, mask_token_id=511, max_position_embeddings=4096,
+                 torch_dtype="float32"),
+}
+DECODE_OPS = ("kv_cache_write", "block_attention", "threshold_unmask")
+DISABLE_ENV = "LRF_DISABLE_KERNELS"
+
+
+def ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def make_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> SDARForCausalLM:
+    """Random weights (normal(0, 0.02) matrices, unit norms) allocated straight on `device` in `dtype`."""
+    cfg = SDARConfig(**CONFIGS[name])
+    if device.type == "cpu":
+        return build_model(cfg, device=device, dtype=dtype, seed=seed).eval()
+    with torch.device("meta"):
+        model = SDARForCausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+def weight_bytes(model: SDARForCausalLM) -> int:
+    """Bytes of weights one forward reads: every parameter once, except an untied embedding table (gathered)."""
+    emb = model.model.embed_tokens.weight
+    total = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        if p is emb and not model.config.tie_word_embeddings:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes(cfg: SDARConfig, batch: int, context: float, elt: int) -> float:
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * elt * batch * context
+
+
+def kernel_status() -> dict:
+    mod = _ext.ext()
+    has = bool(mod is not None and _ext.has_cuda_kernels())
+    return {"cuda_kernels": has, "decode_kernels": [n for n in DECODE_OPS if has and hasattr(mod, n)]}
+
+
+def reference_switch_honoured(device: torch.device) -> bool:
+    """True when, with LRF_DISABLE_KERNELS=1, the ops dispatch to the reference (or there are no kernels)."""
+    if device.type != "cuda" or not kernel_status()["cuda_kernels"]:
+        return True
+    from lightningrl_fast.ops._common import cuda_kernel
+
+    probe = torch.empty(1, device=device)
+    return all(cuda_kernel(n, probe) is None for n in DECODE_OPS)
+
+
+def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, args, torch_trace: str | None) -> dict:
+    cfg_m = model.config
+    k = min(args.tpf, block)
+    cfg = SamplerConfig(block_size=block, threshold=1.01, rule="quota", steps_per_block=max(1, block // k),
+                        temperature=0.0, max_new_tokens=args.new_tokens, eos_ids=(cfg_m.mask_token_id,),
+                        cuda_graphs=graphs, seed=0)
+    gen = torch.Generator().manual_seed(batch * 1000 + block)
+    hi = min(cfg_m.vocab_size, 30000)
+    prompts = torch.randint(0, hi - 1, (batch, args.prompt_len), generator=gen)
+    prompts = torch.where(prompts == cfg_m.mask_token_id, prompts + 1, prompts).tolist()
+    label = f"bench b={batch} blk={block} graphs={'on' if graphs else 'off'} impl={impl}"
+    row = {"batch": batch, "block": block, "graphs": "on" if graphs else "off", "impl": impl}
+    old_block = cfg_m.block_size
+    cfg_m.block_size = block  # the model's attention blocks must match the sampler's
+    capture_failed = False
+    try:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with nvtx_range(f"warmup {label}"):
+                generate(model, prompts, cfg)
+            secs, ro = [], None
+            for r in range(args.repeats):
+                prof = contextlib.nullcontext()
+                if torch_trace and r == 0:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                    prof = profile(activities=acts)
+                with prof as p, nvtx_range(label), Timer(device) as t:
+                    ro = generate(model, prompts, cfg)
+                if torch_trace and r == 0:
+                    p.export_chrome_trace(torch_trace)
+                secs.append(t.seconds)
+        capture_failed = any("CUDA graph capture" in str(w.message) for w in caught)
+    except torch.cuda.OutOfMemoryError:
+        row.update(error="out of memory")
+        return row
+    finally:
+        cfg_m.block_size = old_block
+    s = statistics.median(secs)
+    toks = int(ro.lengths.sum())
+    elt = next(model.parameters()).element_size()
+    gb = (weight_bytes(model) + kv_bytes(cfg_m, batch, args.prompt_len + args.new_tokens / 2, elt)) / 1e9
+    bound = args.copy_gbs / gb
+    fwd_s = ro.total_forwards / s
+    row.update({"tpf": round(float(ro.tpf.mean()), 3), "fwd": ro.total_forwards, "s": s, "tok/s": toks / s,
+                "fwd/s": fwd_s, "GB/fwd": gb, "bound": bound, "%bw": 100 * fwd_s / bound})
+    if device.type == "cuda":
+        row["peakGB"] = torch.cuda.max_memory_allocated(device) / 1e9
+    if graphs and capture_failed:
+        row["graphs"] = "failed"  # the step did not capture (e.g. a host sync in the reference ops): ran eagerly
+    return row
+
+
+def child_reference_rows(argv: list[str]) -> tuple[list[dict], str | None]:
+    """Run the reference combinations in a child process with LRF_DISABLE_KERNELS=1; (rows, error)."""
+    env = dict(os.environ, **{DISABLE_ENV: "1"})
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--impl", "reference", "--child"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return [], f"reference child failed (rc {proc.returncode}): {proc.stderr.strip()[-400:]}"
+    out = json.loads(lines[-1])
+    return out.get("rows", []), out.get("error")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", choices=sorted(CONFIGS), default=None, help="model shapes (default sdar-8b on GPU)")
+    ap.add_argument("--tpf", type=int, default=4, help="tokens unmasked per step (forced), default 4")
+    ap.add_argument("--batches", type=ints, default=None, help="default 1,8,64,256 (GPU) / 1,8 (CPU)")
+    ap.add_argument("--blocks", type=ints, default=None, help="default 4,8,32 (GPU) / 4,8 (CPU)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 64 (GPU) / 8 (CPU)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 256 (GPU) / 32 (CPU)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed calls per combination (median); 3 GPU / 1 CPU")
+    ap.add_argument("--graphs", choices=("both", "on", "off"), default="both", help="CUDA graphs (GPU only)")
+    ap.add_argument("--impl", choices=("both", "kernels", "reference"), default="both")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (tiny config, reference ops)")
+    ap.add_argument("--torch-trace", default=None, help="Chrome trace of the first combination's timed call")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.tpf < 1:
+        ap.error("--tpf must be >= 1")
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    on_gpu = device.type == "cuda"
+    notes = []
+    if not on_gpu:
+        if args.config not in (None, "tiny"):
+            notes.append(f"no GPU: --config {args.config} replaced by tiny")
+        args.config = "tiny"
+        notes.append("CPU run: tiny config, small batches, reference ops, no CUDA graphs")
+        torch.set_num_threads(1)  # tiny shapes: more threads only add contention
+    args.config = args.config or "sdar-8b"
+    args.batches = args.batches or ([1, 8, 64, 256] if on_gpu else [1, 8])
+    args.blocks = args.blocks or ([4, 8, 32] if on_gpu else [4, 8])
+    args.prompt_len = args.prompt_len or (64 if on_gpu else 8)
+    args.new_tokens = args.new_tokens or (256 if on_gpu else 32)
+    args.repeats = args.repeats or (3 if on_gpu else 1)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    for b in args.blocks:
+        if b % min(args.tpf, b):
+            notes.append(f"block {b}: --tpf {args.tpf} does not divide it, the measured TPF differs from K")
+
+    ks = kernel_status() if on_gpu else {"cuda_kernels": False, "decode_kernels": []}
+    ref_error = None
+    if args.child:  # the reference half of a GPU run, started by the parent with LRF_DISABLE_KERNELS=1
+        local, child = ["reference"], False
+        if not reference_switch_honoured(device):
+            emit_json("decode", rows=[], error=f"{DISABLE_ENV}=1 is not honoured by the ops: they still dispatch to "
+                                               f"the _C kernels, so no reference timing is possible")
+            return
+    elif not on_gpu or not ks["cuda_kernels"]:
+        local, child = ["reference"], False
+        if on_gpu:
+            notes.append("lightningrl_fast._C has no CUDA kernels: every op runs its PyTorch reference")
+    else:
+        local = ["kernels"] if args.impl in ("both", "kernels") else []
+        child = args.impl in ("both", "reference")
+    graphs = [False] if not on_gpu else {"both": [True, False], "on": [True], "off": [False]}[args.graphs]
+
+    args.copy_gbs = copy_bandwidth_gbs(device)
+    model = make_model(args.config, device, dtype)
+    wb = weight_bytes(model)
+    if not args.child:
+        print(f"device: {device_name(device)}; copy bandwidth {args.copy_gbs:.0f} GB/s; config {args.config} "
+              f"({sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) / 1e9:.3f} B params, "
+              f"{wb / 1e9:.3f} GB read per forward as weights, {str(dtype)[6:]}); forced TPF {args.tpf}; prompt "
+              f"{args.prompt_len} + {args.new_tokens} new tokens; decode kernels: {ks['decode_kernels'] or 'none'}")
+        for n in notes:
+            print(f"note: {n}")
+
+    rows = []
+    trace = args.torch_trace
+    for impl in local:
+        for batch in args.batches:
+            for block in args.blocks:
+                for g in graphs:
+                    rows.append(run_combo(model, device, batch, block, g, impl, args, trace))
+                    trace = None
+    if args.child:
+        emit_json("decode", rows=rows)
+        return
+    if child:
+        del model  # free the device for the child's copy
+        if on_gpu:
+            torch.cuda.empty_cache()
+        ref_rows, ref_error = child_reference_rows(_strip_opt(_strip_opt(argv, "--impl"), "--torch-trace"))
+        rows += ref_rows
+        if ref_error:
+            print(f"note: reference rows unavailable: {ref_error}")
+    print_table(rows)
+    emit_json("decode", device=device_name(device), config=args.config, dtype=str(dtype)[6:], tpf=args.tpf,
+              prompt_len=args.prompt_len, new_tokens=args.new_tokens, copy_gbs=round(args.copy_gbs, 1),
+              weight_gb=round(wb / 1e9, 4), kernels=ks, reference_error=ref_error, notes=notes,
+              rows=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
+
+
+def _strip_opt(argv: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == name:
+            skip = True
+            continue
+        if a.startswith(name + "="):
+            continue
+        out.append(a)
+    return out
+
+
+if __name__ == "__main__":
+    main()
