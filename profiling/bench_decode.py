@@ -29,8 +29,9 @@ LRF_DISABLE_KERNELS=1, which the ops must honour (the child checks that `ops._co
 None; if it does not, the reference rows are reported as unavailable rather than silently timing kernels).
 On the CPU there are no kernels and no graphs: reference rows only.
 
-NVTX: every timed region is inside a range `bench b=<batch> blk=<block> graphs=<on|off> impl=<impl>`, and the
-sampler adds `prefill`, `denoise_step` and `commit`: see profiling/README.md for nsys/ncu.
+NVTX: every timed call is inside the range `bench_timed` (a fixed name, for `ncu --nvtx-include bench_timed/`),
+inside it `bench b=<batch> blk=<block> graphs=<on|off> impl=<impl>`, and the sampler adds `prefill`,
+`denoise_step` and `commit`; warmup calls are under `warmup ...`. See profiling/README.md for nsys/ncu.
 `--torch-trace FILE` writes a torch.profiler Chrome trace of the first combination's timed call (a fallback
 where nsys is missing). Prints one table and ends with ONE JSON line.
 """
@@ -165,7 +166,7 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
 
                     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
                     prof = profile(activities=acts)
-                with prof as p, nvtx_range(label), Timer(device) as t:
+                with prof as p, nvtx_range("bench_timed"), nvtx_range(label), Timer(device) as t:
                     ro = generate(model, prompts, cfg)
                 if torch_trace and r == 0:
                     p.export_chrome_trace(torch_trace)
