@@ -322,7 +322,7 @@ def save_checkpoint(out_dir: str | Path, state: TrainState, extra: dict[str, Any
         "metrics_len": metrics_len,
         "reference": reference,
         "extra": json.dumps(extra, allow_nan=True),
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),
     }
     try:
         save_model(state.model, state.model.config, tmp, tokenizer=tokenizer)

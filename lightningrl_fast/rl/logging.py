@@ -1,0 +1,305 @@
+"""[logging] Per-step progress, metrics.jsonl, the end-of-run summary table and PNG plots.
+
+* `RunLogger(out_dir, total_steps)`: `log_step(metrics)` appends one JSON object per step to
+  `out_dir/metrics.jsonl` (flushed at once; NaN/inf written as null) and shows progress: a tqdm bar on a
+  terminal when tqdm is installed, else one plain line per step:
+
+      step 12/200 | acc 0.938 tpf 3.41 reward 4.35 | loss 0.0312 kl 0.0009 clip 0.04 | 5321 tok/s |
+      rollout 2.10s logprob 0.05s train 0.31s (2.5s)
+
+  On resume, `RunLogger(..., truncate_to=n)` keeps the first n lines (those covered by the checkpoint).
+* `format_table(headers, rows)`: a plain-text table; `sweep_table` and `before_after_table` format
+  evaluation results (`{threshold: {"acc", "tpf", ...}}`).
+* `plot_training(history, path)` (accuracy and TPF over RL steps) and `plot_sweep(before, after, path)`
+  (the accuracy-TPF curve over the threshold sweep, before vs after RL): matplotlib with the Agg backend;
+  when matplotlib is missing they print one line and return None.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence, TextIO
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe copy: NaN/inf -> None, tuples -> lists, tensors/numpy scalars -> Python numbers."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {str(k): _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if isinstance(v, (str, int, bool)) or v is None:
+        return v
+    if hasattr(v, "item"):
+        try:
+            return _clean(v.item())
+        except (ValueError, RuntimeError):
+            pass
+    return str(v)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (a trailing partial line from a killed run is ignored)."""
+    out = []
+    p = Path(path)
+    if p.is_dir():
+        p = p / METRICS_FILE
+    if not p.is_file():
+        return out
+    for line in p.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return format(v, spec)
+
+
+def step_line(m: dict[str, Any], total: int | None = None) -> str:
+    """The one-line summary of a step's metrics (also the tqdm postfix)."""
+    step = m.get("step", "?")
+    head = f"step {step}/{total}" if total else f"step {step}"
+    parts = [head,
+             f"acc {_fmt(m.get('acc'), '.3f')} tpf {_fmt(m.get('tpf'), '.2f')} reward {_fmt(m.get('reward'), '.3f')}"]
+    if "skipped" in m:
+        parts.append(f"skipped: {m['skipped']}")
+    else:
+        parts.append(f"loss {_fmt(m.get('loss'), '.4f')} kl {_fmt(m.get('kl'), '.4f')} "
+                     f"clip {_fmt(m.get('clip_frac'), '.3f')} groups {m.get('groups_kept', '-')}")
+    parts.append(f"{_fmt(m.get('tokens_per_s'), '.0f')} tok/s")
+    stages = " ".join(f"{k[:-2]} {_fmt(m.get(k), '.2f')}s" for k in ("rollout_s", "logprob_s", "train_s") if k in m)
+    parts.append(f"{stages} ({_fmt(m.get('step_s'), '.1f')}s)")
+    if m.get("nonfinite_skipped"):
+        parts.append(f"NON-FINITE update skipped x{m['nonfinite_skipped']}")
+    return " | ".join(parts)
+
+
+class RunLogger:
+    """metrics.jsonl + progress display for one run (see the module docstring)."""
+
+    def __init__(self, out_dir: str | Path, total_steps: int | None = None, progress: str = "auto",
+                 truncate_to: int | None = None, initial_step: int = 0, stream: TextIO | None = None,
+                 print_fn: Callable[[str], None] | None = None) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / METRICS_FILE
+        self.total = total_steps
+        self.stream = stream or sys.stdout
+        self._print = print_fn or (lambda s: print(s, file=self.stream, flush=True))
+        self.history: list[dict[str, Any]] = read_metrics(self.path)
+        if truncate_to is not None:
+            self.history = self.history[:truncate_to]
+            self._rewrite()
+        elif self.history:  # drop a trailing partial line of a killed run
+            self._rewrite()
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._bar = None
+        mode = progress
+        if mode == "auto":
+            mode = "bar" if _has_tqdm() and getattr(self.stream, "isatty", lambda: False)() else "plain"
+        if mode == "bar" and not _has_tqdm():
+            mode = "plain"
+        self.mode = mode
+        if mode == "bar":
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial_step, desc="RL", file=self.stream, dynamic_ncols=True)
+
+    def _rewrite(self) -> None:
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for rec in self.history:
+                f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    @property
+    def n_logged(self) -> int:
+        return len(self.history)
+
+    def log_step(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Append one step's metrics (adds `time`), show progress; returns the cleaned record."""
+        rec = _clean(dict(metrics))
+        rec.setdefault("time", time.time())
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        self.history.append(rec)
+        if self.mode == "off":
+            return rec
+        line = step_line(rec, self.total)
+        if self._bar is not None:
+            self._bar.set_postfix_str(line.split(" | ", 1)[1], refresh=False)
+            self._bar.update(1)
+        else:
+            self._print(line)
+        return rec
+
+    def info(self, msg: str) -> None:
+        """A message that does not break the progress bar."""
+        if self._bar is not None:
+            self._bar.write(msg)
+        elif self.mode != "off":
+            self._print(msg)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if not self._file.closed:
+            self._file.close()
+
+    def __enter__(self) -> "RunLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _has_tqdm() -> bool:
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tables
+# ------------------------------------------------------------------------------------------------------------
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """Plain-text table, columns right-aligned except the first."""
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), sep, *(line(r) for r in rows)])
+
+
+def _key(sweep: dict, tau: float) -> Any:
+    for k in sweep:
+        if abs(float(k) - tau) < 1e-9:
+            return k
+    return None
+
+
+def sweep_table(sweeps: dict[str, dict], title: str | None = None) -> str:
+    """One row per threshold, columns acc/TPF per labelled sweep ({label: {tau: {"acc", "tpf"}}})."""
+    taus = sorted({float(k) for s in sweeps.values() for k in s})
+    headers = ["tau"] + [f"{lab} {c}" for lab in sweeps for c in ("acc", "TPF")]
+    rows = []
+    for t in taus:
+        row = [f"{t:g}"]
+        for s in sweeps.values():
+            k = _key(s, t)
+            r = s.get(k, {}) if k is not None else {}
+            row += [_fmt(r.get("acc"), ".3f"), _fmt(r.get("tpf"), ".2f")]
+        rows.append(row)
+    table = format_table(headers, rows)
+    return f"{title}\n{table}" if title else table
+
+
+def before_after_table(before: dict, after: dict, threshold: float, labels: tuple[str, str] = ("before", "after"),
+                       extra_rows: dict[str, dict] | None = None) -> str:
+    """The headline table at one threshold: accuracy, TPF (and well-formed fraction when present)."""
+    cols = ["acc", "tpf"] + (["well_formed"] if any("well_formed" in (s.get(_key(s, threshold)) or {})
+                                                   for s in (before, after)) else [])
+    rows = []
+    runs = {labels[0]: before, labels[1]: after, **(extra_rows or {})}
+    for lab, s in runs.items():
+        k = _key(s, threshold)
+        r = s.get(k, {}) if k is not None else {}
+        rows.append([lab] + [_fmt(r.get(c), ".3f" if c != "tpf" else ".2f") for c in cols])
+    b, a = (before.get(_key(before, threshold)) or {}), (after.get(_key(after, threshold)) or {})
+    if b and a:
+        rows.append(["change"] + [_fmt((a.get(c) - b.get(c)) if a.get(c) is not None and b.get(c) is not None else None,
+                                       "+.3f" if c != "tpf" else "+.2f") for c in cols])
+    return f"tau = {threshold:g}\n" + format_table(["model"] + [c if c != "tpf" else "TPF" for c in cols], rows)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# plots
+# ------------------------------------------------------------------------------------------------------------
+
+def _pyplot(log: Callable[[str], None] | None):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        return plt
+    except ImportError:
+        (log or print)("plots skipped: matplotlib is not installed (pip install matplotlib)")
+        return None
+
+
+def plot_training(history: Sequence[dict[str, Any]], path: str | Path, log: Callable[[str], None] | None = None,
+                  evals: Sequence[dict[str, Any]] | None = None) -> Path | None:
+    """Accuracy and TPF of the rollouts over RL steps (and greedy eval points when given) -> PNG."""
+    plt = _pyplot(log)
+    if plt is None:
+        return None
+    steps = [m.get("step") for m in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, name in ((ax1, "acc", "accuracy"), (ax2, "tpf", "TPF (tokens per forward)")):
+        ys = [m.get(key) for m in history]
+        ax.plot(steps, [y if y is not None else float("nan") for y in ys], label="rollouts (sampled)", alpha=0.8)
+        if evals:
+            ax.plot([e["step"] for e in evals], [e.get(key) for e in evals], "o-", label="eval (greedy)")
+        ax.set_xlabel("RL step")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("LightningRL training")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(sweeps: dict[str, dict], path: str | Path, log: Callable[[str], None] | None = None,
+               title: str = "accuracy vs TPF over the threshold sweep") -> Path | None:
+    """Accuracy (y) against TPF (x), one curve per labelled sweep, points annotated with tau -> PNG."""
+    plt = _pyplot(log)
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for label, s in sweeps.items():
+        pts = sorted((float(k), v) for k, v in s.items())
+        xs, ys = [v.get("tpf") for _, v in pts], [v.get("acc") for _, v in pts]
+        ax.plot(xs, ys, "o-", label=label)
+        for (t, _), x, y in zip(pts, xs, ys):
+            if x is not None and y is not None:
+                ax.annotate(f"{t:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("TPF (tokens per forward)")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,551 @@
+"""`python -m lightningrl_fast.train`: LightningRL post-training of a block-diffusion LLM, end to end.
+
+No arguments = the embedded default (preset `default`, config.PRESETS):
+  1. the synthetic arithmetic task (tasks/synthetic.py: several equally valid phrasings, held-out test split)
+     and its character tokenizer;
+  2. a tiny SDAR-architecture model warmed up by block-diffusion SFT (rl/sft.train_sft on `task.sft_pair`),
+     CACHED in `$LRF_CACHE_DIR` or `~/.cache/lightningrl_fast/sft-<hash>/` (hash of the model, task and SFT
+     settings): a second run loads it and skips SFT (`--no-cache` trains it again and stores nothing);
+  3. greedy evaluation on the test split over a threshold sweep (accuracy, mean TPF per threshold);
+  4. LightningRL steps (rl/trainer.train_step) until `--steps` or `--rl-time-budget`, one progress line and
+     one metrics.jsonl record per step, checkpoints every `--save-every` steps;
+  5. the same evaluation after RL, the before/after table at the rollout threshold, the sweep table,
+     PNG plots, `summary.json` and a final checkpoint (an SDAR folder: `--model out/checkpoint-<step>`).
+`--baseline rft` replaces step 4 with the rejection-sampling fine-tune of REFERENCE §7 (greedy decode of
+the train prompts at --threshold, keep the correct and well-formed outputs, SFT on them) under the same
+wall-clock budget, and prints the same table: the two runs compare at equal CPU time.
+
+Real use: `--model DIR --task math|code --train-data FILE [--eval-data FILE]` (DIR: config.json,
+safetensors, tokenizer files). `--resume OUT_OR_CHECKPOINT` continues a run exactly (same next batch, same
+RNG; the run's saved config.json is the base, flags override it).
+
+Exit status: 0 done; 2 bad configuration (reported before any model loads); 3 training stopped on
+non-finite updates (nothing non-finite is saved; the last checkpoint stays valid); 1 other errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .config import RUN_CONFIG, ConfigError, TrainConfig, cache_root, parse_config
+
+SFT_CACHE_VERSION = 1  # bump when the SFT recipe changes in a way the cache key cannot see
+
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_NONFINITE = 0, 1, 2, 3
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# setup helpers
+# ------------------------------------------------------------------------------------------------------------
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda" and checkpoint_dtype is not None:
+            return checkpoint_dtype
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def make_synthetic_task(cfg: TrainConfig):
+    from .tasks.synthetic import SyntheticArithmetic
+
+    e = cfg.embedded
+    # The split hash seed is fixed (0): the held-out test set is the same whatever --seed is.
+    return SyntheticArithmetic(num_operands=e.num_operands, max_operand=e.max_operand, test_fraction=e.test_fraction)
+
+
+def default_max_new_tokens(cfg: TrainConfig, task: Any, block_size: int) -> int:
+    if cfg.sampler.max_new_tokens is not None:
+        return cfg.sampler.max_new_tokens
+    if hasattr(task, "max_response_tokens"):
+        n = task.max_response_tokens()
+        return -(-n // block_size) * block_size + block_size
+    return 256
+
+
+def embedded_model_config(cfg: TrainConfig, tokenizer: Any):
+    from .model import SDARConfig
+
+    e = cfg.embedded
+    return SDARConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=e.hidden_size, intermediate_size=e.intermediate_size,
+        num_hidden_layers=e.num_layers, num_attention_heads=e.num_heads, num_key_value_heads=e.num_kv_heads,
+        head_dim=e.head_dim, block_size=e.model_block_size, mask_token_id=tokenizer.mask_token_id,
+        max_position_embeddings=256, torch_dtype="float32", tie_word_embeddings=False,
+    )
+
+
+def sft_cache_key(cfg: TrainConfig, mcfg: Any) -> str:
+    e = cfg.embedded
+    spec = {
+        "version": SFT_CACHE_VERSION,
+        "model": mcfg.to_dict(),
+        "task": {"name": "synthetic", "num_operands": e.num_operands, "max_operand": e.max_operand,
+                 "test_fraction": e.test_fraction},
+        "sft": {"steps": e.sft_steps, "batch_size": e.sft_batch_size, "lr": e.sft_lr, "warmup": e.sft_warmup,
+                "time_budget": e.sft_time_budget},
+        "seed": cfg.rl.seed,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def embedded_sft_model(cfg: TrainConfig, task: Any, device: torch.device, dtype: torch.dtype,
+                       say: Callable[[str], None] = log):
+    """The SFT warm-up model of the embedded default: from the cache, or trained (and cached)."""
+    from .checkpoint import load_model, save_model
+    from .model import build_model
+    from .rl.sft import train_sft
+
+    tok = task.tokenizer
+    mcfg = embedded_model_config(cfg, tok)
+    e = cfg.embedded
+    folder = cache_root(cfg) / f"sft-{sft_cache_key(cfg, mcfg)}"
+    if e.cache and (folder / "config.json").is_file():
+        try:
+            model, _ = load_model(folder, dtype=dtype, device=device)
+            model.zero_grad(set_to_none=True)
+            say(f"SFT warm-up: loaded from the cache {folder}")
+            return model, folder
+        except Exception as ex:  # a broken cache entry is rebuilt
+            say(f"SFT warm-up: cache entry {folder} unreadable ({ex}); training again")
+    model = build_model(mcfg, device=device, dtype=torch.float32, seed=cfg.rl.seed)
+    model.gradient_checkpointing = cfg.run.gradient_checkpointing
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"SFT warm-up: {n_params / 1e6:.2f} M parameters, {e.sft_steps} steps x {e.sft_batch_size} pairs, "
+        f"lr {e.sft_lr:g}" + (f", budget {e.sft_time_budget:g}s" if e.sft_time_budget else ""))
+    train = task.train
+    t0 = time.perf_counter()
+    losses = train_sft(model, lambda rng: task.sft_pair(rng.choice(train), rng), steps=e.sft_steps,
+                       batch_size=e.sft_batch_size, lr=e.sft_lr, pad_id=tok.pad_token_id, seed=cfg.rl.seed,
+                       warmup=e.sft_warmup, log_every=max(1, e.sft_steps // 10), log=say,
+                       time_budget_s=e.sft_time_budget)
+    secs = time.perf_counter() - t0
+    say(f"SFT warm-up: {len(losses)} steps in {secs:.1f}s, final loss {sum(losses[-20:]) / max(1, len(losses[-20:])):.4f}")
+    # train_sft leaves the last step's gradients on the parameters: the first RL backward would add to them
+    model.zero_grad(set_to_none=True)
+    model = model.to(dtype=dtype).eval()
+    if e.cache:
+        save_model(model, mcfg, folder, tokenizer=tok)
+        (folder / "sft_info.json").write_text(json.dumps({"steps": len(losses), "seconds": secs, "losses": losses[-100:]}))
+        say(f"SFT warm-up: cached in {folder}")
+    return model, (folder if e.cache else None)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# evaluation
+# ------------------------------------------------------------------------------------------------------------
+
+def _verify(task: Any, texts: list[str], examples: list) -> list[bool]:
+    if hasattr(task, "is_correct_batch"):
+        return list(task.is_correct_batch(texts, examples))
+    return [task.is_correct(t, ex) for t, ex in zip(texts, examples)]
+
+
+def evaluate(model, tokenizer, task, examples: Sequence, scfg, thresholds: Sequence[float], batch_size: int,
+             max_new_tokens: int | None = None) -> dict[str, dict[str, float]]:
+    """Greedy decoding of `examples` at each threshold -> {f"{tau:g}": {acc, tpf, ...}}.
+
+    acc: verifier-correct AND finished with EOS (a response hitting the length cap is wrong); tpf: mean
+    tokens per forward; well_formed (synthetic task): every step of the worked trace is right; finished:
+    fraction that emitted EOS; tokens_per_s: generated tokens per second of decoding."""
+    from .sampler import generate
+
+    is_synthetic = getattr(task, "name", "") == "synthetic"
+    if is_synthetic:
+        from .tasks.synthetic import well_formed
+    prompts = [tokenizer.encode(task.build_prompt(ex)) for ex in examples]
+    out: dict[str, dict[str, float]] = {}
+    model.eval()
+    for tau in sorted(set(float(t) for t in thresholds)):
+        ec = dataclasses.replace(scfg, threshold=tau, temperature=0.0, seed=0,
+                                 max_new_tokens=max_new_tokens or scfg.max_new_tokens)
+        n = correct = wf = finished = 0
+        tpf_sum = tokens = secs = 0.0
+        for i in range(0, len(prompts), batch_size):
+            chunk, exs = prompts[i:i + batch_size], list(examples[i:i + batch_size])
+            ro = generate(model, chunk, ec)
+            texts = [tokenizer.decode(ro.response_ids(j), skip_special=True) for j in range(len(ro))]
+            ok = _verify(task, texts, exs)
+            eos = ro.eos_found.tolist()
+            correct += sum(bool(a and b) for a, b in zip(ok, eos))
+            finished += sum(eos)
+            if is_synthetic:
+                wf += sum(bool(well_formed(t, ex) and e) for t, ex, e in zip(texts, exs, eos))
+            tpf_sum += float(ro.tpf.sum())
+            tokens += float(ro.lengths.sum())
+            secs += ro.seconds
+            n += len(ro)
+        rec = {"acc": correct / n, "tpf": tpf_sum / n, "finished": finished / n, "n": n,
+               "tokens_per_s": tokens / secs if secs > 0 else float("nan"), "seconds": secs}
+        if is_synthetic:
+            rec["well_formed"] = wf / n
+        out[f"{tau:g}"] = rec
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the run
+# ------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class RunContext:
+    cfg: TrainConfig
+    out: Path
+    device: torch.device
+    model: Any
+    tokenizer: Any
+    task: Any
+    train_examples: list
+    eval_examples: list
+    scfg: Any  # rollout SamplerConfig (eos ids from the tokenizer, block size resolved)
+    reference_dir: Path | None  # where the initial policy lives (None: saved into out/reference when needed)
+    resume_from: Path | None
+
+
+def _load_examples(path: str, fmt: str | None, limit: int | None, say) -> list:
+    from .tasks import load_examples
+
+    res = load_examples(path, fmt=fmt, limit=limit)
+    say(f"data: {len(res)} examples from {path} (format {res.fmt}" + (f", {res.skipped} malformed rows skipped)" if res.skipped else ")"))
+    return list(res.examples)
+
+
+def build_context(cfg: TrainConfig, say: Callable[[str], None] = log) -> RunContext:
+    from .checkpoint import load_model, read_config
+    from .rl.checkpointing import resolve_checkpoint
+    from .sampler import SamplerConfig
+    from .tokenizer import load_tokenizer
+
+    device = resolve_device(cfg.data.device)
+    d = cfg.data
+    resume_from = resolve_checkpoint(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
+    if d.out:
+        out = Path(d.out)
+    elif resume_from is not None:
+        out = resume_from.parent
+    else:
+        out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    out = out.absolute()
+    out.mkdir(parents=True, exist_ok=True)
+
+    # task
+    if d.task == "synthetic":
+        task = make_synthetic_task(cfg)
+    else:
+        from .tasks import get_task
+
+        task = get_task(d.task)
+
+    # model + tokenizer
+    reference_dir: Path | None = None
+    if resume_from is not None:
+        ck_dtype = read_config(resume_from).dtype
+        model, _ = load_model(resume_from, dtype=resolve_dtype(d.dtype, device, ck_dtype), device=device)
+        tokenizer = load_tokenizer(resume_from)
+        say(f"resume: model from {resume_from}")
+    elif d.model is not None:
+        ck_dtype = read_config(d.model).dtype
+        model, _ = load_model(d.model, dtype=resolve_dtype(d.dtype, device, ck_dtype), device=device)
+        tokenizer = load_tokenizer(d.model)
+        reference_dir = Path(d.model).absolute()
+        say(f"model: {d.model}")
+    else:
+        tokenizer = task.tokenizer
+        model, _ = embedded_sft_model(cfg, task, device, resolve_dtype(d.dtype, device, None), say)
+    model.gradient_checkpointing = cfg.run.gradient_checkpointing
+    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id != model.config.mask_token_id:
+        say(f"warning: tokenizer mask id {tokenizer.mask_token_id} != model config mask_token_id "
+            f"{model.config.mask_token_id}; the model's is used")
+
+    # data
+    if d.task == "synthetic":
+        train_examples, eval_examples = list(task.train), list(task.test)
+        if d.max_train_examples:
+            train_examples = train_examples[: d.max_train_examples]
+    else:
+        train_examples = _load_examples(d.train_data, d.data_format, d.max_train_examples, say)
+        eval_examples = _load_examples(d.eval_data, d.data_format, None, say) if d.eval_data else []
+    if cfg.eval.eval_limit:
+        eval_examples = eval_examples[: cfg.eval.eval_limit]
+
+    # rollout sampler config
+    bs = cfg.sampler.block_size or model.config.block_size
+    eos = tuple(sorted(i for i in tokenizer.eos_token_ids if i < model.config.vocab_size))
+    if not eos:
+        raise ValueError(f"the tokenizer's eos ids {sorted(tokenizer.eos_token_ids)} are outside the model's "
+                         f"vocabulary ({model.config.vocab_size})")
+    scfg = dataclasses.replace(cfg.sampler, eos_ids=eos, max_new_tokens=default_max_new_tokens(cfg, task, bs))
+    assert isinstance(scfg, SamplerConfig)
+    return RunContext(cfg, out, device, model, tokenizer, task, train_examples, eval_examples, scfg,
+                      reference_dir, resume_from)
+
+
+def _sweep_thresholds(cfg: TrainConfig, scfg) -> list[float]:
+    return sorted(set(cfg.eval.eval_thresholds) | {scfg.threshold})
+
+
+def _eval_sweep(ctx: RunContext, label: str, say) -> dict:
+    if not ctx.eval_examples:
+        say(f"eval {label}: skipped (no evaluation examples; give --eval-data)")
+        return {}
+    t0 = time.perf_counter()
+    res = evaluate(ctx.model, ctx.tokenizer, ctx.task, ctx.eval_examples, ctx.scfg, _sweep_thresholds(ctx.cfg, ctx.scfg),
+                   ctx.cfg.eval.eval_batch_size, ctx.cfg.eval.eval_max_new_tokens)
+    k = f"{ctx.scfg.threshold:g}"
+    say(f"eval {label}: {len(ctx.eval_examples)} examples, greedy, tau {k}: acc {res[k]['acc']:.3f} "
+        f"TPF {res[k]['tpf']:.2f} ({time.perf_counter() - t0:.1f}s for {len(res)} thresholds)")
+    return res
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _report(ctx: RunContext, before: dict, after: dict, label: str, history: list, evals: list, say) -> dict:
+    from .rl.logging import before_after_table, plot_sweep, plot_training, sweep_table
+
+    cfg = ctx.cfg
+    tau = ctx.scfg.threshold
+    plots = {}
+    if before and after:
+        say("")
+        say(sweep_table({"before": before, label: after}, title="threshold sweep (greedy, held-out)"))
+        say("")
+        say(before_after_table(before, after, tau, labels=("before", label)))
+    if cfg.run.plots:
+        if history:
+            p = plot_training(history, ctx.out / "training.png", log=say, evals=evals)
+            if p:
+                plots["training"] = str(p)
+        if before and after:
+            p = plot_sweep({"before": before, label: after}, ctx.out / "sweep.png", log=say)
+            if p:
+                plots["sweep"] = str(p)
+        if plots:
+            say("plots: " + ", ".join(plots.values()))
+    return plots
+
+
+def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
+    from .rl.checkpointing import NonFiniteModelError, load_checkpoint, save_checkpoint
+    from .rl.logging import RunLogger
+    from .rl.trainer import make_state, train_step
+
+    cfg, rl = ctx.cfg, ctx.cfg.rl
+    state = make_state(ctx.model, rl)
+    extra: dict[str, Any] = {}
+    metrics_len = None
+    reference_dir = ctx.reference_dir
+    if ctx.resume_from is not None:
+        loaded = load_checkpoint(ctx.resume_from, state, config=rl)
+        extra, metrics_len, reference_dir = loaded.extra, loaded.metrics_len, loaded.reference_dir
+        say(f"resume: step {state.step}, data cursor {state.cursor} from {loaded.path}")
+    before = extra.get("eval_before") or _eval_sweep(ctx, "before RL", say)
+    elapsed = float(extra.get("rl_elapsed_s", 0.0))
+    budget = cfg.run.rl_time_budget
+    logger = RunLogger(ctx.out, total_steps=rl.steps, progress=cfg.run.progress, truncate_to=metrics_len,
+                       initial_step=state.step)
+
+    def ckpt_extra() -> dict:
+        return {"eval_before": before, "rl_elapsed_s": elapsed, "train_config": cfg.to_dict(), "phase": "rl"}
+
+    def save() -> Path:
+        return save_checkpoint(ctx.out, state, ckpt_extra(), config=rl, keep=cfg.checkpoint.keep_checkpoints,
+                               tokenizer=ctx.tokenizer, reference_dir=reference_dir, metrics_len=logger.n_logged)
+
+    tau = ctx.scfg.threshold
+    say(f"RL: {rl.steps} steps" + (f" or {budget:g}s" if budget else "") + f", {rl.prompts_per_step} prompts x "
+        f"{rl.group_size} samples per step, lr {rl.lr:g}, kl_beta {rl.kl_beta:g}, tau {tau:g}, "
+        f"{len(ctx.train_examples)} train prompts -> {ctx.out}")
+    status = EXIT_OK
+    try:
+        while state.step < rl.steps:
+            if budget is not None and elapsed >= budget:
+                logger.info(f"RL: time budget {budget:g}s reached after {state.step} steps")
+                break
+            t0 = time.perf_counter()
+            m = train_step(state, ctx.tokenizer, ctx.task, ctx.train_examples, rl, ctx.scfg)
+            elapsed += time.perf_counter() - t0
+            m["reward"] = m["acc"] + rl.tpf_weight * m["tpf"]
+            m["tokens_per_s"] = m["tokens"] / m["rollout_s"] if m.get("rollout_s") else None
+            m["elapsed_s"] = elapsed
+            if cfg.eval.eval_every and state.step % cfg.eval.eval_every == 0 and ctx.eval_examples:
+                ev = evaluate(ctx.model, ctx.tokenizer, ctx.task, ctx.eval_examples, ctx.scfg, [tau],
+                              cfg.eval.eval_batch_size, cfg.eval.eval_max_new_tokens)[f"{tau:g}"]
+                m["eval_acc"], m["eval_tpf"] = ev["acc"], ev["tpf"]
+                if "well_formed" in ev:
+                    m["eval_well_formed"] = ev["well_formed"]
+            logger.log_step(m)
+            if cfg.eval.eval_every and "eval_acc" in m:
+                logger.info(f"  eval (greedy, tau {tau:g}): acc {m['eval_acc']:.3f} TPF {m['eval_tpf']:.2f}")
+            if cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0 and state.step < rl.steps:
+                p = save()
+                logger.info(f"  checkpoint: {p}")
+    except FloatingPointError as ex:
+        logger.close()
+        say(f"error: training stopped: {ex}")
+        say("nothing was saved from the failing steps; the last checkpoint (if any) is intact: "
+            f"{ctx.out / 'latest'}")
+        return EXIT_NONFINITE
+    finally:
+        logger.close()
+    final = None
+    if cfg.checkpoint.save_final:
+        try:
+            final = save()
+            say(f"checkpoint: {final} (load with --model {final})")
+        except NonFiniteModelError as ex:
+            say(f"error: {ex}")
+            status = EXIT_NONFINITE
+    after = _eval_sweep(ctx, "after RL", say)
+    history = logger.history
+    evals = [{"step": m["step"], "acc": m["eval_acc"], "tpf": m["eval_tpf"]} for m in history if "eval_acc" in m]
+    plots = _report(ctx, before, after, "after RL", history, evals, say)
+    _write_json(ctx.out / "summary.json", {
+        "mode": "lightningrl", "steps": state.step, "rl_elapsed_s": elapsed, "threshold": tau,
+        "eval_before": before, "eval_after": after, "final_checkpoint": str(final) if final else None,
+        "plots": plots, "metrics": str(ctx.out / "metrics.jsonl"),
+    })
+    return status
+
+
+def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
+    """REFERENCE §7 baseline: greedy decode of the train prompts at tau, keep the correct (and, for the
+    synthetic task, well-formed) outputs, fine-tune on them with the SFT objective, all within the RL budget."""
+    from .checkpoint import save_model
+    from .rl.checkpointing import nonfinite_parameters
+    from .rl.sft import train_sft
+    from .sampler import generate
+
+    cfg, b = ctx.cfg, ctx.cfg.baseline
+    budget = cfg.run.rl_time_budget
+    tau = ctx.scfg.threshold
+    before = _eval_sweep(ctx, "before RFT", say)
+    t_start = time.perf_counter()
+    examples = ctx.train_examples[: b.rft_max_prompts] if b.rft_max_prompts else ctx.train_examples
+    is_synthetic = getattr(ctx.task, "name", "") == "synthetic"
+    if is_synthetic:
+        from .tasks.synthetic import well_formed
+    prompts = [ctx.tokenizer.encode(ctx.task.build_prompt(ex)) for ex in examples]
+    dec = dataclasses.replace(ctx.scfg, temperature=0.0, seed=0)
+    kept: list[tuple[list[int], list[int]]] = []
+    n_correct = 0
+    for i in range(0, len(prompts), cfg.eval.eval_batch_size):
+        chunk, exs = prompts[i:i + cfg.eval.eval_batch_size], examples[i:i + cfg.eval.eval_batch_size]
+        ro = generate(ctx.model, chunk, dec)
+        texts = [ctx.tokenizer.decode(ro.response_ids(j), skip_special=True) for j in range(len(ro))]
+        ok = _verify(ctx.task, texts, list(exs))
+        for j, (t, ex) in enumerate(zip(texts, exs)):
+            good = ok[j] and bool(ro.eos_found[j])
+            n_correct += good
+            if good and (not is_synthetic or well_formed(t, ex)):
+                kept.append((chunk[j], ro.response_ids(j)))
+        if budget is not None and time.perf_counter() - t_start > budget:
+            say("RFT: time budget reached while decoding")
+            break
+    decode_s = time.perf_counter() - t_start
+    say(f"RFT: decoded {len(prompts)} train prompts greedily at tau {tau:g} in {decode_s:.1f}s; "
+        f"{n_correct} correct, {len(kept)} kept")
+    remaining = None if budget is None else budget - decode_s
+    losses: list[float] = []
+    if kept and (remaining is None or remaining > 0):
+        say(f"RFT: fine-tune {b.rft_steps} steps x {b.rft_batch_size}, lr {b.rft_lr:g}"
+            + (f", {remaining:.0f}s left of the budget" if remaining is not None else ""))
+        losses = train_sft(ctx.model, lambda rng: rng.choice(kept), steps=b.rft_steps, batch_size=b.rft_batch_size,
+                           lr=b.rft_lr, pad_id=ctx.tokenizer.pad_token_id, seed=cfg.rl.seed,
+                           warmup=max(1, min(20, b.rft_steps // 10)), log_every=max(1, b.rft_steps // 10), log=say,
+                           time_budget_s=remaining)
+    elapsed = time.perf_counter() - t_start
+    say(f"RFT: {len(losses)} fine-tune steps, phase took {elapsed:.1f}s")
+    with open(ctx.out / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"phase": "rft_decode", "prompts": len(prompts), "correct": n_correct, "kept": len(kept),
+                            "seconds": decode_s}) + "\n")
+        for i, loss in enumerate(losses):
+            f.write(json.dumps({"phase": "rft_sft", "step": i + 1, "loss": loss if math.isfinite(loss) else None}) + "\n")
+    status = EXIT_OK
+    final = None
+    bad = nonfinite_parameters(ctx.model)
+    if bad:
+        say(f"error: the fine-tuned model has non-finite parameters ({', '.join(bad[:3])}); not saved")
+        status = EXIT_NONFINITE
+    elif cfg.checkpoint.save_final:
+        final = save_model(ctx.model, ctx.model.config, ctx.out / "rft-model", tokenizer=ctx.tokenizer)
+        say(f"model: {final} (load with --model {final})")
+    after = _eval_sweep(ctx, "after RFT", say) if status == EXIT_OK else {}
+    plots = _report(ctx, before, after, "after RFT", [], [], say)
+    _write_json(ctx.out / "summary.json", {
+        "mode": "rft", "phase_s": elapsed, "decode_s": decode_s, "kept": len(kept), "sft_steps": len(losses),
+        "threshold": tau, "eval_before": before, "eval_after": after, "final_model": str(final) if final else None,
+        "plots": plots,
+    })
+    return status
+
+
+def run(cfg: TrainConfig, say: Callable[[str], None] = log) -> int:
+    """Run a validated config (see the module docstring). Returns the exit status."""
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    random.seed(cfg.rl.seed)
+    torch.manual_seed(cfg.rl.seed)
+    t0 = time.perf_counter()
+    ctx = build_context(cfg, say)
+    if ctx.resume_from is None:
+        _write_json(ctx.out / RUN_CONFIG, {**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "out": str(ctx.out)}})
+    n_params = sum(p.numel() for p in ctx.model.parameters())
+    say(f"run: {ctx.out} | device {ctx.device} | {n_params / 1e6:.2f} M parameters "
+        f"({next(ctx.model.parameters()).dtype}) | task {cfg.data.task}: {len(ctx.train_examples)} train / "
+        f"{len(ctx.eval_examples)} eval examples | block {ctx.scfg.block_size or ctx.model.config.block_size}, "
+        f"max new tokens {ctx.scfg.max_new_tokens}")
+    status = run_rft(ctx, say) if cfg.run.baseline == "rft" else run_rl(ctx, say)
+    say(f"done in {time.perf_counter() - t0:.1f}s -> {ctx.out}")
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = parse_config(argv)
+    except ConfigError as ex:
+        print(f"error: {ex}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        return run(cfg)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except _load_errors() as ex:  # data/checkpoint problems found while loading
+        print(f"error: {ex}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    from .checkpoint import CheckpointError
+    from .tasks.data import DataFormatError
+
+    return (FileNotFoundError, CheckpointError, DataFormatError)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
