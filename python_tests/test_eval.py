@@ -1,0 +1,234 @@
+"""eval: the AUP metric against hand-computed values, `evaluate` on the synthetic task, the CLI (JSON, PNG, overlays)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightningrl_fast import eval as ev
+from lightningrl_fast.checkpoint import load_model, save_model
+from lightningrl_fast.model import SDARConfig, build_model
+from lightningrl_fast.sampler import SamplerConfig
+from lightningrl_fast.tasks.synthetic import ArithExample, SyntheticArithmetic
+
+BLOCK = 4
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# AUP (d3LLM): rho_1 y_1 + sum of trapezoids of y W(y), W(y) = min(exp(-3 (1 - y / y_max)), 1), y in percent
+# ------------------------------------------------------------------------------------------------------------
+
+def test_aup_single_point_is_the_rectangle():
+    assert ev.aup([(2.0, 80.0)]) == pytest.approx(160.0)
+    assert ev.aup([(2.0, 80.0)], y_max=100.0) == pytest.approx(160.0)  # the first term is not weighted
+
+
+def test_aup_flat_curve():
+    # 80*1 + (2-1)*(80+80)/2 + (4-2)*(80+80)/2 = 80 + 80 + 160
+    assert ev.aup([(1, 80), (2, 80), (4, 80)]) == pytest.approx(320.0)
+    # the same flat curve judged against a better run (y_max 100): W(80) = exp(-0.6)
+    w = math.exp(-0.6)
+    assert ev.aup([(2, 80), (4, 80)], y_max=100) == pytest.approx(160 + 2 * 80 * w)
+    assert ev.aup([(2, 80), (4, 80)], y_max=100) == pytest.approx(247.80986177504423)
+
+
+def test_aup_monotone_decreasing_curve():
+    # y_max 90: W(87) = exp(-3 * 3/90) = exp(-0.1), W(85) = exp(-3 * 5/90) = exp(-1/6)
+    want = 90 * 1 + (3 - 1) * (87 * math.exp(-0.1) + 90) / 2 + (5 - 3) * (85 * math.exp(-1 / 6) + 87 * math.exp(-0.1)) / 2
+    assert want == pytest.approx(409.3926573539591)
+    assert ev.aup([(1, 90), (3, 87), (5, 85)]) == pytest.approx(want)
+    assert ev.aup([(5, 85), (1, 90), (3, 87)]) == pytest.approx(want)  # input order does not matter
+
+
+def test_aup_monotone_increasing_curve():
+    # 80*1 + (2-1) * (90*W(90) + 80*W(80)) / 2, W(90) = 1, W(80) = exp(-1/3)
+    assert ev.aup([(1, 80), (2, 90)]) == pytest.approx(80 + (90 + 80 * math.exp(-1 / 3)) / 2)
+    assert ev.aup([(1, 80), (2, 90)]) == pytest.approx(153.66125242295158)
+
+
+def test_aup_drops_points_more_than_five_below_the_first():
+    # y_1 = 90 -> floor 85: (2, 84) is dropped, (3, 86) kept
+    assert ev.aup([(1, 90), (2, 84), (3, 86)]) == pytest.approx(90 + 2 * (86 * math.exp(-3 * 4 / 90) + 90) / 2)
+    assert ev.aup([(1, 90), (2, 85)]) == pytest.approx(90 + (85 * math.exp(-3 * 5 / 90) + 90) / 2)  # exactly 5: kept
+
+
+def test_aup_edge_cases_and_errors():
+    assert ev.aup([(1, 0), (3, 0)]) == 0.0
+    assert ev.aup([(1.0, 100), (2.0, 100)]) == pytest.approx(200.0)
+    assert ev.aup_weight(50, 0) == 1.0
+    for bad in ([], [(0, 50)], [(-1, 50)], [(1, 101)], [(1, -1)], [(float("nan"), 50)]):
+        with pytest.raises(ValueError):
+            ev.aup(bad)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# evaluate
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def synth_ckpt(tmp_path_factory) -> Path:
+    tok = SyntheticArithmetic().tokenizer
+    cfg = SDARConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=BLOCK,
+                     mask_token_id=tok.mask_token_id, torch_dtype="float32", max_position_embeddings=128)
+    folder = tmp_path_factory.mktemp("synth") / "base"
+    save_model(build_model(cfg, dtype=torch.float32, seed=0), cfg, folder, tokenizer=tok)
+    return folder
+
+
+class ParityTask:
+    """Correct iff the true answer is even: accuracy is known whatever the random model writes."""
+
+    name = "parity"
+
+    def build_prompt(self, ex):
+        return ex.prompt
+
+    def score(self, response, ex):
+        return float(self.is_correct(response, ex))
+
+    def is_correct(self, response, ex):
+        return ex.answer % 2 == 0
+
+
+def _cfg(tok, **kw):
+    return SamplerConfig(temperature=0, max_new_tokens=12, eos_ids=tuple(sorted(tok.eos_token_ids)), **kw)
+
+
+def test_evaluate_synthetic_numbers_in_range(synth_ckpt):
+    task = SyntheticArithmetic()
+    model, _ = load_model(synth_ckpt)
+    exs = task.test[:6]
+    res = ev.evaluate(model, task.tokenizer, task, exs, [0.5, 0.9], _cfg(task.tokenizer), batch_size=4)
+    assert [p["threshold"] for p in res["points"]] == [0.5, 0.9]
+    for p in res["points"]:
+        assert p["n"] == 6 and 0 <= p["correct"] <= 6 and p["accuracy"] == p["correct"] / 6
+        assert 1.0 <= p["mean_tpf"] <= BLOCK
+        assert p["tokens"] <= 6 * 12 and p["tokens_per_s"] > 0 and p["forwards_per_s"] > 0
+        assert p["forwards"] >= math.ceil(12 / BLOCK) and 0 <= p["truncated"] <= 6
+    assert res["aup"] >= 0 and math.isfinite(res["aup"])
+    assert res["n_examples"] == 6 and res["sampler"]["block_size"] == BLOCK and "threshold" not in res["sampler"]
+
+
+def test_evaluate_accuracy_and_aup_bookkeeping(synth_ckpt):
+    task = SyntheticArithmetic()
+    model, _ = load_model(synth_ckpt)
+    exs = task.test[:8]
+    want = sum(e.answer % 2 == 0 for e in exs) / len(exs)
+    res = ev.evaluate(model, task.tokenizer, ParityTask(), exs, [0.2, 0.95], _cfg(task.tokenizer), batch_size=3,
+                      keep_responses=True)
+    assert all(p["accuracy"] == want for p in res["points"])
+    pts = [(p["mean_tpf"], 100 * want) for p in res["points"]]
+    assert res["aup"] == pytest.approx(ev.aup(pts)) and res["aup_y_max"] == pytest.approx(100 * want)
+    assert len(res["points"][0]["responses"]) == 8
+    assert all(r["correct"] == (e.answer % 2 == 0) for r, e in zip(res["points"][0]["responses"], exs))
+
+
+def test_evaluate_restores_mode_and_block_size(synth_ckpt):
+    task = SyntheticArithmetic()
+    model, _ = load_model(synth_ckpt)
+    model.train()
+    ev.evaluate(model, task.tokenizer, task, task.test[:2], [0.9], _cfg(task.tokenizer, block_size=8))
+    assert model.training and model.config.block_size == BLOCK
+    with pytest.raises(ValueError, match="no examples"):
+        ev.evaluate(model, task.tokenizer, task, [], [0.9], _cfg(task.tokenizer))
+
+
+def test_make_task_and_synthetic_data(tmp_path):
+    assert ev.make_task("code", workers=3).workers == 3
+    assert ev.make_task("synthetic", None).name == "synthetic"
+    f = tmp_path / "s.jsonl"
+    f.write_text(json.dumps({"operands": [1, 2, 3]}) + "\n\n" + json.dumps({"prompt": "4+5+6?"}) + "\n")
+    assert ev.load_synthetic(f, None) == [ArithExample((1, 2, 3)), ArithExample((4, 5, 6))]
+    f.write_text(json.dumps({"operands": [1, 2]}) + "\n" + json.dumps({"prompt": "hello"}) + "\n")
+    with pytest.raises(ev.CLIError, match=f"{f}:2:"):
+        ev.load_synthetic(f, None)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# command line
+# ------------------------------------------------------------------------------------------------------------
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_cli_synthetic_json_png_and_overlay(synth_ckpt, tmp_path, capsys):
+    out = tmp_path / "res"
+    args = ["--model", str(synth_ckpt), "--task", "synthetic", "--limit", "5", "--thresholds", "0.5,0.9",
+            "--out", str(out), "--batch-size", "4", "--device", "cpu", "--quiet"]
+    assert ev.main(args + ["--label", "base"]) == 0
+    printed = capsys.readouterr().out
+    assert "AUP" in printed and "accuracy%" in printed and "mean_tpf" in printed
+    base = json.loads((out / "base.synthetic.json").read_text())
+    assert base["label"] == "base" and base["task"] == "synthetic" and base["data"] == "synthetic:test"
+    assert len(base["points"]) == 2 and base["n_examples"] == 5
+    for p in base["points"]:
+        assert 0 <= p["accuracy"] <= 1 and 1 <= p["mean_tpf"] <= BLOCK and p["forwards"] > 0
+    assert base["sampler"]["max_new_tokens"] == SyntheticArithmetic().max_response_tokens()
+    assert (out / "base.synthetic.png").is_file() == _has_matplotlib()
+
+    # an earlier run with a better curve, overlaid: AUPs are recomputed under the shared y_max
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"label": "fake", "points": [{"threshold": 0.9, "accuracy": 0.9, "mean_tpf": 2.0},
+                                                             {"threshold": 0.5, "accuracy": 0.8, "mean_tpf": 4.0}]}))
+    assert ev.main(args + ["--label", "trained", "--overlay", str(out / "base.synthetic.json"), str(other)]) == 0
+    printed = capsys.readouterr().out
+    res = json.loads((out / "trained.synthetic.json").read_text())
+    y_max = max(90.0, *(100 * p["accuracy"] for p in res["points"]))
+    assert res["aup_shared_y_max"] == pytest.approx(y_max)
+    assert res["overlays"]["fake"]["aup_shared"] == pytest.approx(ev.aup([(2.0, 90.0), (4.0, 80.0)], y_max=y_max))
+    assert res["overlays"]["base"]["aup"] == pytest.approx(base["aup"])
+    assert "fake" in printed and "base" in printed
+    assert (out / "trained.synthetic.png").is_file() == _has_matplotlib()
+
+
+@pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib is not installed")
+def test_plot_curves_writes_png(tmp_path):
+    runs = [{"label": "a", "aup": 10.0, "points": [{"threshold": 0.9, "accuracy": 0.5, "mean_tpf": 1.5},
+                                                   {"threshold": 0.5, "accuracy": 0.4, "mean_tpf": 3.0}]},
+            {"label": "b", "points": [{"threshold": 0.9, "accuracy": 0.7, "mean_tpf": 2.0}]}]
+    path = tmp_path / "sub" / "c.png"
+    assert ev.plot_curves(runs, path, title="t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_errors(synth_ckpt, tmp_path, capsys):
+    base = ["--model", str(synth_ckpt), "--out", str(tmp_path / "o"), "--quiet"]
+    cases = [
+        (["--task", "math"], "needs --data"),
+        (["--task", "synthetic", "--thresholds", "a,b"], "--thresholds"),
+        (["--task", "synthetic", "--thresholds", "0.5,2"], "[0, 1]"),
+        (["--task", "synthetic", "--overlay", str(tmp_path / "none.json")], "does not exist"),
+        (["--task", "synthetic", "--limit", "0"], "--limit"),
+        (["--task", "math", "--data", str(tmp_path / "none.jsonl")], "does not exist"),
+    ]
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{\"label\": \"x\"}")
+    cases.append((["--task", "synthetic", "--overlay", str(bad_json)], "no \"points\" list"))
+    for extra, msg in cases:
+        assert ev.main(base + extra) == 2, extra
+        assert msg in capsys.readouterr().err, extra
+    assert ev.main(["--model", str(tmp_path / "nope"), "--task", "synthetic"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    code_rows = tmp_path / "mbpp.jsonl"
+    code_rows.write_text(json.dumps({"task_id": 1, "text": "add", "code": "def f(a,b): return a+b",
+                                     "test_list": ["assert f(1,2)==3"]}) + "\n")
+    assert ev.main(base + ["--task", "math", "--data", str(code_rows)]) == 2
+    assert "'code' problems" in capsys.readouterr().err
