@@ -171,11 +171,21 @@ class Attention(nn.Module):
         o = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout, plan)  # [B, Hq, N, D]
         return self.o_proj(o.transpose(1, 2).reshape(b, n, self.hq * self.d))
 
-    def forward_cached(self, x, cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size) -> torch.Tensor:
-        b, c, _ = x.shape
+    def forward_cached(self, x, cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size, packed=None) -> torch.Tensor:
         q, k, v = self._qkv(x, cos, sin)
+        if packed is not None:  # x holds only the valid tokens [1, N, H]: pad them to [B, C] for the attention op
+            rows, cols, shape = packed
+            q, k, v = (_unpack(t[0], rows, cols, shape) for t in (q, k, v))
         o = block_attention(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size)  # [B, C, Hq, D]
-        return self.o_proj(o.reshape(b, c, self.hq * self.d))
+        if packed is not None:
+            o = o[rows, cols][None]  # [1, N, Hq, D]
+        return self.o_proj(o.reshape(*o.shape[:2], self.hq * self.d))
+
+
+def _unpack(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    out = t.new_zeros((*shape, *t.shape[1:]))
+    out[rows, cols] = t
+    return out
 
 
 class MLP(nn.Module):
@@ -201,8 +211,9 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_cached(self, x, cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size) -> torch.Tensor:
-        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size)
+    def forward_cached(self, x, cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size, packed=None) -> torch.Tensor:
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, k_cache, v_cache, cache_lens,
+                                              chunk_lens, block_size, packed)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -319,11 +330,22 @@ class SDARForCausalLM(nn.Module):
         if bsz != cache.batch:
             raise ValueError(f"input_ids batch {bsz} != KV cache batch {cache.batch}")
         position_ids = cache_lens.to(torch.int64)[:, None] + torch.arange(c, device=input_ids.device)  # [B, C]
-        x = self.model.embed_tokens(input_ids)  # [B, C, H]
+        packed = None
+        if not input_ids.is_cuda:
+            # CPU: projections and MLP see only the valid tokens (rows past chunk_lens, idle rows are skipped).
+            # On CUDA shapes stay static for graph capture; the attention kernel skips the padding itself.
+            valid = torch.arange(c)[None] < chunk_lens.to(torch.int64)[:, None]  # [B, C]
+            if not bool(valid.all()):
+                rows, cols = valid.nonzero(as_tuple=True)
+                packed = (rows, cols, (bsz, c))
+                input_ids, position_ids = input_ids[rows, cols][None], position_ids[rows, cols][None]  # [1, N]
+        x = self.model.embed_tokens(input_ids)  # [B, C, H] (or [1, N, H] packed)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache_lens, chunk_lens, self.config.block_size)
-        return self.model.norm(x)
+            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache_lens, chunk_lens, self.config.block_size,
+                                     packed)
+        x = self.model.norm(x)
+        return _unpack(x[0], packed[0], packed[1], packed[2]) if packed is not None else x
 
     def forward_cached(self, input_ids: torch.Tensor, cache: KVCache, cache_lens: torch.Tensor,
                        chunk_lens: torch.Tensor) -> torch.Tensor:
