@@ -261,11 +261,15 @@ def main(argv: list[str] | None = None) -> None:
     graphs = [False] if not on_gpu else {"both": [True, False], "on": [True], "off": [False]}[args.graphs]
 
     args.copy_gbs = copy_bandwidth_gbs(device)
-    model = make_model(args.config, device, dtype)
-    wb = weight_bytes(model)
+    with torch.device("meta"):  # sizes only; the real model is built when this process times something
+        shape_model = SDARForCausalLM(SDARConfig(**CONFIGS[args.config])).to(dtype)
+    wb = weight_bytes(shape_model)
+    n_params = sum(p.numel() for p in {id(p): p for p in shape_model.parameters()}.values())
+    del shape_model
+    model = make_model(args.config, device, dtype) if local else None
     if not args.child:
         print(f"device: {device_name(device)}; copy bandwidth {args.copy_gbs:.0f} GB/s; config {args.config} "
-              f"({sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) / 1e9:.3f} B params, "
+              f"({n_params / 1e9:.3f} B params, "
               f"{wb / 1e9:.3f} GB read per forward as weights, {str(dtype)[6:]}); forced TPF {args.tpf}; prompt "
               f"{args.prompt_len} + {args.new_tokens} new tokens; decode kernels: {ks['decode_kernels'] or 'none'}")
         for n in notes:
