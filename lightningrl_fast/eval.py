@@ -5,7 +5,8 @@
         [--block-size B] [--max-new-tokens N] [--batch-size N] [--temperature 0] [--device ...] [--dtype ...]
 
 For each threshold tau the examples are decoded (greedy by default, REFERENCE §2: evaluation is greedy with
-the rollout's block and tau) and scored by the task's verifier; per threshold it reports accuracy, mean TPF
+the rollout's block and tau) and scored by the task's verifier (a response cut at --max-new-tokens counts as
+wrong unless --truncated-ok, as in the RL reward); per threshold it reports accuracy, mean TPF
 (over examples), tokens/s and forwards/s (decode time only, scoring excluded), and the engine's forwards.
 `--task synthetic` without `--data` uses the embedded task's held-out test split (`tasks.synthetic`);
 with `--data`, a JSONL of {"operands": [a, b, c]} or {"prompt": "a+b+c?"} rows. Math/code read the benchmark
@@ -146,16 +147,21 @@ def _encode(tokenizer, task, examples) -> list[list[int]]:
 @torch.no_grad()
 def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequence[float], sampler_cfg,
              *, batch_size: int = 32, progress_bar: bool = False, keep_responses: bool = False,
-             on_batch: Callable[[float, int, int], None] | None = None) -> dict:
+             truncated_is_wrong: bool = True, on_batch: Callable[[float, int, int], None] | None = None) -> dict:
     """Decode `examples` at each threshold with `sampler_cfg` (its `threshold` is replaced), score, and report.
 
     `task` has `build_prompt(example) -> str` and `is_correct(response, example)` (or `is_correct_batch`);
-    the response passed to the verifier is the decoded text without its EOS. The model is put in eval mode for
-    the call and its mode restored. When `sampler_cfg.block_size` differs from the model's, the model's
+    the response passed to the verifier is the decoded text without its EOS. `accuracy` counts a response as
+    correct when the verifier says so AND it finished with EOS (a response cut at max_new_tokens is wrong, as in
+    the RL reward and train.py's sweep); `truncated_is_wrong=False` counts the verifier alone. Both are reported
+    (`accuracy`, `verifier_accuracy`), with `finished` (fraction that emitted EOS) and, for the synthetic task,
+    `well_formed` (every step of the trace right, and finished). The model is put in eval mode for the call and
+    its mode restored. When `sampler_cfg.block_size` differs from the model's, the model's
     attention runs with the sampler's block size for the call.
 
-    Returns {"points": [per threshold: threshold, n, correct, accuracy (fraction), mean_tpf, tokens,
-    tokens_per_s, forwards, forwards_per_s, truncated, decode_s, score_s (+ responses)], "aup", "aup_y_max",
+    Returns {"points": [per threshold: threshold, n, correct, accuracy (fraction), verifier_accuracy, finished,
+    (well_formed), mean_tpf, tokens, tokens_per_s, forwards, forwards_per_s, truncated, decode_s, score_s
+    (+ responses)], "aup", "aup_y_max",
     "sampler": settings, "n_examples"}.
     """
     if not examples:
@@ -178,6 +184,7 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
                 cfg = dataclasses.replace(sampler_cfg, threshold=float(tau))
                 responses: list[str] = [""] * len(ids)
                 tpf = [math.nan] * len(ids)
+                eos = [False] * len(ids)
                 pending: list[tuple[range, concurrent.futures.Future]] = []
                 n_tok = n_fwd = truncated = 0
                 decode_s = 0.0
@@ -192,6 +199,7 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
                     for j, i in enumerate(idx):
                         responses[i] = texts[j]
                         tpf[i] = float(ro.tpf[j])
+                        eos[i] = bool(ro.eos_found[j])
                     exs = [examples[i] for i in idx]
                     pending.append((idx, pool.submit(_timed, _correct_batch, task, texts, exs)))
                     bar.update(1)
@@ -204,16 +212,25 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
                     score_s += s
                     for j, i in enumerate(idx):
                         correct[i] = bool(ok[j])
+                verified = correct
+                if truncated_is_wrong:
+                    correct = [c and e for c, e in zip(correct, eos)]
                 n_ok = sum(correct)
                 pt = {
                     "threshold": float(tau), "n": len(ids), "correct": n_ok, "accuracy": n_ok / len(ids),
+                    "verifier_accuracy": sum(verified) / len(ids), "finished": sum(eos) / len(ids),
                     "mean_tpf": sum(tpf) / len(tpf), "tokens": n_tok,
                     "tokens_per_s": n_tok / decode_s if decode_s > 0 else math.nan,
                     "forwards": n_fwd, "forwards_per_s": n_fwd / decode_s if decode_s > 0 else math.nan,
                     "truncated": truncated, "decode_s": decode_s, "score_s": score_s,
                 }
+                if getattr(task, "name", "") == "synthetic":
+                    from .tasks.synthetic import well_formed
+
+                    pt["well_formed"] = sum(e and well_formed(r, ex) for r, ex, e in zip(responses, examples, eos)) / len(ids)
                 if keep_responses:
-                    pt["responses"] = [{"response": r, "correct": c, "tpf": t} for r, c, t in zip(responses, correct, tpf)]
+                    pt["responses"] = [{"response": r, "correct": c, "verified": v, "eos": e, "tpf": t}
+                                       for r, c, v, e, t in zip(responses, correct, verified, eos, tpf)]
                 points.append(pt)
     finally:
         bar.close()
@@ -224,6 +241,7 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
     settings = {k: v for k, v in dataclasses.asdict(sampler_cfg).items() if k != "threshold"}
     settings["eos_ids"] = list(settings["eos_ids"])
     settings["block_size"] = sampler_cfg.block_size or model.config.block_size
+    settings["truncated_is_wrong"] = truncated_is_wrong
     return {"points": points, "aup": aup(pts) if pts else math.nan, "aup_y_max": y_max,
             "aup_definition": AUP_DEFINITION, "sampler": settings, "n_examples": len(examples)}
 
@@ -305,12 +323,16 @@ def plot_curves(runs: Sequence[dict], path: str | Path, title: str = "") -> bool
 
 
 def format_table(result: dict) -> str:
-    cols = ("threshold", "accuracy%", "mean_tpf", "tokens/s", "forwards/s", "forwards", "truncated", "n")
+    wf = all("well_formed" in p for p in result["points"])
+    cols = ("threshold", "accuracy%", "verifier%") + (("well_formed%",) if wf else ()) + (
+        "mean_tpf", "tokens/s", "forwards/s", "forwards", "truncated", "n")
     rows = []
     for p in result["points"]:
-        rows.append((f"{p['threshold']:g}", f"{100 * p['accuracy']:.2f}", f"{p['mean_tpf']:.3f}",
-                     f"{p['tokens_per_s']:.1f}", f"{p['forwards_per_s']:.1f}", str(p["forwards"]),
-                     str(p["truncated"]), str(p["n"])))
+        rows.append((f"{p['threshold']:g}", f"{100 * p['accuracy']:.2f}",
+                     f"{100 * p.get('verifier_accuracy', p['accuracy']):.2f}")
+                    + ((f"{100 * p['well_formed']:.2f}",) if wf else ())
+                    + (f"{p['mean_tpf']:.3f}", f"{p['tokens_per_s']:.1f}", f"{p['forwards_per_s']:.1f}",
+                       str(p["forwards"]), str(p["truncated"]), str(p["n"])))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
@@ -418,6 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overlay", nargs="*", default=[], help="results JSONs of earlier runs to draw on the same plot")
     ap.add_argument("--workers", type=int, default=None, help="parallel code sandboxes (default: CPU count)")
     ap.add_argument("--save-responses", action="store_true", help="keep every response in the results JSON")
+    ap.add_argument("--truncated-ok", action="store_true",
+                    help="score responses cut at --max-new-tokens by the verifier alone (default: they are wrong)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     add_decoding_args(ap, temperature=0.0, max_new_tokens=None, batch_size=32)
     return ap
@@ -444,7 +468,8 @@ def run(args) -> dict:
     label = args.label or model_dir.resolve().name
     try:
         res = evaluate(model, tokenizer, task, examples, thresholds, cfg, batch_size=args.batch_size,
-                       progress_bar=not args.quiet, keep_responses=args.save_responses)
+                       progress_bar=not args.quiet, keep_responses=args.save_responses,
+                       truncated_is_wrong=not args.truncated_ok)
     except ValueError as e:
         raise CLIError(str(e)) from None
     res.update(label=label, task=args.task, model=str(model_dir), data=args.data or "synthetic:test",

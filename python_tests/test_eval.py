@@ -120,6 +120,8 @@ def test_evaluate_synthetic_numbers_in_range(synth_ckpt):
         assert p["forwards"] >= math.ceil(12 / BLOCK) and 0 <= p["truncated"] <= 6
     assert res["aup"] >= 0 and math.isfinite(res["aup"])
     assert res["n_examples"] == 6 and res["sampler"]["block_size"] == BLOCK and "threshold" not in res["sampler"]
+    assert all(0 <= p["well_formed"] <= p["finished"] <= 1 and p["accuracy"] <= p["verifier_accuracy"]
+               for p in res["points"])
 
 
 def test_evaluate_accuracy_and_aup_bookkeeping(synth_ckpt):
@@ -127,13 +129,21 @@ def test_evaluate_accuracy_and_aup_bookkeeping(synth_ckpt):
     model, _ = load_model(synth_ckpt)
     exs = task.test[:8]
     want = sum(e.answer % 2 == 0 for e in exs) / len(exs)
-    res = ev.evaluate(model, task.tokenizer, ParityTask(), exs, [0.2, 0.95], _cfg(task.tokenizer), batch_size=3,
-                      keep_responses=True)
-    assert all(p["accuracy"] == want for p in res["points"])
+    cfg = _cfg(task.tokenizer)
+    res = ev.evaluate(model, task.tokenizer, ParityTask(), exs, [0.2, 0.95], cfg, batch_size=3,
+                      keep_responses=True, truncated_is_wrong=False)
+    assert all(p["accuracy"] == want and p["verifier_accuracy"] == want for p in res["points"])
     pts = [(p["mean_tpf"], 100 * want) for p in res["points"]]
     assert res["aup"] == pytest.approx(ev.aup(pts)) and res["aup_y_max"] == pytest.approx(100 * want)
-    assert len(res["points"][0]["responses"]) == 8
-    assert all(r["correct"] == (e.answer % 2 == 0) for r, e in zip(res["points"][0]["responses"], exs))
+    resp = res["points"][0]["responses"]
+    assert len(resp) == 8 and all(r["verified"] == (e.answer % 2 == 0) for r, e in zip(resp, exs))
+    # default: a response cut at max_new_tokens is wrong whatever the verifier says
+    strict = ev.evaluate(model, task.tokenizer, ParityTask(), exs, [0.2], cfg, batch_size=3, keep_responses=True)
+    p = strict["points"][0]
+    assert p["verifier_accuracy"] == want
+    assert p["correct"] == sum(r["verified"] and r["eos"] for r in p["responses"])
+    assert p["finished"] == sum(r["eos"] for r in p["responses"]) / 8 == 1 - p["truncated"] / 8
+    assert "well_formed" not in p  # only for the synthetic task itself
 
 
 def test_evaluate_restores_mode_and_block_size(synth_ckpt):
