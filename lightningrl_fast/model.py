@@ -293,7 +293,8 @@ class SDARForCausalLM(nn.Module):
 
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                layout: MaskLayout | None = None) -> torch.Tensor:
-        """Final normalized hidden states [B, N, H] under `layout` (None = block-causal over N)."""
+        """Final normalized hidden states [B, N, H] under `layout` (None = block-causal over N with the
+        config's block size; a layout carries its own block size)."""
         self._check_ids(input_ids)
         bsz, n = input_ids.shape
         cfg = self.config
@@ -320,11 +321,13 @@ class SDARForCausalLM(nn.Module):
 
     # -- incremental forward against the KV cache ----------------------------------------------------------
     def hidden_cached(self, input_ids: torch.Tensor, cache: KVCache, cache_lens: torch.Tensor,
-                      chunk_lens: torch.Tensor) -> torch.Tensor:
+                      chunk_lens: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
         """Hidden states [B, C, H] of a chunk per row at positions cache_lens + arange(C).
 
         Writes the chunk's K/V into `cache` (rows' first chunk_lens[b] tokens); lengths are not advanced.
+        `block_size` overrides the config's (decoding a checkpoint with another block size).
         """
+        block_size = block_size or self.config.block_size
         self._check_ids(input_ids)
         bsz, c = input_ids.shape
         if bsz != cache.batch:
@@ -342,15 +345,14 @@ class SDARForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [B, C, H] (or [1, N, H] packed)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache_lens, chunk_lens, self.config.block_size,
-                                     packed)
+            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache_lens, chunk_lens, block_size, packed)
         x = self.model.norm(x)
         return _unpack(x[0], packed[0], packed[1], packed[2]) if packed is not None else x
 
     def forward_cached(self, input_ids: torch.Tensor, cache: KVCache, cache_lens: torch.Tensor,
-                       chunk_lens: torch.Tensor) -> torch.Tensor:
+                       chunk_lens: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
         """Logits [B, C, V] of a chunk against the cache (see `hidden_cached`)."""
-        return self.lm_head(self.hidden_cached(input_ids, cache, cache_lens, chunk_lens))
+        return self.lm_head(self.hidden_cached(input_ids, cache, cache_lens, chunk_lens, block_size))
 
 
 def build_model(cfg: SDARConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,

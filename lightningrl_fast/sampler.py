@@ -30,6 +30,7 @@ unmasked them. `forwards` counts the forwards a row took part in (prefill and co
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -168,7 +169,7 @@ def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int
     idx = (start[:, None] + ar).clamp_max(ltot - 1)  # [n, 2B]
     chunk = st.seq.gather(1, idx)  # [n, 2B]
     chunk_lens = torch.where(st.done, 0, bs + st.pending.int() * bs).int()  # [n]
-    hidden = model.hidden_cached(chunk, cache, start.int(), chunk_lens)  # [n, 2B, H]
+    hidden = model.hidden_cached(chunk, cache, start.int(), chunk_lens, bs)  # [n, 2B, H]
     off = st.pending.long()[:, None] * bs + ar[:bs]  # [n, B] the current block inside the chunk
     h = hidden.gather(1, off[..., None].expand(-1, -1, hidden.shape[-1]))  # [n, B, H]
     logits = model.lm_head(h)  # [n, B, V]
@@ -206,7 +207,7 @@ def _commit_step(model, st: _State, cache: KVCache, bs: int) -> None:
     start = (st.cur_block - 1).clamp_min(0) * bs
     idx = start[:, None] + torch.arange(bs, device=st.seq.device)
     chunk_lens = torch.where(st.pending, bs, 0).int()
-    model.hidden_cached(st.seq.gather(1, idx), cache, start.int(), chunk_lens)
+    model.hidden_cached(st.seq.gather(1, idx), cache, start.int(), chunk_lens, bs)
     st.forwards.add_(st.pending.long())
     st.cache_len.add_(chunk_lens)
     st.pending.zero_()
@@ -270,7 +271,8 @@ def generate(model: SDARForCausalLM, prompts: list[list[int]], cfg: SamplerConfi
         forwards=torch.zeros(n0, dtype=torch.int64, device=dev), row_ids=torch.arange(n0, device=dev),
         seed=torch.tensor([cfg.seed], dtype=torch.int64, device=dev), offset=torch.zeros(1, dtype=torch.int64, device=dev),
     )
-    cache = KVCache.allocate(mcfg, n0, ltot, dtype=next(model.parameters()).dtype, device=dev)
+    cache = KVCache.allocate(dataclasses.replace(mcfg, block_size=bs), n0, ltot, dtype=next(model.parameters()).dtype,
+                             device=dev)
     eos_ids = torch.tensor(cfg.eos_ids, dtype=torch.int64, device=dev)
     total_forwards = 0
 
@@ -279,7 +281,7 @@ def generate(model: SDARForCausalLM, prompts: list[list[int]], cfg: SamplerConfi
     if pmax > 0:
         with nvtx_range("prefill"):
             lens = full_blocks.int().to(dev)
-            model.hidden_cached(st.seq[:, :pmax], cache, st.cache_len, lens)
+            model.hidden_cached(st.seq[:, :pmax], cache, st.cache_len, lens, bs)
             st.cache_len.copy_(lens)
             st.forwards.add_((lens > 0).long())
             total_forwards += 1

@@ -178,3 +178,18 @@ def test_bad_requests(model):
         generate(model, [], cfg)
     with pytest.raises(ValueError, match="rule must be"):
         generate(model, [[5]], dataclasses.replace(cfg, rule="fast"))
+
+
+def test_sampler_block_size_overrides_the_model_config(model):
+    """Decoding a block-4 checkpoint with block 8 equals decoding the same weights configured for block 8."""
+    import copy
+
+    prompts = prompts_of([3, 9, 12], seed=2)
+    cfg = SamplerConfig(block_size=8, threshold=0.2, temperature=0, max_new_tokens=14, eos_ids=(EOS,))
+    a = generate(model, prompts, cfg)
+    as8 = copy.deepcopy(model)
+    as8.config = dataclasses.replace(model.config, block_size=8)
+    b = generate(as8, prompts, dataclasses.replace(cfg, block_size=None))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.step_map, b.step_map)
+    c = generate(model, prompts, dataclasses.replace(cfg, block_size=None))
+    assert not torch.equal(a.step_map, c.step_map)

@@ -6,6 +6,7 @@ check again with TORCH_CHECK so the extension is safe when called directly.
 
 from __future__ import annotations
 
+import os
 from typing import Iterable, Sequence
 
 import torch
@@ -54,8 +55,9 @@ def cuda_kernel(name: str, *tensors: torch.Tensor):
     """The `_C` entry point `name` when every tensor is on CUDA and the extension provides it, else None.
 
     Ops call this inside their custom-op implementation: None means "run the pure-PyTorch reference".
+    `LRF_DISABLE_KERNELS=1` in the environment forces the references everywhere (benchmarks, debugging).
     """
-    if not all(t.is_cuda for t in tensors):
+    if not all(t.is_cuda for t in tensors) or os.environ.get("LRF_DISABLE_KERNELS") == "1":
         return None
     from .._ext import ext
 
