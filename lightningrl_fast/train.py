@@ -220,6 +220,7 @@ class RunContext:
     eval_examples: list
     scfg: Any  # rollout SamplerConfig (eos ids from the tokenizer, block size resolved)
     reference_dir: Path | None  # where the initial policy lives (None: saved into out/reference when needed)
+    reference_fingerprint: str | None  # of reference_dir, taken when the model was loaded
     resume_from: Path | None
 
 
@@ -259,6 +260,7 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log) -> RunCont
 
     # model + tokenizer
     reference_dir: Path | None = None
+    reference_fp: str | None = None
     if resume_from is not None:
         ck_dtype = read_config(resume_from).dtype
         model, _ = load_model(resume_from, dtype=resolve_dtype(d.dtype, device, ck_dtype), device=device)
@@ -268,8 +270,11 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log) -> RunCont
         ck_dtype = read_config(d.model).dtype
         model, _ = load_model(d.model, dtype=resolve_dtype(d.dtype, device, ck_dtype), device=device)
         tokenizer = load_tokenizer(d.model)
-        reference_dir = Path(d.model).absolute()
         say(f"model: {d.model}")
+        if cfg.rl.kl_beta > 0:  # the KL reference is this folder: remember what it held at the start
+            from .rl.checkpointing import fingerprint
+
+            reference_dir, reference_fp = Path(d.model).absolute(), fingerprint(d.model)
     else:
         tokenizer = task.tokenizer
         model, _ = embedded_sft_model(cfg, task, device, resolve_dtype(d.dtype, device, None), say)
@@ -298,7 +303,7 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log) -> RunCont
     scfg = dataclasses.replace(cfg.sampler, eos_ids=eos, max_new_tokens=default_max_new_tokens(cfg, task, bs))
     assert isinstance(scfg, SamplerConfig)
     return RunContext(cfg, out, device, model, tokenizer, task, train_examples, eval_examples, scfg,
-                      reference_dir, resume_from)
+                      reference_dir, reference_fp, resume_from)
 
 
 def _sweep_thresholds(cfg: TrainConfig, scfg) -> list[float]:
@@ -358,10 +363,11 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     state = make_state(ctx.model, rl)
     extra: dict[str, Any] = {}
     metrics_len = None
-    reference_dir = ctx.reference_dir
+    reference_dir, reference_fp = ctx.reference_dir, ctx.reference_fingerprint
     if ctx.resume_from is not None:
         loaded = load_checkpoint(ctx.resume_from, state, config=rl)
-        extra, metrics_len, reference_dir = loaded.extra, loaded.metrics_len, loaded.reference_dir
+        extra, metrics_len = loaded.extra, loaded.metrics_len
+        reference_dir, reference_fp = loaded.reference_dir, loaded.reference_fingerprint
         say(f"resume: step {state.step}, data cursor {state.cursor} from {loaded.path}")
     before = extra.get("eval_before") or _eval_sweep(ctx, "before RL", say)
     elapsed = float(extra.get("rl_elapsed_s", 0.0))
@@ -374,7 +380,8 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
 
     def save() -> Path:
         return save_checkpoint(ctx.out, state, ckpt_extra(), config=rl, keep=cfg.checkpoint.keep_checkpoints,
-                               tokenizer=ctx.tokenizer, reference_dir=reference_dir, metrics_len=logger.n_logged)
+                               tokenizer=ctx.tokenizer, reference_dir=reference_dir,
+                               reference_fingerprint=reference_fp, metrics_len=logger.n_logged)
 
     tau = ctx.scfg.threshold
     say(f"RL: {rl.steps} steps" + (f" or {budget:g}s" if budget else "") + f", {rl.prompts_per_step} prompts x "
@@ -512,8 +519,12 @@ def run(cfg: TrainConfig, say: Callable[[str], None] = log) -> int:
     torch.manual_seed(cfg.rl.seed)
     t0 = time.perf_counter()
     ctx = build_context(cfg, say)
-    if ctx.resume_from is None:
-        _write_json(ctx.out / RUN_CONFIG, {**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "out": str(ctx.out)}})
+    # the resolved config (a resumed run's changes included): `--config out/config.json` repeats the run and
+    # `--resume out` starts from it
+    saved = cfg.to_dict()
+    saved["data"]["out"] = str(ctx.out)
+    saved["checkpoint"]["resume"] = None
+    _write_json(ctx.out / RUN_CONFIG, saved)
     n_params = sum(p.numel() for p in ctx.model.parameters())
     say(f"run: {ctx.out} | device {ctx.device} | {n_params / 1e6:.2f} M parameters "
         f"({next(ctx.model.parameters()).dtype}) | task {cfg.data.task}: {len(ctx.train_examples)} train / "

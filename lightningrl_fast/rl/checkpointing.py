@@ -261,11 +261,13 @@ def save_reference(out_dir: str | Path, ref_model: torch.nn.Module, tokenizer: A
     return save_model(ref_model, ref_model.config, folder, tokenizer=tokenizer)
 
 
-def _reference_record(out: Path, state: TrainState, reference_dir: str | Path | None, tokenizer: Any) -> dict | None:
+def _reference_record(out: Path, state: TrainState, reference_dir: str | Path | None, tokenizer: Any,
+                      reference_fingerprint: str | None) -> dict | None:
     if state.ref_model is None:
         return None
     if reference_dir is None:
         folder = save_reference(out, state.ref_model, tokenizer)
+        reference_fingerprint = None
     else:
         folder = Path(reference_dir)
         if not (folder / "config.json").is_file():
@@ -276,7 +278,7 @@ def _reference_record(out: Path, state: TrainState, reference_dir: str | Path | 
         relative = True
     except ValueError:
         stored, relative = str(folder), False
-    return {"dir": stored, "relative": relative, "fingerprint": fingerprint(folder)}
+    return {"dir": stored, "relative": relative, "fingerprint": reference_fingerprint or fingerprint(folder)}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -285,12 +287,15 @@ def _reference_record(out: Path, state: TrainState, reference_dir: str | Path | 
 
 def save_checkpoint(out_dir: str | Path, state: TrainState, extra: dict[str, Any] | None = None, *,
                     config: Any = None, keep: int = 3, tokenizer: Any = None,
-                    reference_dir: str | Path | None = None, metrics_len: int | None = None) -> Path:
+                    reference_dir: str | Path | None = None, reference_fingerprint: str | None = None,
+                    metrics_len: int | None = None) -> Path:
     """Write `out_dir/checkpoint-<state.step>/` atomically, point `latest` at it, keep the last `keep`.
 
     config: the RLConfig (stored as a dict); tokenizer: written into the model folder (so it is a complete
     `--model` folder); reference_dir: the folder of the initial policy when kl_beta > 0 (None: the
-    reference model is saved once to out_dir/reference); metrics_len: lines of metrics.jsonl so far.
+    reference model is saved once to out_dir/reference); reference_fingerprint: `fingerprint(reference_dir)`
+    taken when the run loaded the initial policy (default: computed now; pass it so that a folder modified
+    during the run is caught); metrics_len: lines of metrics.jsonl so far.
     Raises NonFiniteModelError (nothing written) when a parameter is NaN/inf. Returns the folder.
     """
     if keep < 1:
@@ -305,7 +310,7 @@ def save_checkpoint(out_dir: str | Path, state: TrainState, extra: dict[str, Any
     out = Path(out_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
     _clean_leftovers(out)
-    reference = _reference_record(out, state, reference_dir, tokenizer)
+    reference = _reference_record(out, state, reference_dir, tokenizer, reference_fingerprint)
     name = f"{PREFIX}{state.step}"
     final = out / name
     token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -415,6 +420,7 @@ class LoadedCheckpoint:
     metrics_len: int | None
     rl_config: dict[str, Any] | None
     reference_dir: Path | None
+    reference_fingerprint: str | None = None
 
 
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
@@ -440,7 +446,7 @@ def load_checkpoint(path: str | Path, state: TrainState, *, config: Any = None, 
     differences are warned about. Returns what else the checkpoint holds (extra, metrics length, ...)."""
     ts = read_trainer_state(path)
     ck: Path = ts["path"]
-    ref_dir = None
+    ref_dir, ref_fp = None, None
     if state.ref_model is not None:
         rec = ts.get("reference")
         if rec is None:
@@ -449,7 +455,8 @@ def load_checkpoint(path: str | Path, state: TrainState, *, config: Any = None, 
         ref_dir = _reference_path(ck, rec)
         if not (ref_dir / "config.json").is_file():
             raise CheckpointError(f"{ck}: the reference (initial policy) folder {ref_dir} is gone")
-        if fingerprint(ref_dir) != rec["fingerprint"]:
+        ref_fp = rec["fingerprint"]
+        if fingerprint(ref_dir) != ref_fp:
             raise CheckpointError(f"{ck}: the reference (initial policy) folder {ref_dir} changed since the run "
                                   "started (its files differ); the KL term would use another model")
     if load_model_weights:
@@ -468,4 +475,4 @@ def load_checkpoint(path: str | Path, state: TrainState, *, config: Any = None, 
         if diff:
             warnings.warn(f"resuming {ck} with a different RL config: "
                           + ", ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in diff), stacklevel=2)
-    return LoadedCheckpoint(ck, state.step, ts["extra"], ts.get("metrics_len"), saved, ref_dir)
+    return LoadedCheckpoint(ck, state.step, ts["extra"], ts.get("metrics_len"), saved, ref_dir, ref_fp)

@@ -84,7 +84,8 @@ def step_line(m: dict[str, Any], total: int | None = None) -> str:
                      f"clip {_fmt(m.get('clip_frac'), '.3f')} groups {m.get('groups_kept', '-')}")
     parts.append(f"{_fmt(m.get('tokens_per_s'), '.0f')} tok/s")
     stages = " ".join(f"{k[:-2]} {_fmt(m.get(k), '.2f')}s" for k in ("rollout_s", "logprob_s", "train_s") if k in m)
-    parts.append(f"{stages} ({_fmt(m.get('step_s'), '.1f')}s)")
+    if stages or "step_s" in m:
+        parts.append(f"{stages} ({_fmt(m.get('step_s'), '.1f')}s)".strip())
     if m.get("nonfinite_skipped"):
         parts.append(f"NON-FINITE update skipped x{m['nonfinite_skipped']}")
     return " | ".join(parts)
@@ -154,7 +155,7 @@ class RunLogger:
     def info(self, msg: str) -> None:
         """A message that does not break the progress bar."""
         if self._bar is not None:
-            self._bar.write(msg)
+            self._bar.write(msg, file=self.stream)
         elif self.mode != "off":
             self._print(msg)
 

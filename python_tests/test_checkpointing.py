@@ -1,0 +1,319 @@
+"""rl/checkpointing.py: atomic save/load of the RL state, exact resume, kill safety, non-finite refusal, pruning,
+the frozen reference policy. CPU, tiny model, a few seconds."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightningrl_fast
+from lightningrl_fast.checkpoint import CheckpointError, load_model, save_model
+from lightningrl_fast.model import SDARConfig, build_model
+from lightningrl_fast.rl import checkpointing as ckpt
+from lightningrl_fast.rl.checkpointing import (NonFiniteModelError, load_checkpoint, resolve_checkpoint,
+                                               save_checkpoint)
+from lightningrl_fast.rl.trainer import RLConfig, make_state, train_step
+from lightningrl_fast.sampler import SamplerConfig
+from lightningrl_fast.tasks.synthetic import SyntheticArithmetic
+from lightningrl_fast.tokenizer import load_tokenizer
+
+torch.set_num_threads(1)
+
+TASK = SyntheticArithmetic()
+TOK = TASK.tokenizer
+
+
+def tiny_model(seed: int = 0):
+    cfg = SDARConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=8,
+                     mask_token_id=TOK.mask_token_id, max_position_embeddings=64, torch_dtype="float32")
+    # std 0.2 (not 0.02): confident enough that a low threshold gives TPF spread within groups
+    return build_model(cfg, seed=seed).init_weights(std=0.2, generator=torch.Generator().manual_seed(seed)).eval()
+
+
+def rl_cfg(**kw) -> RLConfig:
+    base = dict(steps=3, prompts_per_step=2, group_size=4, lr=1e-3, warmup_steps=2, filter_groups=False,
+                kl_beta=0.01, seed=3)
+    base.update(kw)
+    return RLConfig(**base)
+
+
+# a low threshold on the random model gives TPF spread within groups: nonzero advantages, real updates
+SCFG = SamplerConfig(threshold=0.1, temperature=1.0, max_new_tokens=16, eos_ids=tuple(sorted(TOK.eos_token_ids)))
+
+
+def step(state, cfg):
+    return train_step(state, TOK, TASK, TASK.train, cfg, SCFG)
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+
+
+def fresh_state_from(folder: Path, cfg: RLConfig):
+    """What a new process does: model from the checkpoint folder, new optimizer, then load_checkpoint."""
+    model, _ = load_model(folder)
+    return make_state(model, cfg)
+
+
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_round_trip_restores_everything(tmp_path):
+    cfg = rl_cfg()
+    state = make_state(tiny_model(), cfg)
+    step(state, cfg)
+    random.seed(11)
+    torch.manual_seed(11)
+    folder = save_checkpoint(tmp_path, state, {"note": "x", "nan": float("nan")}, config=cfg, tokenizer=TOK,
+                             metrics_len=7)
+    expect_py, expect_torch = random.random(), torch.rand(3)
+    assert folder == tmp_path.absolute() / "checkpoint-1"
+    assert (tmp_path / "latest").read_text().strip() == "checkpoint-1"
+    # the folder is a complete SDAR model folder
+    m2, _ = load_model(folder)
+    assert_same(params(m2), params(state.model))
+    assert load_tokenizer(folder).encode("1+2?") == TOK.encode("1+2?")
+
+    other = make_state(tiny_model(seed=5), cfg)
+    random.seed(0)
+    torch.manual_seed(0)
+    got = load_checkpoint(tmp_path, other, config=cfg)
+    assert got.step == 1 and got.metrics_len == 7 and got.extra["note"] == "x"
+    assert other.step == state.step and other.cursor == state.cursor and other.nonfinite_in_row == 0
+    assert_same(params(other.model), params(state.model))
+    assert_same(params(other.ref_model), params(state.ref_model))
+    assert other.scheduler.state_dict() == state.scheduler.state_dict()
+    s1, s2 = state.optimizer.state_dict(), other.optimizer.state_dict()
+    assert s1["param_groups"] == s2["param_groups"]
+    for k in s1["state"]:
+        for name, v in s1["state"][k].items():
+            assert torch.equal(v, s2["state"][k][name]), (k, name)
+    assert random.random() == expect_py and torch.equal(torch.rand(3), expect_torch)
+
+
+def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path):
+    cfg = rl_cfg()
+    # uninterrupted: 3 steps
+    a = make_state(tiny_model(), cfg)
+    for _ in range(2):
+        step(a, cfg)
+    after2 = params(a.model)
+    m3 = step(a, cfg)
+    assert any(not torch.equal(after2[n], p) for n, p in a.model.named_parameters()), "step 3 changed nothing"
+    # interrupted: 2 steps, save, a fresh "process" loads and runs 1 step
+    b = make_state(tiny_model(), cfg)
+    for _ in range(2):
+        step(b, cfg)
+    save_checkpoint(tmp_path, b, config=cfg, tokenizer=TOK)
+    del b
+    random.seed(12345)
+    torch.manual_seed(12345)
+    c = fresh_state_from(tmp_path / "checkpoint-2", cfg)
+    load_checkpoint(tmp_path, c, config=cfg)
+    assert c.step == 2
+    m3c = step(c, cfg)
+    assert_same(params(c.model), params(a.model))
+    assert c.cursor == a.cursor and c.step == a.step == 3
+    for k in ("acc", "tpf", "loss", "kl", "grad_norm", "lr", "tokens"):
+        assert m3c[k] == m3[k], k
+
+
+def test_reference_is_the_initial_policy_after_resume(tmp_path):
+    cfg = rl_cfg()
+    state = make_state(tiny_model(), cfg)
+    initial = params(state.model)
+    step(state, cfg)
+    step(state, cfg)
+    save_checkpoint(tmp_path, state, config=cfg)
+    assert (tmp_path / "reference" / "config.json").is_file()
+    resumed = fresh_state_from(tmp_path / "checkpoint-2", cfg)  # make_state copies the RESUMED weights...
+    load_checkpoint(tmp_path, resumed, config=cfg)
+    assert_same(params(resumed.ref_model), initial)  # ...load_checkpoint puts the initial policy back
+    assert not all(torch.equal(initial[n], p) for n, p in resumed.model.named_parameters())
+
+
+def test_reference_dir_is_recorded_and_checked(tmp_path):
+    init_dir = tmp_path / "init"
+    model = tiny_model()
+    save_model(model, model.config, init_dir, tokenizer=TOK)
+    cfg = rl_cfg()
+    state = make_state(load_model(init_dir)[0], cfg)
+    step(state, cfg)
+    out = tmp_path / "run"
+    save_checkpoint(out, state, config=cfg, reference_dir=init_dir)
+    assert not (out / "reference").exists()  # no copy of the --model folder
+    ok = fresh_state_from(out / "checkpoint-1", cfg)
+    assert load_checkpoint(out, ok).reference_dir == init_dir.absolute()
+    # the initial-policy folder changes after the run started: refused
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    save_model(model, model.config, init_dir, tokenizer=TOK)
+    with pytest.raises(CheckpointError, match="changed since the run started"):
+        load_checkpoint(out, fresh_state_from(out / "checkpoint-1", cfg))
+    # the fingerprint taken when the run loaded the folder catches a change made before the first save
+    fp = ckpt.fingerprint(init_dir)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    save_model(model, model.config, init_dir, tokenizer=TOK)
+    save_checkpoint(tmp_path / "run2", state, config=cfg, reference_dir=init_dir, reference_fingerprint=fp)
+    with pytest.raises(CheckpointError, match="changed since the run started"):
+        load_checkpoint(tmp_path / "run2", fresh_state_from(tmp_path / "run2" / "checkpoint-1", cfg))
+    # kl_beta 0 checkpoints cannot feed a kl_beta > 0 run (the initial policy is unknown)
+    cfg0 = rl_cfg(kl_beta=0.0)
+    s0 = make_state(tiny_model(), cfg0)
+    assert s0.ref_model is None
+    save_checkpoint(tmp_path / "run0", s0, config=cfg0)
+    with pytest.raises(CheckpointError, match="without a reference"):
+        load_checkpoint(tmp_path / "run0", make_state(tiny_model(), cfg))
+
+
+def test_nonfinite_model_is_never_saved(tmp_path):
+    cfg = rl_cfg(kl_beta=0.0)
+    state = make_state(tiny_model(), cfg)
+    save_checkpoint(tmp_path, state, config=cfg)
+    state.step = 1
+    with torch.no_grad():
+        state.model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteModelError, match="up_proj"):
+        save_checkpoint(tmp_path, state, config=cfg)
+    assert not (tmp_path / "checkpoint-1").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert resolve_checkpoint(tmp_path).name == "checkpoint-0"
+
+
+def test_keep_last_k(tmp_path):
+    cfg = rl_cfg(kl_beta=0.0)
+    state = make_state(tiny_model(), cfg)
+    for s in range(1, 5):
+        state.step = s
+        save_checkpoint(tmp_path, state, config=cfg, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4", "latest"]
+    # re-saving an existing step replaces it in place
+    with torch.no_grad():
+        state.model.lm_head.weight.zero_()
+    save_checkpoint(tmp_path, state, config=cfg, keep=2)
+    assert torch.count_nonzero(load_model(tmp_path / "checkpoint-4")[0].lm_head.weight) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4", "latest"]
+
+
+@pytest.mark.parametrize("stage", ["model_written", "state_written", "renamed"])
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch, stage):
+    cfg = rl_cfg(kl_beta=0.0)
+    state = make_state(tiny_model(), cfg)
+    state.step = 1
+    save_checkpoint(tmp_path, state, config=cfg)
+    good = params(state.model)
+    state.step = 2
+    with torch.no_grad():
+        for p in state.model.parameters():
+            p.add_(1.0)
+
+    def crash(s):
+        if s == stage:
+            raise KeyboardInterrupt(f"killed at {s}")
+
+    monkeypatch.setattr(ckpt, "_crash_point", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, state, config=cfg)
+    assert (tmp_path / "latest").read_text().strip() == "checkpoint-1"
+    fresh = make_state(tiny_model(seed=9), cfg)
+    assert load_checkpoint(tmp_path, fresh).step == 1
+    assert_same(params(fresh.model), good)
+    hidden = [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert hidden == []  # an exception (unlike a kill) cleans its temporary folder
+    if stage == "renamed":  # the new folder is complete, only `latest` was not moved yet
+        assert load_checkpoint(tmp_path / "checkpoint-2", make_state(tiny_model(), cfg)).step == 2
+    else:
+        assert not (tmp_path / "checkpoint-2").exists()
+    monkeypatch.setattr(ckpt, "_crash_point", lambda s: None)
+    save_checkpoint(tmp_path, state, config=cfg)
+    assert resolve_checkpoint(tmp_path).name == "checkpoint-2"
+
+
+def test_killed_process_midway_leaves_previous_checkpoint(tmp_path):
+    """A real process dies (os._exit) after the weights of checkpoint 2 are written, before its state file."""
+    script = textwrap.dedent(f"""
+        import os, torch
+        torch.set_num_threads(1)
+        from lightningrl_fast.model import SDARConfig, build_model
+        from lightningrl_fast.rl import checkpointing as ckpt
+        from lightningrl_fast.rl.trainer import RLConfig, make_state
+        cfg = SDARConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=8,
+                         mask_token_id=3, max_position_embeddings=64, torch_dtype="float32")
+        state = make_state(build_model(cfg, seed=0), RLConfig(kl_beta=0.0))
+        state.step = 1
+        ckpt.save_checkpoint({str(tmp_path)!r}, state)
+        state.step = 2
+        with torch.no_grad():
+            for p in state.model.parameters():
+                p.add_(1.0)
+        def crash(stage):
+            if stage == "model_written":
+                os._exit(17)
+        ckpt._crash_point = crash
+        ckpt.save_checkpoint({str(tmp_path)!r}, state)
+        os._exit(0)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(Path(lightningrl_fast.__file__).parent.parent))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 17, r.stderr
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint-2.tmp-")]
+    assert leftovers, "expected the killed save's temporary folder"
+    assert (tmp_path / "latest").read_text().strip() == "checkpoint-1"
+    assert not (tmp_path / "checkpoint-2").exists()
+    cfg = RLConfig(kl_beta=0.0)
+    state = make_state(tiny_model(seed=4), cfg)
+    assert load_checkpoint(tmp_path, state).step == 1
+    assert_same(params(state.model), params(build_model(state.model.config, seed=0)))  # what the child saved first
+    # the next save (another process) removes the dead save's leftovers
+    state.step = 2
+    save_checkpoint(tmp_path, state)
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert resolve_checkpoint(tmp_path).name == "checkpoint-2"
+
+
+def test_resolve_errors_and_fallbacks(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        resolve_checkpoint(tmp_path / "missing")
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        resolve_checkpoint(tmp_path)
+    cfg = rl_cfg(kl_beta=0.0)
+    state = make_state(tiny_model(), cfg)
+    state.step = 4
+    save_checkpoint(tmp_path, state)
+    (tmp_path / "latest").unlink()  # killed before the first `latest`: the highest complete checkpoint
+    assert resolve_checkpoint(tmp_path).name == "checkpoint-4"
+    (tmp_path / "latest").write_text("checkpoint-9\n")
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_load_into_a_different_model_is_refused(tmp_path):
+    cfg = rl_cfg(kl_beta=0.0)
+    save_checkpoint(tmp_path, make_state(tiny_model(), cfg))
+    bigger = SDARConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=8,
+                        mask_token_id=TOK.mask_token_id, torch_dtype="float32")
+    with pytest.raises(CheckpointError, match="missing"):
+        load_checkpoint(tmp_path, make_state(build_model(bigger), cfg))
+
+
+def test_extra_must_be_json(tmp_path):
+    state = make_state(tiny_model(), rl_cfg(kl_beta=0.0))
+    with pytest.raises(TypeError, match="JSON"):
+        save_checkpoint(tmp_path, state, {"bad": object()})

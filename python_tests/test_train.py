@@ -1,0 +1,349 @@
+"""config.py (flags, files, presets, validation), rl/logging.py, and the train.py CLI end to end (smoke preset:
+tiny model, a few SFT steps, 2 RL steps, small eval) on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightningrl_fast
+from lightningrl_fast import config as C
+from lightningrl_fast import train as T
+from lightningrl_fast.checkpoint import load_model, save_model
+from lightningrl_fast.rl import logging as L
+from lightningrl_fast.rl.trainer import RLConfig
+from lightningrl_fast.sampler import SamplerConfig
+from lightningrl_fast.tokenizer import load_tokenizer
+
+torch.set_num_threads(1)
+
+# in-process CLI runs: the smoke preset, a 4-prompt eval at one threshold, no plots
+SMOKE = ["--preset", "smoke", "--threads", "1", "--eval-limit", "4", "--eval-thresholds", "0.9", "--no-plots",
+         "--progress", "plain"]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("sft-cache")
+
+
+@pytest.fixture
+def cache_env(cache_dir, monkeypatch):
+    monkeypatch.setenv("LRF_CACHE_DIR", str(cache_dir))
+    return cache_dir
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in load_model(folder)[0].named_parameters()}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# config: flags
+# ------------------------------------------------------------------------------------------------------------
+
+def test_every_rlconfig_and_sampler_field_has_a_flag_with_help():
+    help_text = C.build_parser().format_help()
+    for cls, section, skip in ((RLConfig, "rl", ()), (SamplerConfig, "sampler", C.SAMPLER_EXCLUDED)):
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            opt = C.OPTIONS[f.name]
+            assert opt.section == section
+            assert opt.flag in help_text, opt.flag
+            assert opt.help != f"{cls.__name__}.{f.name}", f"no help text for {f.name}"
+    # defaults come from RLConfig itself (not duplicated)
+    for f in dataclasses.fields(RLConfig):
+        assert C.OPTIONS[f.name].default == f.default
+    cfg = C.parse_config(["--preset", "none"], check_paths=False)
+    assert cfg.rl == RLConfig()
+
+
+def test_help_shows_defaults_and_presets():
+    text = " ".join(C.build_parser().format_help().split())
+    for needle in ("--group-size INT", "(default: 32; preset default=8", "--logprob-mode {block_proxy,trace}",
+                   "--kl-beta FLOAT", "--threshold FLOAT", "--no-cache", "--resume DIR", "--rl-time-budget",
+                   "--baseline {none,rft}", "--save-every INT", "--gradient-checkpointing"):
+        assert needle in text, needle
+
+
+def test_flag_types_and_presets():
+    cfg = C.parse_config(["--betas", "0.8", "0.95", "--eval-thresholds", "0.3", "0.6", "--no-filter-groups",
+                          "--rl-time-budget", "none", "--block-size", "4", "--lr", "3e-4"], check_paths=False)
+    assert cfg.rl.betas == (0.8, 0.95) and cfg.eval.eval_thresholds == [0.3, 0.6]
+    assert cfg.rl.filter_groups is False and cfg.run.rl_time_budget is None and cfg.sampler.block_size == 4
+    assert cfg.rl.lr == 3e-4
+    assert cfg.run.preset == "default" and cfg.rl.group_size == C.PRESETS["default"]["group_size"]
+    assert cfg.sources["group_size"] == "preset:default" and cfg.sources["lr"] == "flag"
+    gpu = C.parse_config(["--preset", "gpu"], check_paths=False)
+    assert gpu.embedded.hidden_size == C.PRESETS["gpu"]["hidden_size"]
+    with pytest.raises(C.ConfigError, match="expected an integer"):
+        C.parse_config(["--group-size", "many"], check_paths=False)
+
+
+def test_model_given_means_no_preset(tmp_path):
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text("{}")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    cfg = C.parse_config(["--model", str(m), "--task", "math", "--train-data", str(data)])
+    assert cfg.run.preset == "none" and cfg.rl.group_size == RLConfig().group_size and cfg.rl.lr == RLConfig().lr
+
+
+# ------------------------------------------------------------------------------------------------------------
+# config: files
+# ------------------------------------------------------------------------------------------------------------
+
+def test_file_and_flag_precedence(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('group_size = 6\nlr = 2e-5\nthreshold = 0.8\n[rl]\nkl_beta = 0.0\n[eval]\neval_every = 5\n'
+                    'eval-thresholds = [0.6, 0.7]\n')
+    cfg = C.parse_config(["--config", str(toml), "--group-size", "12"], check_paths=False)
+    assert cfg.rl.group_size == 12  # flag > file
+    assert cfg.rl.lr == 2e-5 and cfg.rl.kl_beta == 0.0 and cfg.sampler.threshold == 0.8  # file > preset
+    assert cfg.eval.eval_every == 5 and cfg.eval.eval_thresholds == [0.6, 0.7]
+    assert cfg.rl.prompts_per_step == C.PRESETS["default"]["prompts_per_step"]  # preset > default
+    assert cfg.sources["group_size"] == "flag" and cfg.sources["lr"] == "file"
+    yml = tmp_path / "run.yaml"
+    yml.write_text("rl:\n  lr: 1e-5\n  betas: [0.8, 0.9]\nsave_every: 3\nrl_time_budget: null\n")
+    cfg = C.parse_config(["--config", str(yml), "--save-every", "4"], check_paths=False)
+    assert cfg.rl.lr == 1e-5 and cfg.rl.betas == (0.8, 0.9) and cfg.checkpoint.save_every == 4
+    assert cfg.run.rl_time_budget is None
+    js = tmp_path / "run.json"
+    js.write_text(json.dumps({"steps": 7, "preset": "smoke"}))
+    cfg = C.parse_config(["--config", str(js)], check_paths=False)
+    assert cfg.rl.steps == 7 and cfg.embedded.hidden_size == C.PRESETS["smoke"]["hidden_size"]
+
+
+@pytest.mark.parametrize("text,match", [
+    ("gropu_size = 3\n", r"unknown key 'gropu_size' \(did you mean 'group_size'\?\)"),
+    ("[rl]\nthreshold = 0.5\n", r"'threshold' belongs to section \[sampler\]"),
+    ("[rl]\nwarmpu = 1\n", r"unknown key \[rl\] 'warmpu'"),
+    ("group_size = 'x'\n", "group_size: expected an integer"),
+    ("group_size = 3\ngroup-size = 4\n", "given twice"),
+    ("group_size = \n", "cannot parse"),
+])
+def test_bad_config_files(tmp_path, text, match):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(C.ConfigError, match=match):
+        C.parse_config(["--config", str(f)], check_paths=False)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# config: bad combinations are reported before any model loads
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the configuration was validated")
+
+    import lightningrl_fast.checkpoint as ck
+
+    monkeypatch.setattr(ck, "load_model", boom)
+    monkeypatch.setattr(T, "embedded_sft_model", boom)
+    monkeypatch.setattr(T, "build_context", boom)
+
+
+def _bad_cases(tmp: Path) -> list[tuple[list[str], str]]:
+    data = tmp / "train.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    model = tmp / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    return [
+        (["--task", "math"], "--task math needs --train-data"),
+        (["--model", str(model), "--task", "code"], "--task code needs --train-data"),
+        (["--resume", str(tmp / "no-run")], "--resume: .*no such folder"),
+        (["--resume", str(tmp)], "--resume: .*holds no checkpoint"),
+        (["--group-size", "1"], "group_size must be >= 2"),
+        (["--threshold", "1.5"], r"--threshold must be in \[0, 1\]"),
+        (["--threshold", "-0.1"], r"--threshold must be in \[0, 1\]"),
+        (["--logprob-mode", "exact"], "logprob_mode: 'exact' is not one of"),
+        (["--adv-mode", "mean"], "adv_mode: 'mean' is not one of"),
+        (["--config", str(tmp / "missing.toml")], "missing.toml: no such file"),
+        (["--model", str(tmp / "no-model"), "--task", "math", "--train-data", str(data)], "--model .*no such folder"),
+        (["--model", str(model), "--task", "math", "--train-data", str(tmp / "x.jsonl")], "--train-data .*no such file"),
+        (["--train-data", str(data)], "synthetic generates its own"),
+        (["--task", "nonsense"], "--task 'nonsense' is unknown"),
+        (["--eval-thresholds", "0.5", "2"], "--eval-thresholds must be in"),
+        (["--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1"),
+        (["--num-heads", "3", "--num-kv-heads", "2"], "must be a multiple of --num-kv-heads"),
+        (["--dtype", "int8"], "dtype: 'int8' is not one of"),
+    ] + ([(["--device", "cuda"], "CUDA is not available")] if not torch.cuda.is_available() else [])
+
+
+def test_bad_combinations_fail_before_model_load(tmp_path, capsys, no_model_load):
+    for argv, match in _bad_cases(tmp_path):
+        with pytest.raises(C.ConfigError, match=match):
+            C.parse_config(argv)
+        assert T.main(argv) == T.EXIT_CONFIG, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: "), err
+
+
+def test_several_errors_are_listed_together():
+    with pytest.raises(C.ConfigError) as e:
+        C.parse_config(["--group-size", "1", "--threshold", "2"], check_paths=False)
+    assert "group_size must be >= 2" in str(e.value) and "--threshold must be in" in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# logging
+# ------------------------------------------------------------------------------------------------------------
+
+def test_run_logger_metrics_and_resume_truncation(tmp_path):
+    lines = []
+    lg = L.RunLogger(tmp_path, total_steps=3, progress="plain", print_fn=lines.append)
+    lg.log_step({"step": 1, "acc": 0.5, "tpf": 2.0, "reward": 2.5, "loss": float("nan"), "kl": 0.01,
+                 "clip_frac": 0.1, "tokens_per_s": 100.0, "rollout_s": 1.0, "train_s": 0.5, "step_s": 1.6})
+    lg.log_step({"step": 2, "acc": 0.6, "tpf": 2.1, "loss": 0.2, "betas": (0.9, 0.99), "t": torch.tensor(1.5)})
+    lg.close()
+    recs = L.read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2]
+    assert recs[0]["loss"] is None and recs[1]["betas"] == [0.9, 0.99] and recs[1]["t"] == 1.5
+    assert "step 1/3" in lines[0] and "acc 0.500" in lines[0] and "tpf 2.00" in lines[0] and "100 tok/s" in lines[0]
+    assert "rollout 1.00s" in lines[0] and "loss -" in lines[0]
+    # a killed run's partial last line is dropped; a resume keeps what its checkpoint covered
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "ac')
+    lg = L.RunLogger(tmp_path, progress="off", truncate_to=1)
+    assert lg.n_logged == 1
+    lg.log_step({"step": 2})
+    lg.close()
+    assert [r["step"] for r in L.read_metrics(tmp_path)] == [1, 2]
+
+
+def test_run_logger_progress_bar(tmp_path):
+    pytest.importorskip("tqdm")
+    import io
+
+    buf = io.StringIO()
+    lg = L.RunLogger(tmp_path, total_steps=2, progress="bar", stream=buf)
+    assert lg.mode == "bar"
+    lg.log_step({"step": 1, "acc": 0.25, "tpf": 1.5})
+    lg.info("a message")
+    lg.close()
+    text = buf.getvalue()
+    assert "RL" in text and "acc 0.250" in text and "a message" in text
+
+
+def test_tables_and_plots(tmp_path, monkeypatch, capsys):
+    before = {"0.5": {"acc": 0.9, "tpf": 3.0}, "0.9": {"acc": 0.99, "tpf": 2.4, "well_formed": 0.98}}
+    after = {"0.5": {"acc": 0.92, "tpf": 4.0}, "0.9": {"acc": 0.985, "tpf": 4.5, "well_formed": 0.97}}
+    t = L.before_after_table(before, after, 0.9)
+    assert "tau = 0.9" in t and "+2.10" in t and "-0.005" in t and "well_formed" in t
+    s = L.sweep_table({"before": before, "after": after})
+    assert s.splitlines()[0].split() == ["tau", "before", "acc", "before", "TPF", "after", "acc", "after", "TPF"]
+    hist = [{"step": i, "acc": 0.5 + i / 10, "tpf": 2 + i / 5} for i in range(1, 4)]
+    pytest.importorskip("matplotlib")
+    assert L.plot_training(hist, tmp_path / "t.png", evals=[{"step": 2, "acc": 0.7, "tpf": 2.5}]).stat().st_size > 0
+    assert L.plot_sweep({"before": before, "after": after}, tmp_path / "s.png").stat().st_size > 0
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert L.plot_sweep({"before": before}, tmp_path / "s2.png") is None
+    assert "plots skipped: matplotlib is not installed" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the CLI
+# ------------------------------------------------------------------------------------------------------------
+
+def test_cli_smoke_subprocess(tmp_path, cache_dir):
+    """`python -m lightningrl_fast.train` as a user runs it: metrics, summary, plots, a loadable checkpoint."""
+    out = tmp_path / "run"
+    env = dict(os.environ, LRF_CACHE_DIR=str(cache_dir),
+               PYTHONPATH=str(Path(lightningrl_fast.__file__).parent.parent))
+    r = subprocess.run([sys.executable, "-m", "lightningrl_fast.train", "--preset", "smoke", "--out", str(out),
+                        "--threads", "1", "--eval-limit", "8"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tau = 0.1" in r.stdout and "before" in r.stdout and "after RL" in r.stdout
+    recs = L.read_metrics(out)
+    assert [m["step"] for m in recs] == [1, 2]
+    for key in ("acc", "tpf", "reward", "loss", "kl", "clip_frac", "tokens_per_s", "rollout_s", "train_s", "step_s"):
+        assert key in recs[0], key
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and set(summary["eval_before"]) == {"0.1", "0.5", "0.9"}
+    assert summary["eval_after"]["0.9"]["n"] == 8
+    final = Path(summary["final_checkpoint"])
+    assert final == out / "checkpoint-2" and (out / "latest").read_text().strip() == "checkpoint-2"
+    model, mcfg = load_model(final)
+    tok = load_tokenizer(final)
+    assert mcfg.block_size == 8 and tok.encode("1+2?") == [tok.token_to_id(c) for c in "1+2?"]
+    assert json.loads((out / "config.json").read_text())["rl"]["steps"] == 2
+    if "matplotlib" in r.stdout or (out / "training.png").exists():
+        assert (out / "training.png").stat().st_size > 0 and (out / "sweep.png").stat().st_size > 0
+    else:
+        assert "plots skipped: matplotlib is not installed" in r.stdout
+    # the trained checkpoint is a valid --model for a further run (no preset, tiny explicit settings)
+    assert T.main(["--model", str(final), "--out", str(tmp_path / "again"), "--steps", "1", "--group-size", "2",
+                   "--prompts-per-step", "1", "--max-new-tokens", "16", "--eval-limit", "2", "--eval-thresholds", "0.9",
+                   "--no-plots", "--threads", "1", "--progress", "off", "--kl-beta", "0"]) == 0
+
+
+def test_cli_resume_is_bit_exact_and_reuses_sft_cache(tmp_path, cache_env, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert T.main(SMOKE + ["--out", str(a), "--steps", "2"]) == 0
+    assert T.main(SMOKE + ["--out", str(b), "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "SFT warm-up: loaded from the cache" in out
+    # a killed run may have logged a step its checkpoint does not cover: the resume drops it
+    with open(b / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 2, "acc": -1}) + "\n")
+    # no --preset: the resumed run's saved config is the base; --steps extends it
+    assert T.main(["--resume", str(b), "--steps", "2", "--progress", "plain"]) == 0
+    out = capsys.readouterr().out
+    assert "resume: step 1" in out and "SFT warm-up" not in out
+    wa, wb = weights(a / "checkpoint-2"), weights(b / "checkpoint-2")
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+    assert not all(torch.equal(wa[n], p) for n, p in weights(b / "checkpoint-1").items())  # RL did change weights
+    ma, mb = L.read_metrics(a), L.read_metrics(b)
+    assert [m["step"] for m in mb] == [1, 2] and mb[1]["acc"] != -1
+    assert [m["tokens"] for m in ma] == [m["tokens"] for m in mb]
+
+
+def test_cli_rft_baseline(tmp_path, cache_env, capsys):
+    out = tmp_path / "rft"
+    assert T.main(SMOKE + ["--out", str(out), "--baseline", "rft", "--rft-max-prompts", "8", "--rft-steps", "2",
+                           "--threshold", "0.9"]) == 0
+    text = capsys.readouterr().out
+    assert "RFT: decoded 8 train prompts greedily at tau 0.9" in text and "after RFT" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "rft" and summary["eval_after"]["0.9"]["n"] == 4
+    load_model(out / "rft-model")
+
+
+def test_cli_nonfinite_stops_with_nonzero_exit(tmp_path, cache_env, capsys, monkeypatch):
+    import lightningrl_fast.rl.trainer as trainer
+
+    real = trainer.train_step
+    calls = []
+
+    def flaky(state, *a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            return real(state, *a, **k)
+        raise FloatingPointError("3 non-finite updates in a row (grad norm nan); stopping")
+
+    monkeypatch.setattr(trainer, "train_step", flaky)
+    out = tmp_path / "nan"
+    assert T.main(SMOKE + ["--out", str(out), "--steps", "3", "--save-every", "1"]) == T.EXIT_NONFINITE
+    text = capsys.readouterr().out
+    assert "error: training stopped: 3 non-finite updates" in text
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]  # nothing after the failure
+    assert (out / "latest").read_text().strip() == "checkpoint-1"
+
+
+def test_cli_time_budget_ends_the_rl_phase(tmp_path, cache_env, capsys):
+    out = tmp_path / "budget"
+    assert T.main(SMOKE + ["--out", str(out), "--steps", "50", "--rl-time-budget", "0.001", "--no-save-final"]) == 0
+    assert [m["step"] for m in L.read_metrics(out)] == [1]
+    assert "time budget 0.001s reached after 1 steps" in capsys.readouterr().out
+    assert not list(out.glob("checkpoint-*"))
