@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import FLOAT_DTYPES, check_tensor, cuda_kernel
-from .kv_cache import kv_cache_write_reference
+from .kv_cache import kv_cache_write, kv_cache_write_reference
 
 
 def block_attention_reference(
@@ -33,8 +33,15 @@ def block_attention_reference(
     block_size: int,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """Pure-PyTorch block attention (writes the caches, then masked SDPA over them). Shapes as `block_attention`."""
-    kv_cache_write_reference(k_cache, v_cache, k, v, cache_lens, chunk_lens)
+    """Pure-PyTorch block attention (writes the caches, then masked SDPA over them). Shapes as `block_attention`.
+
+    On CUDA the cache write goes through the kv_cache_write op (its kernel needs no host sync), so this
+    reference path can still be captured in a CUDA graph.
+    """
+    if q.is_cuda:
+        kv_cache_write(k_cache, v_cache, k, v, cache_lens, chunk_lens, check_lengths=False)
+    else:
+        kv_cache_write_reference(k_cache, v_cache, k, v, cache_lens, chunk_lens)
     bsz, c, hq, d = q.shape
     hkv = k_cache.shape[2]
     cap = k_cache.shape[1]
