@@ -341,15 +341,31 @@ def _default_of(f: dataclasses.Field) -> Any:
     return None
 
 
+def _source_comments(cls: type) -> dict[str, str]:
+    """`field: type = default  # comment` -> {field: comment} from the class source (empty if unavailable):
+    a field added to RLConfig/SamplerConfig gets its own comment as help until EXTERNAL_HELP describes it."""
+    import inspect
+    import re
+
+    try:
+        src = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    pat = re.compile(r"^\s+(\w+)\s*:[^=#]+=[^#]*#\s*(.+?)\s*$")
+    return {m.group(1): m.group(2) for line in src.splitlines() if (m := pat.match(line))}
+
+
 def _build_options() -> dict[str, Option]:
     opts: dict[str, Option] = {}
     for sec, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
+        comments = _source_comments(cls) if sec in ("rl", "sampler") else {}
         for f in dataclasses.fields(cls):
             if sec == "sampler" and f.name in SAMPLER_EXCLUDED:
                 continue
             default = FIELD_DEFAULT_OVERRIDES.get(f.name, _default_of(f)) if sec in ("rl", "sampler") else _default_of(f)
-            help_ = f.metadata.get("help") or EXTERNAL_HELP.get(f.name) or f"{cls.__name__}.{f.name}"
+            help_ = (f.metadata.get("help") or EXTERNAL_HELP.get(f.name) or comments.get(f.name)
+                     or f"{cls.__name__}.{f.name}")
             choices = f.metadata.get("choices")
             if f.name == "adv_mode":
                 choices = ("decoupled", "sum")

@@ -60,7 +60,7 @@ def test_every_rlconfig_and_sampler_field_has_a_flag_with_help():
             assert opt.help != f"{cls.__name__}.{f.name}", f"no help text for {f.name}"
     # defaults come from RLConfig itself (not duplicated)
     for f in dataclasses.fields(RLConfig):
-        assert C.OPTIONS[f.name].default == f.default
+        assert C.OPTIONS[f.name].default == C._default_of(f)
     cfg = C.parse_config(["--preset", "none"], check_paths=False)
     assert cfg.rl == RLConfig()
 
