@@ -319,7 +319,7 @@ def _eval_sweep(ctx: RunContext, label: str, say) -> dict:
                    ctx.cfg.eval.eval_batch_size, ctx.cfg.eval.eval_max_new_tokens)
     k = f"{ctx.scfg.threshold:g}"
     say(f"eval {label}: {len(ctx.eval_examples)} examples, greedy, tau {k}: acc {res[k]['acc']:.3f} "
-        f"TPF {res[k]['tpf']:.2f} ({time.perf_counter() - t0:.1f}s for {len(res)} thresholds)")
+        f"TPF {res[k]['tpf']:.2f} ({time.perf_counter() - t0:.1f}s for {len(res)} threshold(s))")
     return res
 
 

@@ -16,7 +16,7 @@ import torch
 import lightningrl_fast
 from lightningrl_fast import config as C
 from lightningrl_fast import train as T
-from lightningrl_fast.checkpoint import load_model, save_model
+from lightningrl_fast.checkpoint import load_model
 from lightningrl_fast.rl import logging as L
 from lightningrl_fast.rl.trainer import RLConfig
 from lightningrl_fast.sampler import SamplerConfig
