@@ -85,5 +85,6 @@ def train_sft(model: SDARForCausalLM, sample_pair, steps: int, batch_size: int, 
                 f"({time.perf_counter() - t0:.0f}s)")
         if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
             break
+    opt.zero_grad(set_to_none=True)
     model.eval()
     return losses

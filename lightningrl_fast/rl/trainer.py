@@ -93,6 +93,7 @@ def make_state(model: SDARForCausalLM, cfg: RLConfig) -> TrainState:
     if cfg.kl_beta > 0:
         ref = copy.deepcopy(model).eval()
         ref.requires_grad_(False)
+    model.zero_grad(set_to_none=True)  # no gradient left over from a warm-up may leak into the first update
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     warm = max(1, cfg.warmup_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
@@ -144,7 +145,11 @@ def rollout_stage(model, tokenizer, task: Task, examples: list, cfg: RLConfig, s
     prompts = [tokenizer.encode(task.build_prompt(ex)) for ex in examples]
     ro = generate(model, [p for p in prompts for _ in range(cfg.group_size)], dataclasses.replace(scfg, seed=seed))
     texts = [tokenizer.decode(ro.response_ids(i), skip_special=True) for i in range(len(ro))]
-    correct = [task.is_correct(t, examples[i // cfg.group_size]) for i, t in enumerate(texts)]
+    exs = [examples[i // cfg.group_size] for i in range(len(texts))]
+    if hasattr(task, "is_correct_batch"):  # parallel verifiers (code sandboxes, math-verify workers)
+        correct = [bool(c) for c in task.is_correct_batch(texts, exs)]
+    else:
+        correct = [bool(task.is_correct(t, e)) for t, e in zip(texts, exs)]
     gids = torch.arange(len(examples)).repeat_interleave(cfg.group_size) + group_base
     sc = score_rollout(correct, ro.tpf, ro.eos_found, gids)
     g = Groups(
@@ -278,9 +283,8 @@ def train_step(state: TrainState, tokenizer, task: Task, train_examples: list, c
     first: Groups = rstats.pop("first_round")
     metrics = {"step": state.step + 1, "acc": sum(first.accuracy) / len(first), "tpf": sum(first.tpf) / len(first),
                "groups_kept": len(groups) // cfg.group_size, **rstats}
-    if len(groups) == 0:
+    if len(groups) == 0:  # no update: the step counts, the learning-rate warm-up does not advance
         state.step += 1
-        state.scheduler.step()
         metrics.update(skipped="no group carried signal", step_s=time.perf_counter() - t_start)
         return metrics
     # advantages
