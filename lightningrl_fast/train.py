@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .config import RUN_CONFIG, ConfigError, TrainConfig, cache_root, parse_config
+from .tasks import is_correct_batch
 
 SFT_CACHE_VERSION = 1  # bump when the SFT recipe changes in a way the cache key cannot see
 
@@ -156,51 +157,25 @@ def embedded_sft_model(cfg: TrainConfig, task: Any, device: torch.device, dtype:
 # evaluation
 # ------------------------------------------------------------------------------------------------------------
 
-def _verify(task: Any, texts: list[str], examples: list) -> list[bool]:
-    if hasattr(task, "is_correct_batch"):
-        return list(task.is_correct_batch(texts, examples))
-    return [task.is_correct(t, ex) for t, ex in zip(texts, examples)]
-
-
 def evaluate(model, tokenizer, task, examples: Sequence, scfg, thresholds: Sequence[float], batch_size: int,
              max_new_tokens: int | None = None) -> dict[str, dict[str, float]]:
-    """Greedy decoding of `examples` at each threshold -> {f"{tau:g}": {acc, tpf, ...}}.
+    """Greedy decoding of `examples` at each threshold -> {f"{tau:g}": {acc, tpf, ...}}: `eval.evaluate`, reshaped.
 
     acc: verifier-correct AND finished with EOS (a response hitting the length cap is wrong); tpf: mean
     tokens per forward; well_formed (synthetic task): every step of the worked trace is right; finished:
     fraction that emitted EOS; tokens_per_s: generated tokens per second of decoding."""
-    from .sampler import generate
+    from .eval import evaluate as evaluate_points
 
-    is_synthetic = getattr(task, "name", "") == "synthetic"
-    if is_synthetic:
-        from .tasks.synthetic import well_formed
-    prompts = [tokenizer.encode(task.build_prompt(ex)) for ex in examples]
+    ec = dataclasses.replace(scfg, temperature=0.0, seed=0, max_new_tokens=max_new_tokens or scfg.max_new_tokens)
+    taus = sorted(set(float(t) for t in thresholds))
+    res = evaluate_points(model, tokenizer, task, list(examples), taus, ec, batch_size=batch_size)
     out: dict[str, dict[str, float]] = {}
-    model.eval()
-    for tau in sorted(set(float(t) for t in thresholds)):
-        ec = dataclasses.replace(scfg, threshold=tau, temperature=0.0, seed=0,
-                                 max_new_tokens=max_new_tokens or scfg.max_new_tokens)
-        n = correct = wf = finished = 0
-        tpf_sum = tokens = secs = 0.0
-        for i in range(0, len(prompts), batch_size):
-            chunk, exs = prompts[i:i + batch_size], list(examples[i:i + batch_size])
-            ro = generate(model, chunk, ec)
-            texts = [tokenizer.decode(ro.response_ids(j), skip_special=True) for j in range(len(ro))]
-            ok = _verify(task, texts, exs)
-            eos = ro.eos_found.tolist()
-            correct += sum(bool(a and b) for a, b in zip(ok, eos))
-            finished += sum(eos)
-            if is_synthetic:
-                wf += sum(bool(well_formed(t, ex) and e) for t, ex, e in zip(texts, exs, eos))
-            tpf_sum += float(ro.tpf.sum())
-            tokens += float(ro.lengths.sum())
-            secs += ro.seconds
-            n += len(ro)
-        rec = {"acc": correct / n, "tpf": tpf_sum / n, "finished": finished / n, "n": n,
-               "tokens_per_s": tokens / secs if secs > 0 else float("nan"), "seconds": secs}
-        if is_synthetic:
-            rec["well_formed"] = wf / n
-        out[f"{tau:g}"] = rec
+    for p in res["points"]:
+        rec = {"acc": p["accuracy"], "tpf": p["mean_tpf"], "finished": p["finished"], "n": p["n"],
+               "tokens_per_s": p["tokens_per_s"], "seconds": p["decode_s"]}
+        if "well_formed" in p:
+            rec["well_formed"] = p["well_formed"]
+        out[f"{p['threshold']:g}"] = rec
     return out
 
 
@@ -464,7 +439,7 @@ def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
         chunk, exs = prompts[i:i + cfg.eval.eval_batch_size], examples[i:i + cfg.eval.eval_batch_size]
         ro = generate(ctx.model, chunk, dec)
         texts = [ctx.tokenizer.decode(ro.response_ids(j), skip_special=True) for j in range(len(ro))]
-        ok = _verify(ctx.task, texts, list(exs))
+        ok = is_correct_batch(ctx.task, texts, list(exs))
         for j, (t, ex) in enumerate(zip(texts, exs)):
             good = ok[j] and bool(ro.eos_found[j])
             n_correct += good

@@ -23,6 +23,7 @@ import torch
 from ..model import SDARForCausalLM
 from ..ops.grpo_loss import grpo_token_loss
 from ..sampler import Rollout, SamplerConfig, generate
+from ..tasks import is_correct_batch
 from .advantages import Scored, compute_advantages, keep_groups, score_rollout
 from .logprobs import LayoutBatch, batch_logprobs, build_layout_batch
 
@@ -146,10 +147,7 @@ def rollout_stage(model, tokenizer, task: Task, examples: list, cfg: RLConfig, s
     ro = generate(model, [p for p in prompts for _ in range(cfg.group_size)], dataclasses.replace(scfg, seed=seed))
     texts = [tokenizer.decode(ro.response_ids(i), skip_special=True) for i in range(len(ro))]
     exs = [examples[i // cfg.group_size] for i in range(len(texts))]
-    if hasattr(task, "is_correct_batch"):  # parallel verifiers (code sandboxes, math-verify workers)
-        correct = [bool(c) for c in task.is_correct_batch(texts, exs)]
-    else:
-        correct = [bool(task.is_correct(t, e)) for t, e in zip(texts, exs)]
+    correct = [bool(c) for c in is_correct_batch(task, texts, exs)]  # parallel verifiers where the task has them
     gids = torch.arange(len(examples)).repeat_interleave(cfg.group_size) + group_base
     sc = score_rollout(correct, ro.tpf, ro.eos_found, gids)
     g = Groups(
