@@ -3,8 +3,8 @@
 //
 // One launch, one pass over the logits. Rows r = b * S + s (b sequence, s position) of V logits each are cut
 // into `nsplit` chunks of whole 16-byte vectors; CTA `r * nsplit + c` scans chunk c of row r and writes one
-// partial (running max and sum of 2^(x * log2e / T - max) in base 2, best score, the pick's scaled logit,
-// best index) to the workspace. The CTA that arrives last at its sequence's counter (atomicAdd; the
+// partial (max raw logit m, sum of exp((x - m) / T), best score, the pick's scaled logit, best index) to the
+// workspace. The CTA that arrives last at its sequence's counter (atomicAdd; the
 // classic threadfence-reduction pattern, no CTA ever waits on another) merges the S * nsplit partials of
 // that sequence, computes conf / logp per masked position, selects the positions to unmask, writes them in
 // place, sets block_done / eos_seen, and resets the counter to 0 for the next launch.
@@ -20,9 +20,10 @@
 //   ("candidates") pay for Philox + two logf; they are compacted per warp (ballot into a 64-entry ring in
 //   shared memory, flushed 32 at a time) so a warp runs the RNG converged. Peaked LLM logits leave few
 //   candidates; flat logits (all within ~20/T of the max) make every token one: then sampling is RNG-bound.
-// conf = exp(s_pick - logsumexp(x * inv_t)) in fp32 with an ex2.approx softmax sum: a few ulp from the
-// reference, so a position whose conf is within ~1e-6 of the threshold or of another position's conf may
-// be selected differently (documented; the picks themselves do not depend on it).
+// logp = (s_pick - s_max) - log(sum exp((x - m) / T)) in fp32 (the structure of torch.logsumexp; the terms
+// through ex2.approx), conf = exp(logp): a dominant token gets conf exactly 1.0 where the reference does,
+// otherwise a few ulp from the reference, so a position whose conf is within ~1e-6 of the threshold or of
+// another position's conf may be selected differently (the picks themselves do not depend on it).
 //
 // Workspace (persistent, owned by the launcher): int32 counters[B] (zero between launches) followed by
 // UnmaskPartial partials[B * S * nsplit]. Positions that are not masked, and sequences with quota <= 0,
@@ -46,7 +47,6 @@ constexpr int kUnmaskStage = 32;                          // elements per group 
 constexpr float kGumbelBound = 17.0f;                     // > every Gumbel value the noise can produce (16.64)
 constexpr int32_t kNoIndex = 0x7fffffff;                  // "no token seen yet"
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // Philox4x32-10 constants (Random123).
 constexpr uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u;
@@ -54,8 +54,8 @@ constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
 
 // One chunk's summary, 32 bytes (two 16-byte stores / loads).
 struct alignas(16) UnmaskPartial {
-  float m2;      // max of x * inv_t * log2e over the chunk (-inf when empty)
-  float sum;     // sum of 2^(x * inv_t * log2e - m2)
+  float m;       // max raw logit of the chunk (-inf when empty)
+  float sum;     // sum of exp((x - m) / T), computed as 2^((x - m) * c2), c2 = log2(e) / T
   float score;   // greedy: best raw logit; sampling: best fl(s + g)
   float pick;    // the best token's scaled logit s = fl(x * inv_t)
   int32_t idx;   // the best token (kNoIndex when the chunk is empty)
@@ -112,10 +112,12 @@ __device__ __forceinline__ float ex2_approx(float x) {
   return y;
 }
 
-// 16-byte streaming load: read-only path, no L1 allocation (every logit is read exactly once).
+// 16-byte streaming load: read-only path, no L1 allocation (every logit is read exactly once). volatile so
+// that the compiler keeps a group's loads together where they are written (it would otherwise sink each
+// into the code that unpacks it, leaving one load in flight per thread).
 __device__ __forceinline__ uint4 load_stream16(const void* p) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;
@@ -207,18 +209,20 @@ struct Elem<HalfTag> {
 
 // Running state of one thread over its share of a chunk.
 struct ScanState {
-  float m2 = -INFINITY;
+  float m = -INFINITY;
   float sum = 0.f;
   float score = -INFINITY;
   float pick = -INFINITY;
   int32_t idx = kNoIndex;
 };
 
-// Softmax-sum merge (base 2): both (m, sum) pairs describe sum 2^(z - m); -inf maxima are empty.
-__device__ __forceinline__ void merge_sum(float& m, float& sum, float m_o, float sum_o) {
+// Softmax-sum merge: both (m, sum) pairs describe sum_x 2^((x - m) * c2); -inf maxima are empty.
+// x - m is exact for the maximum itself (term exactly 1), so a token that dominates its row gets conf exactly
+// 1.0 when the reference's fp32 logsumexp does.
+__device__ __forceinline__ void merge_sum(float& m, float& sum, float m_o, float sum_o, float c2) {
   const float mn = fmaxf(m, m_o);
   const float mu = mn == -INFINITY ? 0.f : mn;
-  sum = sum * ex2_approx(m - mu) + sum_o * ex2_approx(m_o - mu);
+  sum = sum * ex2_approx((m - mu) * c2) + sum_o * ex2_approx((m_o - mu) * c2);
   m = mn;
 }
 
@@ -232,14 +236,14 @@ __device__ __forceinline__ void merge_best(float& score, float& pick, int32_t& i
   }
 }
 
-__device__ __forceinline__ void merge_state(ScanState& a, const ScanState& o) {
-  merge_sum(a.m2, a.sum, o.m2, o.sum);
+__device__ __forceinline__ void merge_state(ScanState& a, const ScanState& o, float c2) {
+  merge_sum(a.m, a.sum, o.m, o.sum, c2);
   merge_best(a.score, a.pick, a.idx, o.score, o.pick, o.idx);
 }
 
 __device__ __forceinline__ ScanState shfl_state(const ScanState& s, int mask) {
   ScanState o;
-  o.m2 = __shfl_xor_sync(0xffffffffu, s.m2, mask);
+  o.m = __shfl_xor_sync(0xffffffffu, s.m, mask);
   o.sum = __shfl_xor_sync(0xffffffffu, s.sum, mask);
   o.score = __shfl_xor_sync(0xffffffffu, s.score, mask);
   o.pick = __shfl_xor_sync(0xffffffffu, s.pick, mask);
@@ -247,9 +251,9 @@ __device__ __forceinline__ ScanState shfl_state(const ScanState& s, int mask) {
   return o;
 }
 
-__device__ __forceinline__ void warp_merge(ScanState& s) {
+__device__ __forceinline__ void warp_merge(ScanState& s, float c2) {
 #pragma unroll
-  for (int mask = 16; mask >= 1; mask >>= 1) merge_state(s, shfl_state(s, mask));
+  for (int mask = 16; mask >= 1; mask >>= 1) merge_state(s, shfl_state(s, mask), c2);
 }
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -303,14 +307,14 @@ __device__ __forceinline__ void process_group(ScanState& st, Sampler& smp, const
 #pragma unroll
   for (int e = 1; e < N; ++e) gmax = fmaxf(gmax, x[e]);
 
-  // online softmax sum in base 2: one rescale per group
-  const float mnew = fmaxf(st.m2, gmax * c2);
+  // online softmax sum: one rescale per group
+  const float mnew = fmaxf(st.m, gmax);
   const float mu = mnew == -INFINITY ? 0.f : mnew;
-  float acc[4] = {st.sum * ex2_approx(st.m2 - mu), 0.f, 0.f, 0.f};
+  float acc[4] = {st.sum * ex2_approx((st.m - mu) * c2), 0.f, 0.f, 0.f};
 #pragma unroll
-  for (int e = 0; e < N; ++e) acc[e & 3] += ex2_approx(fmaf(x[e], c2, -mu));
+  for (int e = 0; e < N; ++e) acc[e & 3] += ex2_approx((x[e] - mu) * c2);
   st.sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-  st.m2 = mnew;
+  st.m = mnew;
 
   if constexpr (kGreedy) {
     // strictly greater keeps the earlier token; the very first valid token is taken whatever its value
@@ -372,7 +376,7 @@ __device__ __forceinline__ void process_one(ScanState& st, Sampler& smp, float v
 // Shared memory of a CTA: the block reduction (static); dynamic: the candidate rings and staging blocks
 // (sampling) or, in the CTA that finishes a sequence, its per-position arrays (the same bytes, reused).
 struct UnmaskShared {
-  float m2[kUnmaskWarps], sum[kUnmaskWarps], score[kUnmaskWarps], pick[kUnmaskWarps];
+  float m[kUnmaskWarps], sum[kUnmaskWarps], score[kUnmaskWarps], pick[kUnmaskWarps];
   int32_t idx[kUnmaskWarps];
   int is_last;
 };
@@ -429,6 +433,7 @@ __device__ void finish_sequence(const UnmaskParams& p, int b, char* dyn) {
   int32_t* tk = reinterpret_cast<int32_t*>(lp + S);
   uint8_t* ms = reinterpret_cast<uint8_t*>(tk + S);
   const int32_t q = p.quota[b];
+  const float c2 = p.inv_temp * kLog2e;
 
   for (int i = tid; i < S; i += kUnmaskThreads) ms[i] = (q > 0 && p.masked(b, i)) ? 1 : 0;
   __syncthreads();
@@ -442,17 +447,17 @@ __device__ void finish_sequence(const UnmaskParams& p, int b, char* dyn) {
       const float4 a = __ldcg(reinterpret_cast<const float4*>(part + k));
       const int4 c = __ldcg(reinterpret_cast<const int4*>(part + k) + 1);
       ScanState o;
-      o.m2 = a.x;
+      o.m = a.x;
       o.sum = a.y;
       o.score = a.z;
       o.pick = a.w;
       o.idx = c.x;
-      merge_state(st, o);
+      merge_state(st, o, c2);
     }
-    warp_merge(st);
+    warp_merge(st, c2);
     if (lane == 0) {
-      const float lse = (st.m2 + log2f(st.sum)) * kLn2;
-      const float logp = st.pick - lse;
+      // logp = s_pick - logsumexp(s) = (s_pick - s_max) - log(sum exp(s - s_max)), as torch.logsumexp
+      const float logp = __fsub_rn(st.pick, __fmul_rn(st.m, p.inv_temp)) - logf(st.sum);
       cf[i] = expf(logp);
       lp[i] = logp;
       tk[i] = st.idx == kNoIndex ? 0 : st.idx;  // kNoIndex only with NaN logits (unsupported)
@@ -505,7 +510,7 @@ __device__ void finish_sequence(const UnmaskParams& p, int b, char* dyn) {
 
 // ---------------------------------------------------------------------------------------------- kernel
 
-// Greedy: 4 resident CTAs per SM (64 registers); sampling needs a few more registers for the RNG path: 3.
+// 4 resident CTAs per SM (at most 64 registers) when greedy, 3 (80) when sampling (the RNG path).
 template <typename Tag, bool kGreedy>
 __global__ void __launch_bounds__(kUnmaskThreads, kGreedy ? 4 : 3) threshold_unmask_kernel(const UnmaskParams p) {
   using E = Elem<Tag>;
@@ -568,22 +573,19 @@ __global__ void __launch_bounds__(kUnmaskThreads, kGreedy ? 4 : 3) threshold_unm
     for (int g = vbeg; g < vend; g += kUnmaskUnroll * kUnmaskThreads) {  // CTA-uniform trip count
       uint4 raw[kUnmaskUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnmaskUnroll; ++u) {
+      for (int u = 0; u < kUnmaskUnroll; ++u) {  // unpredicated: lanes past the end re-read the last vector
         const int v = g + tid + u * kUnmaskThreads;
-        raw[u] = v < vend ? load_stream16(vecs + v) : make_uint4(0u, 0u, 0u, 0u);
+        raw[u] = load_stream16(vecs + (v < vend ? v : vend - 1));
       }
       float x[N];
       uint32_t valid = 0;
 #pragma unroll
-      for (int u = 0; u < kUnmaskUnroll; ++u) {
+      for (int u = 0; u < kUnmaskUnroll; ++u) {  // branch-free, so that ptxas keeps the four loads up front
         const bool ok = g + tid + u * kUnmaskThreads < vend;
         E::unpack(raw[u], x + u * kPerVec);
-        if (!ok) {
 #pragma unroll
-          for (int j = 0; j < kPerVec; ++j) x[u * kPerVec + j] = -kInf;
-        } else {
-          valid |= ((1u << kPerVec) - 1u) << (u * kPerVec);
-        }
+        for (int j = 0; j < kPerVec; ++j) x[u * kPerVec + j] = ok ? x[u * kPerVec + j] : -kInf;
+        valid |= (ok ? (1u << kPerVec) - 1u : 0u) << (u * kPerVec);
       }
       process_group<kGreedy, N, kPerVec>(st, smp, x, valid, head + (g + tid) * kPerVec, kUnmaskThreads * kPerVec,
                                          inv_t, c2, lane);
@@ -600,9 +602,9 @@ __global__ void __launch_bounds__(kUnmaskThreads, kGreedy ? 4 : 3) threshold_unm
     }
 
     // CTA reduction -> one partial
-    warp_merge(st);
+    warp_merge(st, c2);
     if (lane == 0) {
-      sh.m2[warp] = st.m2;
+      sh.m[warp] = st.m;
       sh.sum[warp] = st.sum;
       sh.score[warp] = st.score;
       sh.pick[warp] = st.pick;
@@ -612,16 +614,16 @@ __global__ void __launch_bounds__(kUnmaskThreads, kGreedy ? 4 : 3) threshold_unm
     if (warp == 0) {
       ScanState w;
       if (lane < kUnmaskWarps) {
-        w.m2 = sh.m2[lane];
+        w.m = sh.m[lane];
         w.sum = sh.sum[lane];
         w.score = sh.score[lane];
         w.pick = sh.pick[lane];
         w.idx = sh.idx[lane];
       }
-      warp_merge(w);
+      warp_merge(w, c2);
       if (lane == 0) {
         UnmaskPartial* out = p.partials + row * p.nsplit + chunk;
-        reinterpret_cast<float4*>(out)[0] = make_float4(w.m2, w.sum, w.score, w.pick);
+        reinterpret_cast<float4*>(out)[0] = make_float4(w.m, w.sum, w.score, w.pick);
         reinterpret_cast<int4*>(out)[1] = make_int4(w.idx, 0, 0, 0);
       }
     }

@@ -89,7 +89,7 @@ struct BlockState {
   std::vector<ucontext_t> ctx;
   std::vector<void*> sp;  // fast switch: saved stack pointers
   void* sched_sp = nullptr;
-  std::vector<std::vector<char>> stacks;
+  std::vector<char*> stacks;
   std::vector<char> done;
   std::vector<WarpSlot> warps;
   int bar_arrived = 0;
@@ -112,6 +112,19 @@ inline Idx3 bidx() { return {unsigned(state()->block), 0u, 0u}; }
 inline Idx3 bdim() { return {unsigned(state()->nthreads), 1u, 1u}; }
 inline Idx3 gdim() { return {state()->grid, 1u, 1u}; }
 inline char* dynamic_smem() { return state()->smem.data(); }
+
+// Coroutine stacks, allocated once (uninitialized) and reused by every block.
+inline char* stack_for(int t, size_t bytes) {
+  static std::vector<char*> pool;
+  static size_t pool_bytes = 0;
+  if (bytes > pool_bytes) {
+    for (char* p : pool) delete[] p;
+    pool.clear();
+    pool_bytes = bytes;
+  }
+  while (int(pool.size()) <= t) pool.push_back(new char[pool_bytes]);
+  return pool[t];
+}
 
 inline void yield() {
   BlockState* s = state();
@@ -209,18 +222,18 @@ inline void run_block(void (*body)(), int block, unsigned grid, int nthreads, si
   s.smem.assign(smem_bytes + 16, char(0xA5));
   state() = &s;
   for (int t = 0; t < nthreads; ++t) {
-    s.stacks[t].resize(stack_bytes);
+    s.stacks[t] = stack_for(t, stack_bytes);
 #ifdef SIMT_FAST_SWITCH
     // initial frame: six zero registers, then the "return address" trampoline in a 16-byte aligned slot,
     // so that rsp % 16 == 8 on entry, as after a call
-    uintptr_t top = (reinterpret_cast<uintptr_t>(s.stacks[t].data()) + stack_bytes - 64) & ~uintptr_t(15);
+    uintptr_t top = (reinterpret_cast<uintptr_t>(s.stacks[t]) + stack_bytes - 64) & ~uintptr_t(15);
     void** frame = reinterpret_cast<void**>(top) - 8;
     for (int i = 0; i < 6; ++i) frame[i] = nullptr;
     frame[6] = reinterpret_cast<void*>(&trampoline);
     s.sp[t] = frame;
 #else
     getcontext(&s.ctx[t]);
-    s.ctx[t].uc_stack.ss_sp = s.stacks[t].data();
+    s.ctx[t].uc_stack.ss_sp = s.stacks[t];
     s.ctx[t].uc_stack.ss_size = stack_bytes;
     s.ctx[t].uc_link = &s.sched;
     makecontext(&s.ctx[t], trampoline, 0);
@@ -300,6 +313,10 @@ inline float __uint_as_float(unsigned v) {
 // volatile keeps the host compiler from contracting into an FMA (as __fmul_rn/__fadd_rn never are)
 inline float __fmul_rn(float a, float b) {
   volatile float r = a * b;
+  return r;
+}
+inline float __fsub_rn(float a, float b) {
+  volatile float r = a - b;
   return r;
 }
 inline float __fadd_rn(float a, float b) {
