@@ -438,24 +438,31 @@ __device__ void finish_sequence(const UnmaskParams& p, int b, char* dyn) {
   for (int i = tid; i < S; i += kUnmaskThreads) ms[i] = (q > 0 && p.masked(b, i)) ? 1 : 0;
   __syncthreads();
 
-  // 1. merge each masked position's nsplit partials (one warp per position)
-  for (int i = warp; i < S; i += kUnmaskWarps) {
-    if (!ms[i]) continue;  // warp-uniform
+  // 1. merge each masked position's nsplit partials: lane groups of G (a power of two >= nsplit, at most 32)
+  //    take one position each, so a warp merges 32 / G positions at once (their loads in flight together)
+  int G = 1;
+  while (G < p.nsplit && G < 32) G <<= 1;
+  const int per_warp = 32 / G, sub = lane % G, slot = lane / G;
+  for (int first = warp * per_warp; first < S; first += kUnmaskWarps * per_warp) {  // warp-uniform
+    const int i = first + slot;
+    const bool act = i < S && ms[i];
     ScanState st;
-    const UnmaskPartial* part = p.partials + (int64_t(b) * S + i) * p.nsplit;
-    for (int k = lane; k < p.nsplit; k += 32) {
-      const float4 a = __ldcg(reinterpret_cast<const float4*>(part + k));
-      const int4 c = __ldcg(reinterpret_cast<const int4*>(part + k) + 1);
-      ScanState o;
-      o.m = a.x;
-      o.sum = a.y;
-      o.score = a.z;
-      o.pick = a.w;
-      o.idx = c.x;
-      merge_state(st, o, c2);
+    if (act) {
+      const UnmaskPartial* part = p.partials + (int64_t(b) * S + i) * p.nsplit;
+      for (int k = sub; k < p.nsplit; k += G) {
+        const float4 a = __ldcg(reinterpret_cast<const float4*>(part + k));
+        const int4 c = __ldcg(reinterpret_cast<const int4*>(part + k) + 1);
+        ScanState o;
+        o.m = a.x;
+        o.sum = a.y;
+        o.score = a.z;
+        o.pick = a.w;
+        o.idx = c.x;
+        merge_state(st, o, c2);
+      }
     }
-    warp_merge(st, c2);
-    if (lane == 0) {
+    for (int mask = G >> 1; mask >= 1; mask >>= 1) merge_state(st, shfl_state(st, mask), c2);
+    if (act && sub == 0) {
       // logp = s_pick - logsumexp(s) = (s_pick - s_max) - log(sum exp(s - s_max)), as torch.logsumexp
       const float logp = __fsub_rn(st.pick, __fmul_rn(st.m, p.inv_temp)) - logf(st.sum);
       cf[i] = expf(logp);
