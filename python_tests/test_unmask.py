@@ -688,3 +688,10 @@ def test_gpu_launcher_checks_inputs(cuda_kernels):
     with pytest.raises(RuntimeError, match="at most 1024 positions"):
         big, big_extra = case(1, 1025, 8, torch.float32, seed=1, device="cuda")
         kernel(*big, *big_extra, *opts)
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck(cuda_kernels):
+    state, extra = case(2, 4, 333, torch.bfloat16, seed=9, device="cuda")
+    torch.library.opcheck(torch.ops.lightningrl_fast.threshold_unmask.default,
+                          (*clone(state), *extra, 0.9, 1.0, 0, 1.0, False))
