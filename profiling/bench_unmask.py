@@ -152,7 +152,12 @@ def main() -> None:
             plan.append((rows, "sample-flat"))
 
     rows_out = []
-    compiled = None if args.no_compile else torch.compile(threshold_unmask_reference, dynamic=False)
+    compiled = None
+    if not args.no_compile:
+        for knob in ("recompile_limit", "cache_size_limit"):  # one compilation per (shape, mode): keep them all
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
+        compiled = torch.compile(threshold_unmask_reference, dynamic=False)
     for rows, mode in plan:
         b = rows // BLOCK
         greedy = mode == "greedy"

@@ -600,9 +600,9 @@ def test_gpu_edge_cases(cuda_kernels, greedy):
         logits[1] = float("-inf")
         logits[1, :, 42] = 5.0
         logits[2] = 1.25
-        st = [logits, torch.zeros(b, s, dtype=torch.long, device="cuda"), torch.ones(b, s, dtype=torch.bool, device="cuda"),
-              torch.full((b, s), -1, dtype=torch.int32, device="cuda"), torch.zeros(b, s, device="cuda"),
-              torch.zeros(b, s, device="cuda")]
+        st = [logits, torch.zeros(b, s, dtype=torch.long, device="cuda"),
+              torch.ones(b, s, dtype=torch.bool, device="cuda"), torch.full((b, s), -1, dtype=torch.int32, device="cuda"),
+              torch.zeros(b, s, device="cuda"), torch.zeros(b, s, device="cuda")]
         ex = [torch.ones(b, dtype=torch.int32, device="cuda"), torch.ones(b, dtype=torch.int32, device="cuda"),
               torch.tensor([42], device="cuda"), torch.tensor([9], device="cuda"), torch.tensor([1], device="cuda")]
         ref = clone(st)
