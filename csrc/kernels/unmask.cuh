@@ -17,8 +17,9 @@
 //             own (no FMA contraction), as torch computes `logits / T` on CUDA (multiply by the reciprocal).
 //   Exact Gumbel pruning: u <= 1 - 2^-24, so g <= 16.64 < kGumbelBound = 17 and a token whose
 //   fl(s + 17) is below a score already reached cannot win (fl is monotone), nor tie. Only the other tokens
-//   ("candidates") pay for Philox + two logf; they are compacted per warp (ballot into a 64-entry ring in
-//   shared memory, flushed 32 at a time) so a warp runs the RNG converged. Peaked LLM logits leave few
+//   ("candidates") pay for Philox + two logf; they are compacted per warp (a group's scaled logits are staged
+//   in shared memory, candidates queued by ballot into a 64-entry ring, flushed 32 at a time from a single
+//   call site) so a warp runs the RNG converged and the RNG code exists once. Peaked LLM logits leave few
 //   candidates; flat logits (all within ~20/T of the max) make every token one: then sampling is RNG-bound.
 // logp = (s_pick - s_max) - log(sum exp((x - m) / T)) in fp32 (the structure of torch.logsumexp; the terms
 // through ex2.approx), conf = exp(logp): a dominant token gets conf exactly 1.0 where the reference does,
