@@ -1,11 +1,26 @@
-"""ops.threshold_unmask: reference vs a naive per-position loop, Philox known answers, sampling statistics."""
+"""ops.threshold_unmask: reference vs a naive per-position loop, Philox known answers, sampling statistics;
+the CUDA kernel's device code on the CPU through the SIMT emulator (python_tests/simt); the CUDA kernel on a
+GPU (marked `gpu`)."""
 
+import ctypes
+import hashlib
 import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
-from lightningrl_fast.ops.unmask import philox_uniform, threshold_unmask, threshold_unmask_reference
+from lightningrl_fast import _ext
+from lightningrl_fast.ops.unmask import (
+    kernel_supported,
+    philox_uniform,
+    pick_tokens_reference,
+    threshold_unmask,
+    threshold_unmask_reference,
+)
 
 
 def philox_py(seed, offset, ctr):
@@ -182,19 +197,501 @@ def test_bad_inputs():
         threshold_unmask(*state, *extra, top_p=0.0)
 
 
+def test_kernel_supported_routing():
+    x = torch.zeros(2, 4, 10)
+    assert kernel_supported(x, 1.0, 0, 1.0, False)
+    assert kernel_supported(x, 1.0, 5, 0.5, True)  # greedy ignores truncation
+    assert kernel_supported(x, 0.0, 5, 0.5, False)  # temperature 0 is greedy
+    assert kernel_supported(x, 1.0, 10, 1.0, False)  # top_k >= V truncates nothing
+    assert not kernel_supported(x, 1.0, 5, 1.0, False)
+    assert not kernel_supported(x, 1.0, 0, 0.9, False)
+    assert not kernel_supported(x.double(), 1.0, 0, 1.0, True)
+    assert not kernel_supported(torch.zeros(1, 1025, 3), 1.0, 0, 1.0, True)
+
+
+# ------------------------------------------------------------------ shared helpers of the kernel tests
+
+
+def case(b, s, vocab, dtype, seed, frac_masked=0.7, device="cpu", quota=(1, 2, 0, 3), offset=5, eos=(3, 7)):
+    """(state [logits, tokens, masked, step_map, logp, conf], extra [step, quota, eos_ids, seed, offset])."""
+    state = [x.to(device) for x in make_state(b, s, vocab, seed, frac_masked, dtype)]
+    q = torch.tensor([quota[i % len(quota)] for i in range(b)], dtype=torch.int32, device=device)
+    extra = [torch.arange(b, dtype=torch.int32, device=device) + 2, q, torch.tensor(eos, device=device),
+             torch.tensor([2**34 + 11], device=device), torch.tensor([offset], device=device)]
+    return state, extra
+
+
+def clone(xs):
+    return [x.clone() for x in xs]
+
+
+def assert_same_step(got_state, got_flags, want_state, want_flags, rtol=1e-5, atol=2e-6):
+    """Integers and flags exactly equal, logp / conf close (NaN == NaN)."""
+    for name, g, w in zip(["tokens", "masked", "step_map"], got_state[1:4], want_state[1:4]):
+        assert torch.equal(g.cpu(), w.cpu()), f"{name} differs at {(g.cpu() != w.cpu()).nonzero()[:5].tolist()}"
+    for name, g, w in zip(["logp", "conf"], got_state[4:6], want_state[4:6]):
+        torch.testing.assert_close(g.cpu(), w.cpu(), rtol=rtol, atol=atol, equal_nan=True, msg=name)
+    assert torch.equal(got_flags[0].cpu(), want_flags[0].cpu()), "block_done"
+    assert torch.equal(got_flags[1].cpu(), want_flags[1].cpu()), "eos_seen"
+
+
+# ------------------------------------------------- the kernel's device code on the CPU (SIMT emulator)
+
+_SIMT = Path(__file__).resolve().parent / "simt"
+_REPO = Path(__file__).resolve().parents[1]
+_EMU_SOURCES = [_SIMT / "unmask_emu.cpp", _SIMT / "simt_emu.h", _REPO / "csrc" / "kernels" / "unmask.cuh"]
+_EMU_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _cuda_include() -> Path | None:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    for root in (os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
+            return Path(root) / "include"
+    return None
+
+
+class Emulated:
+    """`_C.threshold_unmask`'s device code run by the SIMT emulator (CPU tensors, [B, S] tensors contiguous)."""
+
+    def __init__(self, lib):
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        fn = lib.emu_threshold_unmask
+        fn.restype = i32
+        fn.argtypes = [i32, p, i64, i64, i32, i32, i32, p, p, p, p, p, p, p, p, i32, p, p, ctypes.c_double,
+                       ctypes.c_double, i32, p, p, i64, i32, ctypes.c_uint64, p]
+        self.fn = fn
+
+    def __call__(self, logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
+                 threshold=0.9, temperature=1.0, greedy=False, slots=528, split=0, order=1):
+        b, s, vocab = logits.shape
+        assert logits.stride(-1) == 1 or vocab == 1
+        for t in (tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset):
+            assert t.is_contiguous() and t.device.type == "cpu"
+        done, eos_seen = torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool)
+        nsplit = ctypes.c_int(0)
+        rc = self.fn(_EMU_DTYPES[logits.dtype], logits.data_ptr(), logits.stride(0), logits.stride(1), b, s, vocab,
+                     tokens.data_ptr(), masked.data_ptr(), step_map.data_ptr(), logp.data_ptr(), conf.data_ptr(),
+                     step.data_ptr(), quota.data_ptr(), eos_ids.data_ptr(), eos_ids.numel(), seed.data_ptr(),
+                     offset.data_ptr(), threshold, temperature, int(greedy), done.data_ptr(), eos_seen.data_ptr(),
+                     slots, split, order, ctypes.byref(nsplit))
+        assert rc == 0, "the kernel left a sequence counter non-zero"
+        self.nsplit = nsplit.value
+        return done, eos_seen
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    """Compile python_tests/simt/unmask_emu.cpp once per source version (cached under build/simt_emu)."""
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    inc = _cuda_include()
+    if cxx is None or inc is None:
+        pytest.skip("the SIMT emulator needs a C++ compiler (g++ or $CXX) and the CUDA headers (cuda_fp16.h)")
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in _EMU_SOURCES) + cxx.encode() + str(inc).encode())
+    out_dir = _REPO / "build" / "simt_emu"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        out_dir = tmp_path_factory.mktemp("simt_emu")
+    so = out_dir / f"unmask_emu-{digest.hexdigest()[:16]}.so"
+    if not so.exists():
+        tmp = so.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-shared", "-fPIC", f"-I{_REPO / 'csrc'}", f"-I{inc}",
+               str(_SIMT / "unmask_emu.cpp"), "-o", str(tmp)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        assert res.returncode == 0, f"emulator build failed:\n{' '.join(cmd)}\n{res.stderr[-4000:]}"
+        os.replace(tmp, so)
+    return Emulated(ctypes.CDLL(str(so)))
+
+
+def run_both(emu, state, extra, threshold, temperature, greedy, **emu_kw):
+    ref = clone(state)
+    want = threshold_unmask_reference(*ref, *extra, threshold, temperature, 0, 1.0, greedy)
+    got = clone(state)
+    flags = emu(*got, *extra, threshold=threshold, temperature=temperature, greedy=greedy, **emu_kw)
+    return got, flags, ref, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("b,s,vocab,split", [(3, 4, 111, 0), (2, 8, 1000, 3), (1, 32, 5003, 0), (2, 3, 4099, 5),
+                                              (1, 3, 20011, 40), (2, 2, 111, 40)])
+def test_emulated_kernel_matches_reference(emu, dtype, greedy, b, s, vocab, split):
+    """Picks, selection, in-place writes and flags equal the reference's (same Philox stream when sampling);
+    `split` forces chunks per row (0 = the launcher's choice; 40 > 32 lanes per merge group; with vocab 111
+    most chunks are empty), blocks run in a shuffled order."""
+    state, extra = case(b, s, vocab, dtype, seed=vocab + s)
+    got, flags, ref, want = run_both(emu, state, extra, 0.3, 1.0, greedy, split=split, order=vocab)
+    assert split == 0 or emu.nsplit == split
+    assert_same_step(got, flags, ref, want)
+
+
+def test_emulated_split_choice_fills_the_gpu(emu):
+    """One sequence of 32 rows over 151936 tokens is split so that >= 95% of 132 x 4 CTA slots are busy."""
+    state, extra = case(1, 32, 151936, torch.bfloat16, seed=0, frac_masked=0.0)  # nothing masked: no scan
+    emu(*state, *extra, greedy=True, slots=132 * 4)
+    assert emu.nsplit * 32 >= 0.95 * 528 and emu.nsplit <= 64
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_emulated_sampling_temperature(emu, temperature):
+    """T != 1: the kernel multiplies by 1/T (as torch does on CUDA); the CPU reference divides, so a pick may
+    differ only where two perturbed scores are within an ulp: tau 0 writes every pick, compare them."""
+    state, extra = case(2, 16, 3001, torch.float32, seed=5, frac_masked=1.0)
+    got, flags, ref, want = run_both(emu, state, extra, 0.0, temperature, False)
+    same = (got[1] == ref[1]).float().mean().item()
+    assert same >= 0.97, same
+    agree = got[1] == ref[1]
+    torch.testing.assert_close(got[4][agree], ref[4][agree], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_emulated_misaligned_strided_rows(emu, dtype, greedy):
+    """Rows that start off a 16-byte boundary (scalar head + vectors + scalar tail) and padded row strides."""
+    state, extra = case(2, 5, 1000, dtype, seed=11)
+    buf = torch.full((2, 5, 1003), 77.0, dtype=dtype)  # 77 is never read
+    buf[:, :, 1:1001] = state[0]
+    strided = buf[:, :, 1:1001]
+    assert strided.data_ptr() % 16 != 0
+    ref = clone(state)
+    want = threshold_unmask_reference(*ref, *extra, 0.5, 1.0, 0, 1.0, greedy)
+    got = [strided] + clone(state[1:])
+    flags = emu(*got, *extra, threshold=0.5, greedy=greedy, split=3)
+    assert_same_step(got, flags, ref, want)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_emulated_edge_cases(emu, greedy):
+    # nothing masked: a no-op; flags from the current state (prompt EOS at step_map < 0 does not count)
+    state, extra = case(3, 4, 111, torch.float32, seed=1, frac_masked=0.0)
+    state[1][0, 1], state[3][0, 1] = 3, -1  # a prompt token that is an EOS id
+    state[1][1, 2], state[3][1, 2] = 7, 4  # a generated EOS
+    got, flags, ref, want = run_both(emu, state, extra, 0.9, 1.0, greedy)
+    assert_same_step(got, flags, ref, want)
+    assert all(torch.equal(a, b) for a, b in zip(got, state)) and flags[0].all()
+    assert flags[1].tolist() == [False, True, False]
+
+    # tau 0 unmasks every masked position of active rows; tau 1 exactly quota of them
+    state, extra = case(4, 8, 257, torch.bfloat16, seed=2, frac_masked=1.0)
+    for tau in (0.0, 1.0):
+        got, flags, ref, want = run_both(emu, state, extra, tau, 1.0, greedy)
+        assert_same_step(got, flags, ref, want)
+        left = got[2].sum(1).tolist()
+        assert left == ([0, 0, 8, 0] if tau == 0.0 else [7, 6, 8, 5])
+
+    # -inf logits (the mask token, half the vocabulary, all but one token) and all-equal logits
+    b, s, vocab = 3, 4, 151
+    logits = torch.randn(b, s, vocab)
+    logits[..., 150] = float("-inf")
+    logits[0, :, ::2] = float("-inf")
+    logits[1] = float("-inf")
+    logits[1, :, 42] = 5.0
+    logits[2] = 1.25
+    state = [logits, torch.zeros(b, s, dtype=torch.long), torch.ones(b, s, dtype=torch.bool),
+             torch.full((b, s), -1, dtype=torch.int32), torch.zeros(b, s), torch.zeros(b, s)]
+    extra = [torch.ones(b, dtype=torch.int32), torch.ones(b, dtype=torch.int32), torch.tensor([42]),
+             torch.tensor([9]), torch.tensor([1])]
+    got, flags, ref, want = run_both(emu, state, extra, 0.0, 1.0, greedy)
+    assert_same_step(got, flags, ref, want)
+    assert (got[1][1] == 42).all() and torch.equal(got[5][1], torch.ones(s))  # exactly 1, as the reference
+    if greedy:
+        assert (got[1][2] == 0).all()  # ties go to the lowest token id
+    torch.testing.assert_close(got[5][2], torch.full((s,), 1 / vocab))
+    assert flags[1].tolist() == [False, True, False] or not greedy
+
+    # tiny vocabularies (shorter than one 16-byte vector)
+    for vocab, dtype in ((1, torch.float32), (3, torch.float32), (7, torch.bfloat16), (9, torch.float16)):
+        state, extra = case(2, 3, vocab, dtype, seed=vocab)
+        got, flags, ref, want = run_both(emu, state, extra, 0.5, 1.0, greedy, split=1)
+        assert_same_step(got, flags, ref, want)
+
+
+def test_emulated_ties_go_to_lowest_index_across_chunks(emu):
+    """Greedy: equal maxima in different chunks -> the lowest token id; equal conf -> the lowest positions.
+    (vocab a multiple of 8: every row has the same 16-byte alignment, hence the same summation order and
+    bit-equal confidences; rows aligned differently may differ in the last ulp of conf.)"""
+    b, s, vocab = 1, 8, 5008
+    logits = torch.randn(b, s, vocab).to(torch.bfloat16)
+    for t in (4000, 17, 2500, 4999):
+        logits[..., t] = 9.0
+    state = [logits, torch.zeros(b, s, dtype=torch.long), torch.ones(b, s, dtype=torch.bool),
+             torch.zeros(b, s, dtype=torch.int32), torch.zeros(b, s), torch.zeros(b, s)]
+    state[0][:] = state[0][:, :1]  # identical rows: equal confidence at every position
+    extra = [torch.ones(b, dtype=torch.int32), torch.tensor([3], dtype=torch.int32), torch.tensor([0]),
+             torch.tensor([0]), torch.tensor([0])]
+    got, flags, ref, want = run_both(emu, state, extra, 1.0, 1.0, True, split=7, order=3)
+    assert_same_step(got, flags, ref, want)
+    assert got[2].tolist() == [[False] * 3 + [True] * 5] and (got[1][0, :3] == 17).all()
+
+
+def test_emulated_full_vocabulary(emu):
+    """vocab 151936 (Qwen2/SDAR), bf16, the launcher's split for a 132-SM GPU, masked and unmasked rows."""
+    state, extra = case(1, 4, 151936, torch.bfloat16, seed=4, frac_masked=0.75, quota=(2,))
+    state[0][..., 151669] = float("-inf")
+    for greedy in (True, False):
+        got, flags, ref, want = run_both(emu, state, extra, 0.9, 1.0, greedy, slots=132 * 4, order=7)
+        assert emu.nsplit > 1
+        assert_same_step(got, flags, ref, want)
+
+
+# ---------------------------------------------------------------------------- the CUDA kernel (GPU)
+
+
+@pytest.fixture
+def cuda_kernels():
+    """The CUDA kernel must be what runs, else a GPU test would compare the reference with itself."""
+    if not _ext.has_cuda_kernels() or not hasattr(_ext.ext(), "threshold_unmask"):
+        if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
+            pytest.fail("LRF_EXPECT_CUDA_BUILD=1 but lightningrl_fast._C has no threshold_unmask kernel")
+        pytest.skip("lightningrl_fast._C is not built with CUDA")
+    return _ext.ext().threshold_unmask
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("vocab", [111, 151936])
-def test_gpu_greedy_matches_reference(dtype, vocab):
-    state = [x.cuda() for x in make_state(4, 32, vocab, seed=3, dtype=dtype)]
-    step = torch.full((4,), 5, dtype=torch.int32, device="cuda")
-    quota = torch.tensor([1, 2, 0, 4], dtype=torch.int32, device="cuda")
-    extra = (step, quota, torch.tensor([3, 7], device="cuda"), torch.tensor([1], device="cuda"),
-             torch.tensor([2], device="cuda"))
-    ref = [x.clone() for x in state]
+@pytest.mark.parametrize("b,s,vocab", [(4, 32, 111), (4, 32, 151936), (3, 4, 5003), (64, 8, 4096)])
+def test_gpu_greedy_matches_reference(cuda_kernels, dtype, b, s, vocab):
+    state, extra = case(b, s, vocab, dtype, seed=3, device="cuda")
+    ref = clone(state)
     want = threshold_unmask_reference(*ref, *extra, 0.9, 1.0, 0, 1.0, True)
-    got_state = [x.clone() for x in state]
-    got = threshold_unmask(*got_state, *extra, greedy=True)
-    assert torch.equal(got_state[1], ref[1]) and torch.equal(got_state[2], ref[2]) and torch.equal(got_state[3], ref[3])
-    torch.testing.assert_close(got_state[4], ref[4], rtol=1e-4, atol=1e-5)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = clone(state)
+    flags = threshold_unmask(*got, *extra, threshold=0.9, greedy=True)
+    assert_same_step(got, flags, ref, want, rtol=1e-4, atol=1e-5)
+    # picks and logp / conf at the written positions against float64
+    tok64, conf64, logp64 = pick_tokens_reference(state[0].cpu().double(), 0, 0, 1.0, 0, 1.0, True)
+    w = (state[2] & ~got[2]).cpu()
+    assert w.any() and torch.equal(got[1].cpu()[w], tok64[w])
+    torch.testing.assert_close(got[4].cpu()[w], logp64[w], rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(got[5].cpu()[w], conf64[w], rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("vocab", [111, 151936])
+def test_gpu_sampling_picks_equal_reference(cuda_kernels, dtype, temperature, vocab):
+    """Same Philox stream and fp32 arithmetic as the reference on the GPU: tau 0 writes every pick; at most a
+    rare near-tie (perturbed scores within an ulp) may differ."""
+    state, extra = case(4, 32, vocab, dtype, seed=8, frac_masked=1.0, device="cuda")
+    ref = clone(state)
+    threshold_unmask_reference(*ref, *extra, 0.0, temperature, 0, 1.0, False)
+    got = clone(state)
+    threshold_unmask(*got, *extra, threshold=0.0, temperature=temperature)
+    same = got[1] == ref[1]
+    assert same.float().mean().item() >= 0.99, f"{int((~same).sum())} of {same.numel()} picks differ"
+    torch.testing.assert_close(got[4][same], ref[4][same], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[5][same], ref[5][same], rtol=1e-4, atol=1e-5)
+    assert not got[2].any() and (got[3] == extra[0][:, None]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_sampling_matches_softmax_statistically(cuda_kernels):
+    vocab, n = 7, 20000
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5], device="cuda")
+    probs = torch.softmax(logits / 0.8, 0).cpu()
+    counts = torch.zeros(vocab)
+    b = 1000
+    ones = torch.ones(b, dtype=torch.int32, device="cuda")
+    for off in range(n // b):
+        st = [logits.expand(b, 1, vocab).contiguous(), torch.zeros(b, 1, dtype=torch.long, device="cuda"),
+              torch.ones(b, 1, dtype=torch.bool, device="cuda"), torch.zeros(b, 1, dtype=torch.int32, device="cuda"),
+              torch.zeros(b, 1, device="cuda"), torch.zeros(b, 1, device="cuda")]
+        threshold_unmask(*st, ones, ones, torch.tensor([0], device="cuda"), torch.tensor([42], device="cuda"),
+                         torch.tensor([off], device="cuda"), temperature=0.8)
+        counts += torch.bincount(st[1].view(-1).cpu(), minlength=vocab)
+        torch.testing.assert_close(st[5].view(-1).cpu(), probs[st[1].view(-1).cpu()], rtol=1e-5, atol=1e-6)
+    chi2 = (((counts - n * probs) ** 2) / (n * probs)).sum().item()
+    assert chi2 < 22.5, chi2  # 6 degrees of freedom, p = 0.001
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("greedy", [True, False])
+def test_gpu_never_touches_other_positions(cuda_kernels, greedy):
+    """Poison every value the kernel must not write (unmasked positions, rows with quota 0, unselected ones)."""
+    state, extra = case(6, 32, 4099, torch.bfloat16, seed=12, frac_masked=0.6, device="cuda")
+    state[4][~state[2]] = float("nan")
+    state[5][~state[2]] = float("inf")
+    state[1][~state[2]] = -123456789
+    before = clone(state)
+    got = clone(state)
+    threshold_unmask(*got, *extra, threshold=0.95, greedy=greedy)
+    written = before[2] & ~got[2]  # newly unmasked
+    assert written.any() and (written.sum(1)[extra[1] == 0] == 0).all()
+    bits = {torch.bool: torch.uint8, torch.int64: torch.int64, torch.int32: torch.int32, torch.float32: torch.int32}
+    for name, old, new in zip(["tokens", "masked", "step_map", "logp", "conf"], before[1:], got[1:]):
+        assert torch.equal(new.view(bits[new.dtype])[~written], old.view(bits[old.dtype])[~written]), name
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_for_fixed_seed_and_offset(cuda_kernels):
+    state, extra = case(8, 32, 151936, torch.bfloat16, seed=21, device="cuda")
+    a, b = clone(state), clone(state)
+    fa = threshold_unmask(*a, *extra, threshold=0.5)
+    fb = threshold_unmask(*b, *extra, threshold=0.5)
+    assert all(torch.equal(x, y) for x, y in zip(a + list(fa), b + list(fb)))
+    c = clone(state)
+    threshold_unmask(*c, *extra[:4], extra[4] + 1, threshold=0.0)
+    d = clone(state)
+    threshold_unmask(*d, *extra, threshold=0.0)
+    assert not torch.equal(c[1], d[1])  # another offset, other draws
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("greedy", [True, False])
+def test_gpu_cuda_graph_replay_with_offset_bumps(cuda_kernels, greedy):
+    state, extra = case(4, 32, 151936, torch.bfloat16, seed=31, device="cuda")
+    init = clone(state)
+    live = clone(state)
+    offset = extra[4]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (sizes the kernel's workspace)
+        threshold_unmask(*live, *extra, threshold=0.8, greedy=greedy)
+    torch.cuda.current_stream().wait_stream(side)
+    for dst, src in zip(live, init):
+        dst.copy_(src)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flags = threshold_unmask(*live, *extra, threshold=0.8, greedy=greedy)
+    for k in range(3):
+        for dst, src in zip(live, init):
+            dst.copy_(src)
+        offset.fill_(100 + k)
+        graph.replay()
+        ref = clone(init)
+        want = threshold_unmask_reference(*ref, *extra, 0.8, 1.0, 0, 1.0, greedy)
+        torch.cuda.synchronize()
+        if greedy:
+            assert_same_step(live, flags, ref, want, rtol=1e-4, atol=1e-5)
+        else:
+            agree = (live[1] == ref[1]).float().mean().item()
+            assert agree >= 0.99 and torch.equal(flags[0], want[0]), agree
+    # an eager call after the graph still works (same workspace, counters left at zero by every launch)
+    for dst, src in zip(live, init):
+        dst.copy_(src)
+    eager = threshold_unmask(*live, *extra, threshold=0.8, greedy=True)
+    ref = clone(init)
+    want = threshold_unmask_reference(*ref, *extra, 0.8, 1.0, 0, 1.0, True)
+    assert_same_step(live, eager, ref, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("greedy", [True, False])
+def test_gpu_edge_cases(cuda_kernels, greedy):
+    # nothing masked: no-op
+    state, extra = case(3, 8, 111, torch.float32, seed=1, frac_masked=0.0, device="cuda")
+    got = clone(state)
+    done, _ = threshold_unmask(*got, *extra, threshold=0.5, greedy=greedy)
+    assert done.all() and all(torch.equal(a, b) for a, b in zip(got, state))
+    # tau 0 and 1
+    state, extra = case(4, 32, 151936, torch.bfloat16, seed=2, frac_masked=1.0, device="cuda")
+    for tau, left in ((0.0, [0, 0, 32, 0]), (1.0, [31, 30, 32, 29])):
+        got = clone(state)
+        threshold_unmask(*got, *extra, threshold=tau, greedy=greedy)
+        assert got[2].sum(1).tolist() == left
+    # -inf logits, a single finite token, all-equal logits; vocab 111 and 151936
+    for vocab in (111, 151936):
+        b, s = 3, 4
+        logits = torch.randn(b, s, vocab, device="cuda")
+        logits[..., vocab - 1] = float("-inf")
+        logits[0, :, ::2] = float("-inf")
+        logits[1] = float("-inf")
+        logits[1, :, 42] = 5.0
+        logits[2] = 1.25
+        st = [logits, torch.zeros(b, s, dtype=torch.long, device="cuda"),
+              torch.ones(b, s, dtype=torch.bool, device="cuda"), torch.full((b, s), -1, dtype=torch.int32, device="cuda"),
+              torch.zeros(b, s, device="cuda"), torch.zeros(b, s, device="cuda")]
+        ex = [torch.ones(b, dtype=torch.int32, device="cuda"), torch.ones(b, dtype=torch.int32, device="cuda"),
+              torch.tensor([42], device="cuda"), torch.tensor([9], device="cuda"), torch.tensor([1], device="cuda")]
+        ref = clone(st)
+        want = threshold_unmask_reference(*ref, *ex, 0.0, 1.0, 0, 1.0, greedy)
+        got = clone(st)
+        flags = threshold_unmask(*got, *ex, threshold=0.0, greedy=greedy)
+        assert_same_step(got, flags, ref, want, rtol=1e-4, atol=1e-6)
+        assert (got[1][1] == 42).all() and (got[5][1] == 1.0).all() and bool(flags[1][1])
+        assert (got[1][0] % 2 == 1).all()
+        torch.testing.assert_close(got[5][2], torch.full((s,), 1 / vocab, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_fallbacks_and_strided_logits(cuda_kernels):
+    """top-k / top-p sampling and float64 run the reference; a non-dense last dim is made dense first."""
+    state, extra = case(2, 4, 111, torch.float32, seed=5, device="cuda")
+    for kw in ({"top_k": 5}, {"top_p": 0.5}):
+        got, ref = clone(state), clone(state)
+        flags = threshold_unmask(*got, *extra, threshold=0.3, **kw)
+        want = threshold_unmask_reference(*ref, *extra, 0.3, 1.0, kw.get("top_k", 0), kw.get("top_p", 1.0), False)
+        assert_same_step(got, flags, ref, want)
+    got, ref = clone(state), clone(state)
+    got[0] = got[0].double()
+    flags = threshold_unmask(*got, *extra, threshold=0.3, greedy=True)
+    want = threshold_unmask_reference(*ref, *extra, 0.3, 1.0, 0, 1.0, True)
+    assert torch.equal(got[1], ref[1])
+    wide = torch.zeros(2, 4, 111, 2, device="cuda")
+    wide[..., 1] = state[0]
+    got, ref = clone(state), clone(state)
+    got[0] = wide[..., 1]  # last-dim stride 2
+    flags = threshold_unmask(*got, *extra, threshold=0.3, greedy=True)
+    want = threshold_unmask_reference(*ref, *extra, 0.3, 1.0, 0, 1.0, True)
+    assert_same_step(got, flags, ref, want)
+
+
+@pytest.mark.gpu
+def test_gpu_workspace_grows_and_rows_beyond_one_wave(cuda_kernels):
+    for b, s, vocab in ((1, 4, 1000), (512, 32, 2048), (2, 32, 151936)):
+        state, extra = case(b, s, vocab, torch.bfloat16, seed=b, device="cuda")
+        ref, got = clone(state), clone(state)
+        want = threshold_unmask_reference(*ref, *extra, 0.7, 1.0, 0, 1.0, True)
+        flags = threshold_unmask(*got, *extra, threshold=0.7, greedy=True)
+        assert_same_step(got, flags, ref, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_launcher_checks_inputs(cuda_kernels):
+    """The C++ launcher is safe to call directly: its TORCH_CHECKs name the argument."""
+    kernel = cuda_kernels
+    state, extra = case(2, 4, 33, torch.float32, seed=9, device="cuda")
+    args = state + extra
+    opts = (0.9, 1.0, 0, 1.0, False)
+
+    def call(i, t, o=opts):
+        a = list(args)
+        a[i] = t
+        return kernel(*a, *o)
+
+    with pytest.raises(RuntimeError, match="logits must have dtype in"):
+        call(0, state[0].int())
+    with pytest.raises(RuntimeError, match="logits must have 3 dimensions"):
+        call(0, state[0][0])
+    with pytest.raises(RuntimeError, match="logits must have a contiguous last dimension"):
+        call(0, torch.stack([state[0], state[0]], -1)[..., 0])
+    with pytest.raises(RuntimeError, match=r"tokens must have shape"):
+        call(1, state[1][:, :3])
+    with pytest.raises(RuntimeError, match="masked must have dtype"):
+        call(2, state[2].int())
+    with pytest.raises(RuntimeError, match="step_map must have dtype"):
+        call(3, state[3].long())
+    with pytest.raises(RuntimeError, match="conf is on|logits is on"):
+        call(5, state[5].cpu())
+    with pytest.raises(RuntimeError, match="quota must have shape"):
+        call(7, extra[1][:1])
+    with pytest.raises(RuntimeError, match="seed must have dtype"):
+        call(9, extra[3].int())
+    with pytest.raises(RuntimeError, match="offset must have shape"):
+        call(10, extra[4].view(1, 1))
+    with pytest.raises(RuntimeError, match="logits must be a CUDA tensor"):
+        kernel(*[t.cpu() for t in args], *opts)
+    with pytest.raises(RuntimeError, match="top-k/top-p"):
+        kernel(*args, 0.9, 1.0, 5, 1.0, False)
+    with pytest.raises(RuntimeError, match="at most 1024 positions"):
+        big, big_extra = case(1, 1025, 8, torch.float32, seed=1, device="cuda")
+        kernel(*big, *big_extra, *opts)
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck(cuda_kernels):
+    state, extra = case(2, 4, 333, torch.bfloat16, seed=9, device="cuda")
+    torch.library.opcheck(torch.ops.lightningrl_fast.threshold_unmask.default,
+                          (*clone(state), *extra, 0.9, 1.0, 0, 1.0, False))

@@ -13,6 +13,19 @@ SDAR's quota rule passes B//S + (s < B%S). quota 0 marks an inactive row: nothin
 Outputs are written in place (tokens, masked, step_map, logp, conf at the unmasked positions only);
 returned are block_done [B] (no mask left) and eos_seen [B] (a generated token of the block is an EOS id;
 positions with step_map < 0 are prompt tokens and never count).
+
+CUDA: `_C.threshold_unmask` (csrc/unmask.cu, csrc/kernels/unmask.cuh) does the whole step in one launch and
+one pass over the logits, without host synchronization (graph-capturable; bump `offset` between replays)
+and without allocating anything per call but the two [B] bool outputs (a persistent per-device workspace
+holds its cross-CTA partials; it must not grow during a graph capture, so run the op once eagerly first).
+Its picks equal the reference's: greedy exactly; sampling uses the same Philox stream and the same fp32
+arithmetic (x * (1/T) then + Gumbel, torch's logf), so a pick can only differ where two tokens' perturbed
+scores are within an ulp and the two sides' logf differ (the reference on the CPU). conf / logp match to
+~1e-6 relative, so a position exactly at the threshold or tied in conf with another may select differently.
+Used when `kernel_supported(...)` holds; otherwise (float64 logits, top-k/top-p truncation while sampling,
+more than 1024 positions per row) the op runs the reference on the GPU — correct, but several passes over
+fp32 copies of the logits. Not supported: NaN or +inf logits (the reference's NaN ordering is not
+reproduced); -inf logits are fine.
 """
 
 from __future__ import annotations
@@ -106,6 +119,18 @@ def threshold_unmask_reference(logits, tokens, masked, step_map, logp, conf, ste
     return ~masked.any(-1), is_eos.any(-1)
 
 
+KERNEL_MAX_POSITIONS = 1024  # csrc/kernels/unmask.cuh kUnmaskMaxPositions
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def kernel_supported(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool) -> bool:
+    """True when `_C.threshold_unmask` handles these arguments (shape and dtype of `logits`, sampling options)."""
+    vocab = logits.shape[-1]
+    sampling = not greedy and temperature > 0
+    truncated = (0 < top_k < vocab) or top_p < 1.0
+    return logits.dtype in KERNEL_DTYPES and logits.shape[1] <= KERNEL_MAX_POSITIONS and not (sampling and truncated)
+
+
 @torch.library.custom_op(
     "lightningrl_fast::threshold_unmask", mutates_args=("tokens", "masked", "step_map", "logp", "conf")
 )
@@ -115,9 +140,13 @@ def _threshold_unmask_op(
     offset: torch.Tensor, threshold: float, temperature: float, top_k: int, top_p: float, greedy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kernel = cuda_kernel("threshold_unmask", logits)
-    impl = kernel if kernel is not None else threshold_unmask_reference
-    return impl(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-                threshold, temperature, top_k, top_p, greedy)
+    if kernel is not None and kernel_supported(logits, temperature, top_k, top_p, greedy):
+        if logits.shape[-1] > 1 and logits.stride(-1) != 1:
+            logits = logits.contiguous()  # the kernel reads rows as dense vectors
+        return kernel(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
+                      threshold, temperature, top_k, top_p, greedy)
+    return threshold_unmask_reference(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed,
+                                      offset, threshold, temperature, top_k, top_p, greedy)
 
 
 @_threshold_unmask_op.register_fake

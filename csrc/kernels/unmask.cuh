@@ -1,0 +1,653 @@
+// Batched confidence-threshold unmasking: device code only (no torch). The launcher is csrc/unmask.cu;
+// the contract and the pure-PyTorch reference are lightningrl_fast/ops/unmask.py.
+//
+// One launch, one pass over the logits. Rows r = b * S + s (b sequence, s position) of V logits each are cut
+// into `nsplit` chunks of whole 16-byte vectors; CTA `r * nsplit + c` scans chunk c of row r and writes one
+// partial (max raw logit m, sum of exp((x - m) / T), best score, the pick's scaled logit, best index) to the
+// workspace. The CTA that arrives last at its sequence's counter (atomicAdd; the
+// classic threadfence-reduction pattern, no CTA ever waits on another) merges the S * nsplit partials of
+// that sequence, computes conf / logp per masked position, selects the positions to unmask, writes them in
+// place, sets block_done / eos_seen, and resets the counter to 0 for the next launch.
+//
+// Picks (identical to the reference's, see ops/unmask.py):
+//   greedy:   argmax of the raw logits, ties to the lowest token id.
+//   sampling: argmax over t of fl(fl(x_t * inv_t) + g_t) with g_t = -logf(-logf(u_t)) (full-precision logf,
+//             the one torch.log uses on CUDA) and u_t from Philox4x32-10 keyed by seed, counter (r * V + t,
+//             offset): u = ((w0 >> 9) + 0.5) * 2^-23. inv_t = 1.0f / float(T) and x * inv_t rounded on its
+//             own (no FMA contraction), as torch computes `logits / T` on CUDA (multiply by the reciprocal).
+//   Exact Gumbel pruning: u <= 1 - 2^-24, so g <= 16.64 < kGumbelBound = 17 and a token whose
+//   fl(s + 17) is below a score already reached cannot win (fl is monotone), nor tie. Only the other tokens
+//   ("candidates") pay for Philox + two logf; they are compacted per warp (a group's scaled logits are staged
+//   in shared memory, candidates queued by ballot into a 64-entry ring, flushed 32 at a time from a single
+//   call site) so a warp runs the RNG converged and the RNG code exists once. Peaked LLM logits leave few
+//   candidates; flat logits (all within ~20/T of the max) make every token one: then sampling is RNG-bound.
+// logp = (s_pick - s_max) - log(sum exp((x - m) / T)) in fp32 (the structure of torch.logsumexp; the terms
+// through ex2.approx), conf = exp(logp): a dominant token gets conf exactly 1.0 where the reference does,
+// otherwise a few ulp from the reference, so a position whose conf is within ~1e-6 of the threshold or of
+// another position's conf may be selected differently (the picks themselves do not depend on it).
+//
+// Workspace (persistent, owned by the launcher): int32 counters[B] (zero between launches) followed by
+// UnmaskPartial partials[B * S * nsplit]. Positions that are not masked, and sequences with quota <= 0,
+// are not scanned at all (their logits are never read).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace lrf {
+namespace kernels {
+
+constexpr int kUnmaskThreads = 256;                       // threads per CTA (8 warps)
+constexpr int kUnmaskWarps = kUnmaskThreads / 32;
+constexpr int kUnmaskUnroll = 4;                          // 16-byte loads in flight per thread
+constexpr int kUnmaskMaxPositions = 1024;                 // S limit of the kernel (selection in shared memory)
+constexpr int kUnmaskRing = 64;                           // per-warp candidate ring (sampling)
+constexpr int kUnmaskStage = 32;                          // elements per group at most (4 x 8 bf16/fp16)
+constexpr float kGumbelBound = 17.0f;                     // > every Gumbel value the noise can produce (16.64)
+constexpr int32_t kNoIndex = 0x7fffffff;                  // "no token seen yet"
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Philox4x32-10 constants (Random123).
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
+
+// One chunk's summary, 32 bytes (two 16-byte stores / loads).
+struct alignas(16) UnmaskPartial {
+  float m;       // max raw logit of the chunk (-inf when empty)
+  float sum;     // sum of exp((x - m) / T), computed as 2^((x - m) * c2), c2 = log2(e) / T
+  float score;   // greedy: best raw logit; sampling: best fl(s + g)
+  float pick;    // the best token's scaled logit s = fl(x * inv_t)
+  int32_t idx;   // the best token (kNoIndex when the chunk is empty)
+  int32_t pad[3];
+};
+
+// [B, S] tensor with element strides.
+template <typename T>
+struct Mat {
+  T* ptr;
+  int64_t sb, ss;
+  __device__ __forceinline__ T& operator()(int64_t b, int64_t s) const { return ptr[b * sb + s * ss]; }
+};
+
+// [N] tensor with an element stride.
+template <typename T>
+struct Vec {
+  T* ptr;
+  int64_t st;
+  __device__ __forceinline__ T& operator[](int64_t i) const { return ptr[i * st]; }
+};
+
+struct UnmaskParams {
+  const void* logits;          // [B, S, V], last dim dense
+  int64_t logits_sb, logits_ss;  // element strides of dims 0 and 1
+  Mat<int64_t> tokens;         // [B, S] written at unmasked positions
+  Mat<bool> masked;            // [B, S] cleared at unmasked positions
+  Mat<int32_t> step_map;       // [B, S]
+  Mat<float> logp;             // [B, S]
+  Mat<float> conf;             // [B, S]
+  Vec<const int32_t> step;     // [B]
+  Vec<const int32_t> quota;    // [B]
+  Vec<const int64_t> eos_ids;  // [E]
+  int32_t num_eos;             // E
+  const int64_t* seed;         // [1] (sampling only)
+  const int64_t* offset;       // [1] (sampling only)
+  bool* block_done;            // [B] out
+  bool* eos_seen;              // [B] out
+  int32_t* counters;           // [B] workspace, zero on entry, reset to zero on exit
+  UnmaskPartial* partials;     // [B * S * nsplit] workspace
+  int32_t batch, positions, vocab, nsplit;
+  float inv_temp;              // 1.0f / float(T) (1 when greedy with T <= 0)
+  float threshold;             // fp32, as `conf >= threshold` compares in the reference
+};
+
+// ---------------------------------------------------------------------------------------------- helpers
+
+// LRF_SIMT_EMULATION: python_tests/simt compiles this header as host C++ over a SIMT emulator (CPU tests
+// of the device logic); it supplies the intrinsics and replaces the two inline-PTX helpers.
+#ifndef LRF_SIMT_EMULATION
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 16-byte streaming load: read-only path, no L1 allocation (every logit is read exactly once). volatile so
+// that the compiler keeps a group's loads together where they are written (it would otherwise sink each
+// into the code that unpacks it, leaving one load in flight per thread).
+__device__ __forceinline__ uint4 load_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+#else
+__device__ __forceinline__ float ex2_approx(float x) { return exp2f(x); }
+__device__ __forceinline__ uint4 load_stream16(const void* p) { return simt::load16(p); }
+#endif
+
+// First output word of Philox4x32-10: key (k0, k1), counter (c0, c1, c2, c3).
+__device__ __forceinline__ uint32_t philox_word0(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
+                                                 uint32_t k1) {
+#pragma unroll
+  for (int i = 0; i < 10; ++i) {
+    const uint32_t hi0 = __umulhi(c0, kPhiloxM0), lo0 = c0 * kPhiloxM0;
+    const uint32_t hi1 = __umulhi(c2, kPhiloxM1), lo1 = c2 * kPhiloxM1;
+    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+    k0 += kPhiloxW0;
+    k1 += kPhiloxW1;
+  }
+  return c0;
+}
+
+// g = -log(-log(u)), u = ((w >> 9) + 0.5) * 2^-23 (exact in fp32), full-precision logf as torch.log.
+__device__ __forceinline__ float gumbel_from_word(uint32_t w) {
+  const float u = __fmul_rn(__fadd_rn(static_cast<float>(w >> 9), 0.5f), 0x1p-23f);
+  return -logf(-logf(u));
+}
+
+// Logit element types: 16-byte vector -> floats.
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  static constexpr int kPerVec = 4;
+  __device__ __forceinline__ static void unpack(const uint4& v, float* out) {
+    out[0] = __uint_as_float(v.x);
+    out[1] = __uint_as_float(v.y);
+    out[2] = __uint_as_float(v.z);
+    out[3] = __uint_as_float(v.w);
+  }
+  __device__ __forceinline__ static float load1(const void* row, int64_t i) {
+    return static_cast<const float*>(row)[i];
+  }
+};
+
+struct Bf16Tag {};  // bfloat16 handled as raw 16-bit words (exact widening: bits << 16)
+struct HalfTag {};
+
+template <>
+struct Elem<Bf16Tag> {
+  static constexpr int kPerVec = 8;
+  __device__ __forceinline__ static void unpack(const uint4& v, float* out) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = __uint_as_float(w[i] << 16);
+      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  __device__ __forceinline__ static float load1(const void* row, int64_t i) {
+    return __uint_as_float(uint32_t(static_cast<const uint16_t*>(row)[i]) << 16);
+  }
+};
+
+template <>
+struct Elem<HalfTag> {
+  static constexpr int kPerVec = 8;
+  __device__ __forceinline__ static void unpack(const uint4& v, float* out) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h;
+      memcpy(&h, &w[i], 4);
+      const float2 f = __half22float2(h);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  }
+  __device__ __forceinline__ static float load1(const void* row, int64_t i) {
+    return __half2float(static_cast<const __half*>(row)[i]);
+  }
+};
+
+// Running state of one thread over its share of a chunk.
+struct ScanState {
+  float m = -INFINITY;
+  float sum = 0.f;
+  float score = -INFINITY;
+  float pick = -INFINITY;
+  int32_t idx = kNoIndex;
+};
+
+// Softmax-sum merge: both (m, sum) pairs describe sum_x 2^((x - m) * c2); -inf maxima are empty.
+// x - m is exact for the maximum itself (term exactly 1), so a token that dominates its row gets conf exactly
+// 1.0 when the reference's fp32 logsumexp does.
+__device__ __forceinline__ void merge_sum(float& m, float& sum, float m_o, float sum_o, float c2) {
+  const float mn = fmaxf(m, m_o);
+  const float mu = mn == -INFINITY ? 0.f : mn;
+  sum = sum * ex2_approx((m - mu) * c2) + sum_o * ex2_approx((m_o - mu) * c2);
+  m = mn;
+}
+
+// Best merge: higher score wins, equal scores go to the lower index (kNoIndex loses every tie).
+__device__ __forceinline__ void merge_best(float& score, float& pick, int32_t& idx, float score_o, float pick_o,
+                                           int32_t idx_o) {
+  if (score_o > score || (score_o == score && idx_o < idx)) {
+    score = score_o;
+    pick = pick_o;
+    idx = idx_o;
+  }
+}
+
+__device__ __forceinline__ void merge_state(ScanState& a, const ScanState& o, float c2) {
+  merge_sum(a.m, a.sum, o.m, o.sum, c2);
+  merge_best(a.score, a.pick, a.idx, o.score, o.pick, o.idx);
+}
+
+__device__ __forceinline__ ScanState shfl_state(const ScanState& s, int mask) {
+  ScanState o;
+  o.m = __shfl_xor_sync(0xffffffffu, s.m, mask);
+  o.sum = __shfl_xor_sync(0xffffffffu, s.sum, mask);
+  o.score = __shfl_xor_sync(0xffffffffu, s.score, mask);
+  o.pick = __shfl_xor_sync(0xffffffffu, s.pick, mask);
+  o.idx = __shfl_xor_sync(0xffffffffu, s.idx, mask);
+  return o;
+}
+
+__device__ __forceinline__ void warp_merge(ScanState& s, float c2) {
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask >>= 1) merge_state(s, shfl_state(s, mask), c2);
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
+  return v;
+}
+
+// Per-warp candidate ring for Gumbel sampling: scaled logits and token ids waiting for their noise.
+struct CandRing {
+  float s[kUnmaskRing];
+  int32_t idx[kUnmaskRing];
+};
+
+// Sampling context of one warp: the ring, its head / fill (warp-uniform), the pruning threshold (the best
+// score any lane of the warp has reached; warp-uniform) and the row's Philox key and counter base.
+struct Sampler {
+  CandRing* ring;
+  float* stage;      // [kUnmaskStage][32] scaled logits of the warp's current group
+  int head, count;
+  float thr;
+  uint64_t row_ctr;  // r * V
+  uint32_t k0, k1, o0, o1;
+
+  // Lanes < n take one queued candidate each, draw its noise, keep the best; then refresh the threshold.
+  __device__ __forceinline__ void flush(ScanState& st, int n, int lane) {
+    __syncwarp();
+    if (lane < n) {
+      const int slot = (head + lane) & (kUnmaskRing - 1);
+      const float s = ring->s[slot];
+      const int32_t t = ring->idx[slot];
+      const uint64_t ctr = row_ctr + uint64_t(t);
+      const float g = gumbel_from_word(philox_word0(uint32_t(ctr), uint32_t(ctr >> 32), o0, o1, k0, k1));
+      merge_best(st.score, st.pick, st.idx, __fadd_rn(s, g), s, t);
+    }
+    __syncwarp();
+    head = (head + n) & (kUnmaskRing - 1);
+    count -= n;
+    thr = warp_max(st.score);
+  }
+};
+
+// Process one group of N logits x[e] (invalid ones already set to -inf), token id of element e =
+// base + (e / kPerVec) * vstride + e % kPerVec, `valid` bit e set for real elements. A thread visits its
+// tokens in increasing id order, group after group, which the greedy "first maximum" rule relies on.
+// Every lane of the warp must call this together (sampling uses warp votes).
+template <bool kGreedy, int N, int kPerVec>
+__device__ __forceinline__ void process_group(ScanState& st, Sampler& smp, const float (&x)[N], uint32_t valid,
+                                              int32_t base, int32_t vstride, float inv_t, float c2, int lane) {
+  float gmax = x[0];
+#pragma unroll
+  for (int e = 1; e < N; ++e) gmax = fmaxf(gmax, x[e]);
+
+  // online softmax sum: one rescale per group
+  const float mnew = fmaxf(st.m, gmax);
+  const float mu = mnew == -INFINITY ? 0.f : mnew;
+  float acc[4] = {st.sum * ex2_approx((st.m - mu) * c2), 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int e = 0; e < N; ++e) acc[e & 3] += ex2_approx((x[e] - mu) * c2);
+  st.sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  st.m = mnew;
+
+  if constexpr (kGreedy) {
+    // strictly greater keeps the earlier token; the very first valid token is taken whatever its value
+    if (valid != 0u && (gmax > st.score || st.idx == kNoIndex)) {
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        if (((valid >> e) & 1u) && x[e] == gmax) {
+          st.score = gmax;
+          st.idx = base + (e / kPerVec) * vstride + (e % kPerVec);
+          break;
+        }
+      }
+    }
+  } else {
+    const float smax = __fmul_rn(gmax, inv_t);
+    const bool maybe = valid != 0u && __fadd_rn(smax, kGumbelBound) >= smp.thr;
+    if (__any_sync(0xffffffffu, maybe)) {
+      // stage the scaled logits (column `lane` of the warp's [N][32] block) and flag the candidates ...
+      uint32_t cand = 0u;
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const float s = __fmul_rn(x[e], inv_t);
+        smp.stage[e * 32 + lane] = s;
+        cand |= uint32_t(maybe && ((valid >> e) & 1u) && __fadd_rn(s, kGumbelBound) >= smp.thr) << e;
+      }
+      __syncwarp();
+      // ... then queue them element by element (one loop, one flush site: no code bloat), re-screening
+      // each against the threshold as it rises
+      const uint32_t lanes_below = (1u << lane) - 1u;
+      uint32_t todo = __reduce_or_sync(0xffffffffu, cand);
+#pragma unroll 1
+      while (todo != 0u) {
+        const int e = __ffs(todo) - 1;  // warp-uniform
+        todo &= todo - 1u;
+        const float s = smp.stage[e * 32 + lane];
+        const bool c = ((cand >> e) & 1u) && __fadd_rn(s, kGumbelBound) >= smp.thr;
+        const uint32_t ballot = __ballot_sync(0xffffffffu, c);
+        if (c) {
+          const int slot = (smp.head + smp.count + __popc(ballot & lanes_below)) & (kUnmaskRing - 1);
+          smp.ring->s[slot] = s;
+          smp.ring->idx[slot] = base + (e / kPerVec) * vstride + (e % kPerVec);
+        }
+        smp.count += __popc(ballot);
+        if (smp.count >= 32) smp.flush(st, 32, lane);
+      }
+      __syncwarp();  // the stage is rewritten by the next group
+    }
+  }
+}
+
+// One element (head / tail of a row that is not 16-byte aligned): a group of one, maybe invalid.
+template <bool kGreedy>
+__device__ __forceinline__ void process_one(ScanState& st, Sampler& smp, float v, bool valid, int32_t t,
+                                            float inv_t, float c2, int lane) {
+  const float x[1] = {valid ? v : -INFINITY};
+  process_group<kGreedy, 1, 1>(st, smp, x, valid ? 1u : 0u, t, 0, inv_t, c2, lane);
+}
+
+// Shared memory of a CTA: the block reduction (static); dynamic: the candidate rings and staging blocks
+// (sampling) or, in the CTA that finishes a sequence, its per-position arrays (the same bytes, reused).
+struct UnmaskShared {
+  float m[kUnmaskWarps], sum[kUnmaskWarps], score[kUnmaskWarps], pick[kUnmaskWarps];
+  int32_t idx[kUnmaskWarps];
+  int is_last;
+};
+
+// Bytes of dynamic shared memory the kernel needs for S positions.
+__host__ __device__ constexpr int64_t unmask_dynamic_smem(int64_t positions, bool greedy) {
+  const int64_t rings =
+      greedy ? 0 : int64_t(kUnmaskWarps) * (int64_t(sizeof(CandRing)) + int64_t(kUnmaskStage) * 32 * 4);
+  const int64_t finish = positions * 13 + 16;  // conf, logp (fp32), token (int32), masked (u8)
+  return rings > finish ? rings : finish;
+}
+
+// Chunks per row: the smallest split whose rows x split CTAs fill whole waves of the resident CTA slots
+// (SMs x CTAs per SM) to >= 95%, else the best filling one; each chunk keeps >= 2 vectors per thread and
+// there are at most 64 chunks.
+inline int unmask_choose_split(int64_t rows, int64_t vectors_per_row, int64_t slots) {
+  int64_t max_split = vectors_per_row / (2 * kUnmaskThreads);
+  max_split = max_split < 1 ? 1 : (max_split > 64 ? 64 : max_split);
+  int best = 1;
+  double best_eff = -1.0;
+  for (int64_t n = 1; n <= max_split; ++n) {
+    const int64_t ctas = rows * n;
+    const int64_t waves = (ctas + slots - 1) / slots;
+    const double eff = double(ctas) / double(waves * slots);
+    if (eff >= 0.95) return int(n);
+    if (eff > best_eff + 1e-9) {
+      best_eff = eff;
+      best = int(n);
+    }
+  }
+  return best;
+}
+
+// Workspace layout: int32 counters[B] padded to 256 bytes, then the partials.
+inline int64_t unmask_counter_bytes(int64_t batch) { return (batch * 4 + 255) / 256 * 256; }
+inline int64_t unmask_workspace_bytes(int64_t batch, int64_t rows, int64_t nsplit) {
+  return unmask_counter_bytes(batch) + rows * nsplit * int64_t(sizeof(UnmaskPartial));
+}
+
+// ------------------------------------------------------------------------------ the CTA that finishes b
+
+__device__ __forceinline__ bool conf_before(float a, int ia, float c, int ic) {
+  // descending stable sort order of torch: NaN first, then larger values, equal keys by position
+  const bool an = a != a, cn = c != c;
+  if (an || cn) return an && (!cn || ia < ic);
+  return a > c || (a == c && ia < ic);
+}
+
+__device__ void finish_sequence(const UnmaskParams& p, int b, char* dyn) {
+  const int S = p.positions;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float* cf = reinterpret_cast<float*>(dyn);
+  float* lp = cf + S;
+  int32_t* tk = reinterpret_cast<int32_t*>(lp + S);
+  uint8_t* ms = reinterpret_cast<uint8_t*>(tk + S);
+  const int32_t q = p.quota[b];
+  const float c2 = p.inv_temp * kLog2e;
+
+  for (int i = tid; i < S; i += kUnmaskThreads) ms[i] = (q > 0 && p.masked(b, i)) ? 1 : 0;
+  __syncthreads();
+
+  // 1. merge each masked position's nsplit partials: lane groups of G (a power of two >= nsplit, at most 32)
+  //    take one position each, so a warp merges 32 / G positions at once (their loads in flight together)
+  int G = 1;
+  while (G < p.nsplit && G < 32) G <<= 1;
+  const int per_warp = 32 / G, sub = lane % G, slot = lane / G;
+  for (int first = warp * per_warp; first < S; first += kUnmaskWarps * per_warp) {  // warp-uniform
+    const int i = first + slot;
+    const bool act = i < S && ms[i];
+    ScanState st;
+    if (act) {
+      const UnmaskPartial* part = p.partials + (int64_t(b) * S + i) * p.nsplit;
+      for (int k = sub; k < p.nsplit; k += G) {
+        const float4 a = __ldcg(reinterpret_cast<const float4*>(part + k));
+        const int4 c = __ldcg(reinterpret_cast<const int4*>(part + k) + 1);
+        ScanState o;
+        o.m = a.x;
+        o.sum = a.y;
+        o.score = a.z;
+        o.pick = a.w;
+        o.idx = c.x;
+        merge_state(st, o, c2);
+      }
+    }
+    for (int mask = G >> 1; mask >= 1; mask >>= 1) merge_state(st, shfl_state(st, mask), c2);
+    if (act && sub == 0) {
+      // logp = s_pick - logsumexp(s) = (s_pick - s_max) - log(sum exp(s - s_max)), as torch.logsumexp
+      const float logp = __fsub_rn(st.pick, __fmul_rn(st.m, p.inv_temp)) - logf(st.sum);
+      cf[i] = expf(logp);
+      lp[i] = logp;
+      tk[i] = st.idx == kNoIndex ? 0 : st.idx;  // kNoIndex only with NaN logits (unsupported)
+    }
+  }
+  __syncthreads();
+
+  // 2. select (quota most confident, ties to the lower position, plus conf >= threshold) and write
+  bool any_masked = false, any_eos = false;
+  const int32_t step = p.step[b];
+  for (int i = tid; i < S; i += kUnmaskThreads) {
+    bool still_masked = false;
+    bool sel = false;
+    if (ms[i]) {
+      const float c = cf[i];
+      int rank = 0;
+      for (int j = 0; j < S && rank < q; ++j) rank += (ms[j] && conf_before(cf[j], j, c, i)) ? 1 : 0;
+      sel = rank < q || c >= p.threshold;
+      still_masked = !sel;
+    } else {
+      still_masked = p.masked(b, i);  // quota <= 0 rows keep their mask
+    }
+    int64_t token;
+    int32_t smap;
+    if (sel) {
+      token = tk[i];
+      smap = step;
+      p.tokens(b, i) = token;
+      p.step_map(b, i) = step;
+      p.logp(b, i) = lp[i];
+      p.conf(b, i) = cf[i];
+      p.masked(b, i) = false;
+    } else {
+      token = p.tokens(b, i);
+      smap = p.step_map(b, i);
+    }
+    any_masked |= still_masked;
+    if (!still_masked && smap >= 0) {
+      for (int e = 0; e < p.num_eos; ++e) any_eos |= (token == p.eos_ids[e]);
+    }
+  }
+  any_masked = __syncthreads_or(any_masked);
+  any_eos = __syncthreads_or(any_eos);
+  if (tid == 0) {
+    p.block_done[b] = !any_masked;
+    p.eos_seen[b] = any_eos;
+    p.counters[b] = 0;  // every CTA of b has arrived: ready for the next launch
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- kernel
+
+// 4 resident CTAs per SM (at most 64 registers) when greedy, 3 (80) when sampling (the RNG path).
+template <typename Tag, bool kGreedy>
+__global__ void __launch_bounds__(kUnmaskThreads, kGreedy ? 4 : 3) threshold_unmask_kernel(const UnmaskParams p) {
+  using E = Elem<Tag>;
+  constexpr int kPerVec = E::kPerVec;
+  constexpr int N = kUnmaskUnroll * kPerVec;
+  constexpr int64_t kElemBytes = 16 / kPerVec;
+  constexpr float kInf = INFINITY;
+  static_assert(N <= kUnmaskStage && N <= 32, "a group must fit the staging block and a 32-bit mask");
+
+  __shared__ UnmaskShared sh;
+#ifndef LRF_SIMT_EMULATION
+  extern __shared__ __align__(16) char dyn[];
+#else
+  char* dyn = simt::dynamic_smem();
+#endif
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t item = blockIdx.x;
+  const int64_t row = item / p.nsplit;
+  const int chunk = int(item - row * p.nsplit);
+  const int S = p.positions;
+  const int b = int(row / S);
+  const int s = int(row - int64_t(b) * S);
+  const int V = p.vocab;
+
+  if (p.quota[b] > 0 && p.masked(b, s)) {
+    const char* rowp = static_cast<const char*>(p.logits) + (b * p.logits_sb + s * p.logits_ss) * kElemBytes;
+    // row = [head scalars | nvec 16-byte vectors | tail scalars]
+    const int mis = int(((16 - (reinterpret_cast<uintptr_t>(rowp) & 15)) & 15) / kElemBytes);
+    const int head = mis < V ? mis : V;
+    const int nvec = (V - head) / kPerVec;
+    const int tail0 = head + nvec * kPerVec;
+    const int per_chunk = (nvec + p.nsplit - 1) / p.nsplit;
+    const int vbeg = chunk * per_chunk < nvec ? chunk * per_chunk : nvec;
+    const int vend = vbeg + per_chunk < nvec ? vbeg + per_chunk : nvec;
+    const float inv_t = p.inv_temp;
+    const float c2 = inv_t * kLog2e;
+
+    ScanState st;
+    Sampler smp;
+    if constexpr (!kGreedy) {
+      smp.ring = reinterpret_cast<CandRing*>(dyn) + warp;
+      smp.stage = reinterpret_cast<float*>(reinterpret_cast<CandRing*>(dyn) + kUnmaskWarps) + warp * kUnmaskStage * 32;
+      smp.head = 0;
+      smp.count = 0;
+      smp.thr = -kInf;
+      smp.row_ctr = uint64_t(row) * uint64_t(V);
+      const uint64_t seed = uint64_t(*p.seed), off = uint64_t(*p.offset);
+      smp.k0 = uint32_t(seed);
+      smp.k1 = uint32_t(seed >> 32);
+      smp.o0 = uint32_t(off);
+      smp.o1 = uint32_t(off >> 32);
+    }
+
+    if (chunk == 0 && head > 0) {
+      const bool ok = tid < head;
+      process_one<kGreedy>(st, smp, ok ? E::load1(rowp, tid) : -kInf, ok, tid, inv_t, c2, lane);
+    }
+    const uint4* vecs = reinterpret_cast<const uint4*>(rowp + int64_t(head) * kElemBytes);
+    for (int g = vbeg; g < vend; g += kUnmaskUnroll * kUnmaskThreads) {  // CTA-uniform trip count
+      uint4 raw[kUnmaskUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnmaskUnroll; ++u) {  // unpredicated: lanes past the end re-read the last vector
+        const int v = g + tid + u * kUnmaskThreads;
+        raw[u] = load_stream16(vecs + (v < vend ? v : vend - 1));
+      }
+      float x[N];
+      uint32_t valid = 0;
+#pragma unroll
+      for (int u = 0; u < kUnmaskUnroll; ++u) {  // branch-free, so that ptxas keeps the four loads up front
+        const bool ok = g + tid + u * kUnmaskThreads < vend;
+        E::unpack(raw[u], x + u * kPerVec);
+#pragma unroll
+        for (int j = 0; j < kPerVec; ++j) x[u * kPerVec + j] = ok ? x[u * kPerVec + j] : -kInf;
+        valid |= (ok ? (1u << kPerVec) - 1u : 0u) << (u * kPerVec);
+      }
+      process_group<kGreedy, N, kPerVec>(st, smp, x, valid, head + (g + tid) * kPerVec, kUnmaskThreads * kPerVec,
+                                         inv_t, c2, lane);
+    }
+    if (chunk == p.nsplit - 1 && tail0 < V) {
+      const int t = tail0 + tid;
+      const bool ok = t < V;
+      process_one<kGreedy>(st, smp, ok ? E::load1(rowp, t) : -kInf, ok, t, inv_t, c2, lane);
+    }
+    if constexpr (!kGreedy) {
+      if (smp.count > 0) smp.flush(st, smp.count, lane);
+    } else {
+      st.pick = st.idx == kNoIndex ? -kInf : __fmul_rn(st.score, inv_t);
+    }
+
+    // CTA reduction -> one partial
+    warp_merge(st, c2);
+    if (lane == 0) {
+      sh.m[warp] = st.m;
+      sh.sum[warp] = st.sum;
+      sh.score[warp] = st.score;
+      sh.pick[warp] = st.pick;
+      sh.idx[warp] = st.idx;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      ScanState w;
+      if (lane < kUnmaskWarps) {
+        w.m = sh.m[lane];
+        w.sum = sh.sum[lane];
+        w.score = sh.score[lane];
+        w.pick = sh.pick[lane];
+        w.idx = sh.idx[lane];
+      }
+      warp_merge(w, c2);
+      if (lane == 0) {
+        UnmaskPartial* out = p.partials + row * p.nsplit + chunk;
+        reinterpret_cast<float4*>(out)[0] = make_float4(w.m, w.sum, w.score, w.pick);
+        reinterpret_cast<int4*>(out)[1] = make_int4(w.idx, 0, 0, 0);
+      }
+    }
+  }
+
+  // arrival: the last CTA of sequence b finishes it
+  if (tid == 0) {
+    __threadfence();  // this CTA's partial is visible device-wide before it is counted
+    const int arrived = atomicAdd(p.counters + b, 1);
+    sh.is_last = arrived == S * p.nsplit - 1;
+  }
+  __syncthreads();
+  if (!sh.is_last) return;
+  __threadfence();  // acquire: the other CTAs' partials (read with ld.cg, L2)
+  finish_sequence(p, b, dyn);
+}
+
+}  // namespace kernels
+}  // namespace lrf

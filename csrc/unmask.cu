@@ -1,0 +1,213 @@
+// Launcher of threshold_unmask (device code: kernels/unmask.cuh). Contract: ARCHITECTURE.md and
+// lightningrl_fast/ops/unmask.py (the reference this kernel reproduces).
+//
+// Checks every input, sizes the grid from the device's SM count and the kernel's occupancy (cached per
+// device), and launches once on the current stream. No host synchronization: seed, offset, step, quota and
+// the mask are read on the device only, so the call is CUDA-graph capturable (bump `offset` between replays).
+//
+// Allocation per call: the two [B] bool outputs only. The cross-CTA workspace (per-sequence arrival counters
+// + per-chunk partials, ~32 bytes per chunk) is persistent per device and grows geometrically; it is
+// zeroed when allocated and the kernel leaves its counters at zero. Growing it while the stream is being
+// captured is refused (run the op once eagerly first, as torch's graph recipe does), and a replaced
+// workspace is never freed, because a captured graph may still point at it. Calls on one device must be
+// stream-ordered (the workspace is shared); concurrent launches on different streams are not supported.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "checks.h"
+#include "kernels/unmask.cuh"
+
+namespace lrf {
+namespace {
+
+using kernels::UnmaskParams;
+using KernelFn = void (*)(UnmaskParams);
+
+KernelFn pick_kernel(at::ScalarType dtype, bool greedy) {
+  using namespace kernels;
+  switch (dtype) {
+    case at::kBFloat16:
+      return greedy ? threshold_unmask_kernel<Bf16Tag, true> : threshold_unmask_kernel<Bf16Tag, false>;
+    case at::kHalf:
+      return greedy ? threshold_unmask_kernel<HalfTag, true> : threshold_unmask_kernel<HalfTag, false>;
+    default:
+      return greedy ? threshold_unmask_kernel<float, true> : threshold_unmask_kernel<float, false>;
+  }
+}
+
+struct DeviceInfo {
+  int sms = 0;
+  std::map<std::pair<KernelFn, int64_t>, int> occupancy;  // (kernel, dynamic smem) -> resident CTAs per SM
+  at::Tensor workspace;                                    // uint8, zero-initialized
+  std::vector<at::Tensor> retired;                         // earlier workspaces, kept for captured graphs
+};
+
+std::mutex g_mutex;
+std::map<int, DeviceInfo> g_devices;
+
+int resident_ctas(DeviceInfo& info, KernelFn fn, int64_t smem) {
+  auto key = std::make_pair(fn, smem);
+  auto it = info.occupancy.find(key);
+  if (it != info.occupancy.end()) return it->second;
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, kernels::kUnmaskThreads, smem));
+  blocks = std::max(blocks, 1);
+  info.occupancy.emplace(key, blocks);
+  return blocks;
+}
+
+uint8_t* workspace(DeviceInfo& info, int64_t bytes, const at::Device& device, cudaStream_t stream) {
+  if (info.workspace.defined() && info.workspace.numel() >= bytes) return info.workspace.data_ptr<uint8_t>();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
+              "threshold_unmask: its workspace must grow to ", bytes,
+              " bytes, which cannot happen while a CUDA graph is being captured; call the op once eagerly "
+              "with the same (or a larger) batch before capturing");
+  int64_t size = std::max<int64_t>(bytes, 1 << 16);
+  if (info.workspace.defined()) {
+    size = std::max(size, 2 * info.workspace.numel());
+    info.retired.push_back(info.workspace);
+  }
+  info.workspace = at::zeros({size}, at::TensorOptions().dtype(at::kByte).device(device));
+  return info.workspace.data_ptr<uint8_t>();
+}
+
+template <typename T>
+kernels::Mat<T> mat(const at::Tensor& t) {
+  return {t.data_ptr<T>(), t.stride(0), t.stride(1)};
+}
+
+template <typename T>
+kernels::Vec<const T> vec(const at::Tensor& t) {
+  return {t.data_ptr<T>(), t.stride(0)};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> threshold_unmask(
+    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& masked, const at::Tensor& step_map,
+    const at::Tensor& logp, const at::Tensor& conf, const at::Tensor& step, const at::Tensor& quota,
+    const at::Tensor& eos_ids, const at::Tensor& seed, const at::Tensor& offset, double threshold,
+    double temperature, int64_t top_k, double top_p, bool greedy) {
+  CHECK_CUDA(logits);
+  CHECK_DIM(logits, 3);
+  const int64_t B = logits.size(0), S = logits.size(1), V = logits.size(2);
+  CHECK_DTYPE_IN(logits, at::kBFloat16, at::kHalf, at::kFloat);
+  CHECK_LAST_DIM_CONTIGUOUS(logits);
+  CHECK_SHAPE(tokens, B, S);
+  CHECK_SHAPE(masked, B, S);
+  CHECK_SHAPE(step_map, B, S);
+  CHECK_SHAPE(logp, B, S);
+  CHECK_SHAPE(conf, B, S);
+  CHECK_SHAPE(step, B);
+  CHECK_SHAPE(quota, B);
+  CHECK_DIM(eos_ids, 1);
+  CHECK_SHAPE(seed, 1);
+  CHECK_SHAPE(offset, 1);
+  CHECK_DTYPE(tokens, at::kLong);
+  CHECK_DTYPE(masked, at::kBool);
+  CHECK_DTYPE(step_map, at::kInt);
+  CHECK_DTYPE(logp, at::kFloat);
+  CHECK_DTYPE(conf, at::kFloat);
+  CHECK_DTYPE(step, at::kInt);
+  CHECK_DTYPE(quota, at::kInt);
+  CHECK_DTYPE(eos_ids, at::kLong);
+  CHECK_DTYPE(seed, at::kLong);
+  CHECK_DTYPE(offset, at::kLong);
+  CHECK_SAME_DEVICE(logits, tokens);
+  CHECK_SAME_DEVICE(logits, masked);
+  CHECK_SAME_DEVICE(logits, step_map);
+  CHECK_SAME_DEVICE(logits, logp);
+  CHECK_SAME_DEVICE(logits, conf);
+  CHECK_SAME_DEVICE(logits, step);
+  CHECK_SAME_DEVICE(logits, quota);
+  CHECK_SAME_DEVICE(logits, eos_ids);
+  CHECK_SAME_DEVICE(logits, seed);
+  CHECK_SAME_DEVICE(logits, offset);
+  TORCH_CHECK(S >= 1 && V >= 1, "logits must have at least one position and one token, got shape ", logits.sizes());
+  TORCH_CHECK(S <= kernels::kUnmaskMaxPositions, "threshold_unmask kernel: at most ",
+              kernels::kUnmaskMaxPositions, " positions per row (logits.size(1)), got ", S,
+              "; ops.threshold_unmask uses the PyTorch reference for larger blocks");
+  TORCH_CHECK(V <= (int64_t(1) << 31) - (int64_t(1) << 16), "threshold_unmask kernel: vocabulary too large: ", V);
+  TORCH_CHECK(eos_ids.numel() <= (int64_t(1) << 20), "eos_ids has too many entries: ", eos_ids.numel());
+  const bool is_greedy = greedy || temperature <= 0.0;
+  TORCH_CHECK(top_k >= 0, "top_k must be >= 0 (0 = off), got ", top_k);
+  TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got ", top_p);
+  TORCH_CHECK(is_greedy || ((top_k == 0 || top_k >= V) && top_p >= 1.0),
+              "threshold_unmask kernel samples from the full tempered distribution only (top_k=", top_k,
+              ", top_p=", top_p, " given); ops.threshold_unmask uses the PyTorch reference for top-k/top-p");
+  // torch computes logits / T on CUDA as logits * (1.0f / float(T)); the kernel does the same
+  const float inv_t = temperature > 0.0 ? 1.0f / static_cast<float>(temperature) : 1.0f;
+  TORCH_CHECK(std::isfinite(inv_t) && inv_t > 0.0f, "temperature ", temperature, " is out of the fp32 range");
+
+  const auto bool_opts = at::TensorOptions().dtype(at::kBool).device(logits.device());
+  at::Tensor block_done = at::empty({B}, bool_opts);
+  at::Tensor eos_seen = at::empty({B}, bool_opts);
+  if (B == 0) return {block_done, eos_seen};
+
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const KernelFn fn = pick_kernel(logits.scalar_type(), is_greedy);
+  const int64_t smem = kernels::unmask_dynamic_smem(S, is_greedy);
+  const int64_t per_vec = 16 / logits.element_size();
+  const int64_t rows = B * S;
+
+  UnmaskParams p{};
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    DeviceInfo& info = g_devices[logits.device().index()];
+    if (info.sms == 0) {
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, logits.device().index()));
+    }
+    const int64_t slots = int64_t(info.sms) * resident_ctas(info, fn, smem);
+    p.nsplit = kernels::unmask_choose_split(rows, V / per_vec, slots);
+    const int64_t bytes = kernels::unmask_workspace_bytes(B, rows, p.nsplit);
+    uint8_t* ws = workspace(info, bytes, logits.device(), stream);
+    p.counters = reinterpret_cast<int32_t*>(ws);
+    p.partials = reinterpret_cast<kernels::UnmaskPartial*>(ws + kernels::unmask_counter_bytes(B));
+  }
+  TORCH_CHECK(rows * p.nsplit <= std::numeric_limits<int32_t>::max(), "threshold_unmask: too many rows: ", rows);
+
+  p.logits = logits.data_ptr();
+  p.logits_sb = logits.stride(0);
+  p.logits_ss = logits.stride(1);
+  p.tokens = mat<int64_t>(tokens);
+  p.masked = mat<bool>(masked);
+  p.step_map = mat<int32_t>(step_map);
+  p.logp = mat<float>(logp);
+  p.conf = mat<float>(conf);
+  p.step = vec<int32_t>(step);
+  p.quota = vec<int32_t>(quota);
+  p.eos_ids = vec<int64_t>(eos_ids);
+  p.num_eos = static_cast<int32_t>(eos_ids.numel());
+  p.seed = seed.data_ptr<int64_t>();
+  p.offset = offset.data_ptr<int64_t>();
+  p.block_done = block_done.data_ptr<bool>();
+  p.eos_seen = eos_seen.data_ptr<bool>();
+  p.batch = static_cast<int32_t>(B);
+  p.positions = static_cast<int32_t>(S);
+  p.vocab = static_cast<int32_t>(V);
+  p.inv_temp = inv_t;
+  p.threshold = static_cast<float>(threshold);
+
+  fn<<<static_cast<unsigned>(rows * p.nsplit), kernels::kUnmaskThreads, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {block_done, eos_seen};
+}
+
+}  // namespace lrf

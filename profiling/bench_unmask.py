@@ -1,0 +1,207 @@
+"""Benchmark threshold_unmask: the CUDA kernel vs the PyTorch reference (eager and torch.compile) and
+FlashInfer's sampling kernel (when installed), vocabulary 151936, blocks of 32 positions.
+
+    python profiling/bench_unmask.py                  # GPU: 32 (one sequence) to 8192 rows, bf16
+    python profiling/bench_unmask.py --no-compile     # skip torch.compile (it compiles once per shape)
+    python profiling/bench_unmask.py --cpu            # the reference only, one tiny shape
+
+Prints one table and ends with one JSON line. Every position starts masked (the kernel skips positions that
+are not, so this is its full workload); quota 1, tau 0.9. Columns:
+  kernel_us   device time of one `_C.threshold_unmask` call: 20 calls captured in a CUDA graph, each after a
+              reset of its `masked` tensor; the resets alone are timed in a second graph and subtracted
+  GB/s, %copy logit bytes / kernel_us, against the measured device copy bandwidth (profiling/common.py)
+  op_us       the public op called eagerly (validation + custom-op dispatch + launch, plus one fill_ that
+              re-masks the state it is given; launch-bound when small)
+  ref_us      the pure-PyTorch reference, eager; compiled_us the same under torch.compile
+  flashinfer_us  flashinfer.sampling.sampling_from_logits on the same logits (a sample per row only: no
+              confidence, no selection) — a yardstick for one pass over the vocabulary
+  x_ref       ref_us / kernel_us
+Modes: `greedy`; `sample` (temperature 1) on LLM-like logits (a few dominant tokens over N(0, 2) noise:
+few tokens are Gumbel candidates); `sample-flat` on N(0, 3) logits, where every token is a candidate and
+the kernel runs Philox for each (its worst case, RNG-bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import copy_bandwidth_gbs, device_name, emit_json, print_table, time_fn  # noqa: E402
+
+from lightningrl_fast import _ext  # noqa: E402
+from lightningrl_fast.ops.unmask import threshold_unmask, threshold_unmask_reference  # noqa: E402
+
+BLOCK = 32
+GPU_ROWS = [32, 128, 1024, 4096, 8192]
+FLAT_ROWS = [32, 1024]
+COPIES = 20
+
+
+def make_logits(rows: int, vocab: int, kind: str, dtype, device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    b = rows // BLOCK
+    if kind == "flat":
+        x = torch.randn(b, BLOCK, vocab, generator=g, device=device, dtype=torch.float32) * 3
+    else:  # LLM-like: N(0, 2) plus 4 tokens raised by 12..20
+        x = torch.randn(b, BLOCK, vocab, generator=g, device=device, dtype=torch.float32) * 2
+        top = torch.randint(0, vocab, (b, BLOCK, 4), generator=g, device=device)
+        x.scatter_add_(-1, top, 12 + 8 * torch.rand(b, BLOCK, 4, generator=g, device=device))
+    return x.to(dtype)
+
+
+def make_states(b: int, copies: int, device):
+    """`copies` independent [B, S] states, all masked, so that each timed call does the full work."""
+    def one():
+        return [torch.zeros(b, BLOCK, dtype=torch.long, device=device),
+                torch.ones(b, BLOCK, dtype=torch.bool, device=device),
+                torch.full((b, BLOCK), -2, dtype=torch.int32, device=device),
+                torch.zeros(b, BLOCK, device=device), torch.zeros(b, BLOCK, device=device)]
+    return [one() for _ in range(copies)]
+
+
+def extras(b: int, device):
+    ones = torch.ones(b, dtype=torch.int32, device=device)
+    return [ones, ones.clone(), torch.tensor([151643, 151645], device=device), torch.tensor([1234], device=device),
+            torch.tensor([0], device=device)]
+
+
+def cycling(states):
+    it = [0]
+
+    def nxt():
+        st = states[it[0] % len(states)]
+        it[0] += 1
+        for t in st[1:2]:
+            t.fill_(True)
+        return st
+    return nxt
+
+
+def graph_time_us(logits, states, extra, greedy, kernel, device) -> float:
+    """Device time per kernel call: a graph of COPIES (reset + call) minus a graph of the resets alone."""
+    masked0 = torch.ones_like(states[0][1])
+    args = (0.9, 1.0, 0, 1.0, greedy)
+
+    def body(with_kernel):
+        for st in states:
+            st[1].copy_(masked0)
+            if with_kernel:
+                kernel(logits, *st, *extra, *args)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body(True)  # warm-up (sizes the workspace) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    times = []
+    for with_kernel in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body(with_kernel)
+        times.append(time_fn(g.replay, device=device, warmup=3, iters=20))
+    return 1e3 * (times[0] - times[1]) / len(states)
+
+
+def maybe_flashinfer():
+    try:
+        import flashinfer.sampling as fs  # noqa: PLC0415
+        return fs.sampling_from_logits
+    except Exception:  # not installed, or an incompatible build
+        return None
+
+
+def timed_or_none(fn, device, warmup, iters):
+    try:
+        return 1e3 * time_fn(fn, device=device, warmup=warmup, iters=iters)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (reference only, one tiny shape)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    ap.add_argument("--rows", type=str, default=",".join(map(str, GPU_ROWS)), help="comma-separated row counts")
+    ap.add_argument("--vocab", type=int, default=151936)
+    args = ap.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    on_gpu = device.type == "cuda"
+    kernels = on_gpu and _ext.has_cuda_kernels() and hasattr(_ext.ext(), "threshold_unmask")
+    vocab = args.vocab if on_gpu else 1000
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if not on_gpu:
+        print("No GPU (or --cpu): the CUDA kernel needs a GPU; timing the PyTorch reference only, on one tiny "
+              f"shape ({BLOCK * 2} rows x {vocab} tokens).")
+    elif not kernels:
+        print("lightningrl_fast._C has no threshold_unmask CUDA kernel: timing the references only.")
+    bw = copy_bandwidth_gbs(device)
+    fi = maybe_flashinfer() if on_gpu else None
+    print(f"device: {device_name(device)}; copy bandwidth {bw:.0f} GB/s; vocab {vocab}, {str(dtype)[6:]}, "
+          f"block {BLOCK}; flashinfer {'yes' if fi else 'not installed'}")
+
+    plan = []
+    for rows in ([int(r) for r in args.rows.split(",")] if on_gpu else [2 * BLOCK]):
+        plan += [(rows, "greedy"), (rows, "sample")]
+        if rows in FLAT_ROWS or not on_gpu:
+            plan.append((rows, "sample-flat"))
+
+    rows_out = []
+    compiled = None
+    if not args.no_compile:
+        for knob in ("recompile_limit", "cache_size_limit"):  # one compilation per (shape, mode): keep them all
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
+        compiled = torch.compile(threshold_unmask_reference, dynamic=False)
+    for rows, mode in plan:
+        b = rows // BLOCK
+        greedy = mode == "greedy"
+        logits = make_logits(rows, vocab, "flat" if mode == "sample-flat" else "llm", dtype, device)
+        extra = extras(b, device)
+        states = make_states(b, COPIES, device)
+        nbytes = logits.numel() * logits.element_size()
+        row = {"rows": rows, "B": b, "mode": mode}
+        heavy = rows * vocab > (1 << 28)  # the reference and compile take seconds per call there
+        warm, iters = (1, 3) if heavy or not on_gpu else (3, 10)
+        if kernels:
+            row["kernel_us"] = graph_time_us(logits, states, extra, greedy, _ext.ext().threshold_unmask, device)
+            row["GB/s"] = nbytes / (row["kernel_us"] * 1e-6) / 1e9
+            row["%copy"] = 100 * row["GB/s"] / bw
+            nxt = cycling(states)
+            row["op_us"] = 1e3 * time_fn(lambda: threshold_unmask(logits, *nxt(), *extra, greedy=greedy),
+                                         device=device, warmup=5, iters=20)
+        nxt = cycling(states)
+        ref_args = (0.9, 1.0, 0, 1.0, greedy)
+        row["ref_us"] = timed_or_none(lambda: threshold_unmask_reference(logits, *nxt(), *extra, *ref_args),
+                                      device, warm, iters)
+        if compiled is not None:
+            try:
+                row["compiled_us"] = timed_or_none(lambda: compiled(logits, *nxt(), *extra, *ref_args), device, warm,
+                                                   iters)
+            except Exception as e:  # a compile failure is a result too
+                row["compiled_us"] = f"error: {type(e).__name__}"
+        if fi is not None:
+            flat = logits.view(-1, vocab)
+            row["flashinfer_us"] = timed_or_none(lambda: fi(flat), device, 3, 10)
+        if kernels and isinstance(row.get("ref_us"), float):
+            row["x_ref"] = row["ref_us"] / row["kernel_us"]
+        rows_out.append({k: ("oom" if v is None else v) for k, v in row.items()})
+        del logits, states
+        if on_gpu:
+            torch.cuda.empty_cache()
+
+    cols = ["rows", "B", "mode", "kernel_us", "GB/s", "%copy", "op_us", "ref_us", "compiled_us", "flashinfer_us",
+            "x_ref"]
+    print_table([{c: r.get(c, "") for c in cols} for r in rows_out])
+    emit_json("threshold_unmask", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:], vocab=vocab,
+              block=BLOCK, copy_gbs=round(bw, 1), flashinfer=fi is not None,
+              rows=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows_out])
+
+
+if __name__ == "__main__":
+    main()

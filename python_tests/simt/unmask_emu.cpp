@@ -1,0 +1,91 @@
+// Host build of csrc/kernels/unmask.cuh over the SIMT emulator (simt_emu.h), for the CPU tests in
+// python_tests/test_unmask.py. It mirrors the launcher csrc/unmask.cu: the same split choice and workspace
+// layout (both from the header), a zeroed workspace, one "launch" of rows * nsplit blocks — run in a
+// caller-chosen order — and it reports whether the kernel left every counter at zero.
+//
+//   g++ -std=c++17 -O2 -ffp-contract=off -shared -fPIC -I<csrc> -I<cuda>/include unmask_emu.cpp -o emu.so
+#define LRF_SIMT_EMULATION 1
+#define __shared__ static
+#include "simt_emu.h"
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "kernels/unmask.cuh"
+
+namespace {
+
+lrf::kernels::UnmaskParams g_params;
+
+template <typename Tag, bool kGreedy>
+void body() {
+  lrf::kernels::threshold_unmask_kernel<Tag, kGreedy>(g_params);
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16, 2 float16. [B, S] arrays are contiguous; logits strides are in elements.
+// slots = SMs x resident CTAs per SM used for the split choice; order_seed 0 = blocks in launch order,
+// else a random permutation. Returns 0, or 1 when a counter was left non-zero. *nsplit_out = chunks per row.
+int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64_t logits_ss, int B, int S, int V,
+                         int64_t* tokens, bool* masked, int32_t* step_map, float* logp, float* conf,
+                         const int32_t* step, const int32_t* quota, const int64_t* eos_ids, int num_eos,
+                         const int64_t* seed, const int64_t* offset, double threshold, double temperature,
+                         int greedy, bool* block_done, bool* eos_seen, int64_t slots, int force_split,
+                         uint64_t order_seed, int* nsplit_out) {
+  using namespace lrf::kernels;
+  const bool is_greedy = greedy || temperature <= 0.0;
+  const int64_t per_vec = dtype == 0 ? 4 : 8;
+  const int64_t rows = int64_t(B) * S;
+  UnmaskParams p{};
+  p.nsplit = force_split > 0 ? force_split : unmask_choose_split(rows, V / per_vec, slots);
+  *nsplit_out = p.nsplit;
+  std::vector<uint8_t> ws(size_t(unmask_workspace_bytes(B, rows, p.nsplit)) + 16, 0);
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(ws.data()) + 15) / 16 * 16);
+  p.counters = reinterpret_cast<int32_t*>(base);
+  p.partials = reinterpret_cast<UnmaskPartial*>(base + unmask_counter_bytes(B));
+  p.logits = logits;
+  p.logits_sb = logits_sb;
+  p.logits_ss = logits_ss;
+  p.tokens = {tokens, S, 1};
+  p.masked = {masked, S, 1};
+  p.step_map = {step_map, S, 1};
+  p.logp = {logp, S, 1};
+  p.conf = {conf, S, 1};
+  p.step = {step, 1};
+  p.quota = {quota, 1};
+  p.eos_ids = {eos_ids, 1};
+  p.num_eos = num_eos;
+  p.seed = seed;
+  p.offset = offset;
+  p.block_done = block_done;
+  p.eos_seen = eos_seen;
+  p.batch = B;
+  p.positions = S;
+  p.vocab = V;
+  p.inv_temp = temperature > 0.0 ? 1.0f / static_cast<float>(temperature) : 1.0f;
+  p.threshold = static_cast<float>(threshold);
+  g_params = p;
+
+  void (*fn)() = nullptr;
+  switch (dtype) {
+    case 1: fn = is_greedy ? body<Bf16Tag, true> : body<Bf16Tag, false>; break;
+    case 2: fn = is_greedy ? body<HalfTag, true> : body<HalfTag, false>; break;
+    default: fn = is_greedy ? body<float, true> : body<float, false>; break;
+  }
+  const unsigned grid = unsigned(rows * p.nsplit);
+  std::vector<unsigned> order(grid);
+  std::iota(order.begin(), order.end(), 0u);
+  if (order_seed != 0) std::shuffle(order.begin(), order.end(), std::mt19937_64(order_seed));
+  const size_t smem = size_t(unmask_dynamic_smem(S, is_greedy));
+  for (unsigned blk : order) simt::run_block(fn, int(blk), grid, kUnmaskThreads, smem);
+  for (int b = 0; b < B; ++b) {
+    if (p.counters[b] != 0) return 1;
+  }
+  return 0;
+}
+
+}  // extern "C"
