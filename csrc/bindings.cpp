@@ -18,7 +18,7 @@ namespace lrf {
 // grpo_loss.cu
 std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
 fused_linear_grpo_loss(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                       const at::Tensor& old_logp, const std::optional<at::Tensor>& ref_logp,
+                       const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
                        const at::Tensor& advantages, const at::Tensor& w_pg, const std::optional<at::Tensor>& w_kl,
                        const std::optional<at::Tensor>& w_nll, double eps_low, double eps_high, double beta, double mu,
                        int64_t suppress_token, int64_t chunk, bool need_grad_hidden, bool need_grad_weight,

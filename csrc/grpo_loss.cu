@@ -99,6 +99,7 @@ void run_chunks(const at::Tensor& hidden, const at::Tensor& weight, const at::Te
   p.suppress = suppress;
   p.vec = aligned && (V * int64_t(sizeof(T))) % 16 == 0;
   p.targets = targets.data_ptr<int64_t>();
+  p.write_grad = grad_hidden.has_value() || grad_weight.has_value();
   setup(p);
 
   const at::Tensor wt = weight.t();
@@ -245,7 +246,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> linear_logprobs
 
 std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
 fused_linear_grpo_loss(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                       const at::Tensor& old_logp, const std::optional<at::Tensor>& ref_logp,
+                       const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
                        const at::Tensor& advantages, const at::Tensor& w_pg, const std::optional<at::Tensor>& w_kl,
                        const std::optional<at::Tensor>& w_nll, double eps_low, double eps_high, double beta, double mu,
                        int64_t suppress_token, int64_t chunk, bool need_grad_hidden, bool need_grad_weight,
@@ -254,7 +255,7 @@ fused_linear_grpo_loss(const at::Tensor& hidden, const at::Tensor& weight, const
   (void)H;
   (void)V;
   const at::ScalarType acc = acc_dtype(hidden.scalar_type());
-  check_token_vector(old_logp, "old_logp", T, acc, hidden);
+  if (old_logp.has_value()) check_token_vector(*old_logp, "old_logp", T, acc, hidden);
   check_token_vector(advantages, "advantages", T, acc, hidden);
   check_token_vector(w_pg, "w_pg", T, acc, hidden);
   TORCH_CHECK(eps_low >= 0 && eps_high >= 0, "eps_low / eps_high must be >= 0, got ", eps_low, ", ", eps_high);
@@ -280,7 +281,7 @@ fused_linear_grpo_loss(const at::Tensor& hidden, const at::Tensor& weight, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "fused_linear_grpo_loss", [&] {
     using Acc = AccOf<scalar_t>;
     auto setup = [&](kernels::LmHeadRowParams<Acc>& p) {
-      p.old_logp = old_logp.data_ptr<Acc>();
+      p.old_logp = old_logp.has_value() ? old_logp->data_ptr<Acc>() : nullptr;
       p.ref_logp = use_kl ? ref_logp->data_ptr<Acc>() : nullptr;
       p.advantages = advantages.data_ptr<Acc>();
       p.w_pg = w_pg.data_ptr<Acc>();

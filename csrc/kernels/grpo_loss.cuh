@@ -45,8 +45,10 @@ struct LmHeadRowParams {
   int64_t tokens;           // T (stride of the terms rows)
   int64_t suppress;         // vocabulary id excluded from the softmax, or -1
   bool vec;                 // 16-byte vector path
+  bool write_grad;          // kGrpo: write d loss / d logits (false: loss terms only, no pass 2)
   const int64_t* targets;   // [T]
-  // kGrpo inputs ([T], Acc); ref_logp / w_kl null when beta == 0, w_nll null when mu == 0
+  // kGrpo inputs ([T], Acc); old_logp null = on-policy (old = logp, rho = 1); ref_logp / w_kl null when
+  // beta == 0, w_nll null when mu == 0
   const Acc* old_logp;
   const Acc* ref_logp;
   const Acc* advantages;
@@ -234,7 +236,7 @@ __device__ __forceinline__ void row_pass2(T* row, int32_t vocab, int32_t suppres
 // smaller one (u == c happens inside the clip range, where both have the gradient of u).
 template <typename Acc>
 __device__ __forceinline__ Acc grpo_dlogp(const LmHeadRowParams<Acc>& p, int64_t t, Acc logp, Acc* out_terms) {
-  const Acc d = logp - p.old_logp[t];
+  const Acc d = p.old_logp != nullptr ? logp - p.old_logp[t] : Acc(0);  // null: on-policy, rho = 1
   const Acc dc = d < Acc(-10) ? Acc(-10) : (d > Acc(10) ? Acc(10) : d);
   const Acc rho = row_exp<Acc>(dc);
   const Acc adv = p.advantages[t];
@@ -287,7 +289,7 @@ __device__ __forceinline__ void lm_head_row(const LmHeadRowParams<Acc>& p, int64
         sh_scalars[1] = g;
       }
     }
-    if constexpr (kMode == kLogprobs) return;
+    if (kMode == kLogprobs || !p.write_grad) return;  // uniform over the block
     __syncthreads();  // every thread read its part of the row (and thread 0 the target) before pass 2 writes
     lse = sh_scalars[0];
     g = sh_scalars[1];

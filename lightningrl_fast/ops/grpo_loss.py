@@ -149,8 +149,10 @@ def _parse_reduction(reduction: str) -> tuple[str, str, str]:
 
 def _check_loss_inputs(t: int, dev: torch.device, old_logp, ref_logp, advantages, seq_idx, num_seqs: int, correct,
                        eps_low: float, eps_high: float, beta: float, reduction: str, totals) -> tuple[str, str, str]:
-    """The checks of grpo_token_loss (shared with fused_linear_grpo_loss). Returns the parsed reduction."""
-    check_tensor("old_logp", old_logp, shape=(t,), dtypes=FLOAT_DTYPES, device=dev)
+    """The checks of grpo_token_loss (shared with fused_linear_grpo_loss, where old_logp may be None). Returns the
+    parsed reduction."""
+    if old_logp is not None:
+        check_tensor("old_logp", old_logp, shape=(t,), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("advantages", advantages, shape=(t,), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("seq_idx", seq_idx, shape=(t,), dtypes=(torch.int64,), device=dev)
     check_tensor("correct", correct, shape=(num_seqs,), dtypes=(torch.bool,), device=dev)
@@ -209,6 +211,7 @@ def grpo_token_loss(
     """
     check_tensor("logp", logp, ndim=1, dtypes=FLOAT_DTYPES)
     t = logp.shape[0]
+    check_tensor("old_logp", old_logp, shape=(t,), dtypes=FLOAT_DTYPES, device=logp.device)
     red_pg, red_kl, red_nll = _check_loss_inputs(t, logp.device, old_logp, ref_logp, advantages, seq_idx, num_seqs,
                                                  correct, eps_low, eps_high, beta, reduction, totals)
 
@@ -404,7 +407,7 @@ class _FusedLinearGRPOFn(torch.autograd.Function):
         return gh, gw, None, None
 
 
-def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, old_logp: torch.Tensor,
+def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, old_logp: torch.Tensor | None,
                            ref_logp: torch.Tensor | None, advantages: torch.Tensor, seq_idx: torch.Tensor,
                            num_seqs: int, correct: torch.Tensor, chunk: int = 1024, *, eps_low: float = 0.2,
                            eps_high: float = 0.2, beta: float = 0.01, mu: float = 0.1, reduction: str = "seq-tok-tok",
@@ -413,7 +416,9 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     """`grpo_token_loss` from hidden states [T, H] and the LM head [V, H] without materializing [T, V] logits.
 
     Returns (loss, stats, logp [T] detached). Gradients flow to hidden and weight. The loss arguments are those of
-    grpo_token_loss (`totals` for micro-batches); `suppress_token` as in linear_logprobs; `with_entropy` adds
+    grpo_token_loss (`totals` for micro-batches), except that `old_logp` may be None: on-policy (one update per
+    batch), old = logp detached, so rho = 1 without a separate old-policy forward. `suppress_token` as in
+    linear_logprobs; `with_entropy` adds
     stats["entropy"], the mean over tokens of the softmax entropy (logging only, no gradient).
     On CUDA (with the extension) forward and backward are fused per chunk (see the module docstring); elsewhere
     the reference: linear_logprobs (checkpointed chunks) + grpo_token_loss.
@@ -426,7 +431,8 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     kernel = cuda_kernel("fused_linear_grpo_loss", hidden)
     if kernel is None:
         logp = linear_logprobs(hidden, weight, targets, chunk, suppress_token=suppress_token)
-        loss, stats = grpo_token_loss(logp, old_logp, ref_logp, advantages, seq_idx, num_seqs, correct, **loss_kw)
+        old = logp.detach() if old_logp is None else old_logp
+        loss, stats = grpo_token_loss(logp, old, ref_logp, advantages, seq_idx, num_seqs, correct, **loss_kw)
         if with_entropy:
             with torch.no_grad():
                 ent = [_chunk_entropy(hidden[t0 : t0 + chunk], weight, suppress) for t0 in range(0, t, chunk)]
@@ -436,8 +442,8 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     acc = _acc_dtype(hidden.dtype)
     w_pg, w_kl, w_nll = _loss_weights(seq_idx, num_seqs, correct, parts, totals, acc)
     use_kl, use_nll = beta != 0.0, mu != 0.0
-    args = (targets.contiguous(), old_logp.to(acc).contiguous(), ref_logp.to(acc).contiguous() if use_kl else None,
-            advantages.to(acc).contiguous(), w_pg, w_kl if use_kl else None, w_nll if use_nll else None,
+    old = old_logp.to(acc).contiguous() if old_logp is not None else None
+    args = (targets.contiguous(), old, ref_logp.to(acc).contiguous() if use_kl else None, advantages.to(acc).contiguous(), w_pg, w_kl if use_kl else None, w_nll if use_nll else None,
             float(eps_low), float(eps_high), float(beta), float(mu), suppress, int(chunk), bool(with_entropy))
     h, w = hidden.contiguous(), weight.contiguous()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
@@ -455,8 +461,9 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: 
 
 
 def _grpo_dlogp(logp, old, ref, adv, w_pg, w_kl, w_nll, eps_low, eps_high, beta, mu):
-    """d loss / d logp per token and the terms (pg, k3, ratio, clipped), as the CUDA kernel computes them."""
-    d = logp - old
+    """d loss / d logp per token and the terms (pg, k3, ratio, clipped), as the CUDA kernel computes them.
+    old None: on-policy (rho = 1); ref / w_kl unused when beta == 0, w_nll when mu == 0."""
+    d = logp - old if old is not None else torch.zeros_like(logp)
     rho = torch.exp(d.clamp(-10.0, 10.0))
     u = rho * adv
     c = rho.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
@@ -472,40 +479,109 @@ def _grpo_dlogp(logp, old, ref, adv, w_pg, w_kl, w_nll, eps_low, eps_high, beta,
     return g, torch.stack([-torch.minimum(u, c), k3, rho, (c < u).to(logp.dtype)])
 
 
-@torch.no_grad()
-def _fused_linear_grpo_chunked(hidden, weight, targets, old_logp, ref_logp, advantages, seq_idx, num_seqs, correct,
-                               chunk=1024, *, eps_low=0.2, eps_high=0.2, beta=0.01, mu=0.1, reduction="seq-tok-tok",
-                               totals=None, suppress_token=None):
-    """PyTorch model of the CUDA fused algorithm (tests run it on the CPU): one pass over the chunks computing logp,
-    g = d loss / d logp, the softmax gradient g (onehot - softmax) rounded to the input dtype, and the two
-    gradient GEMMs. Returns (loss, logp, terms, grad_hidden, grad_weight)."""
-    parts = _parse_reduction(reduction)
-    acc = _acc_dtype(hidden.dtype)
-    suppress = -1 if suppress_token is None else int(suppress_token)
-    w_pg, w_kl, w_nll = _loss_weights(seq_idx, num_seqs, correct, parts, totals, acc)
-    old, adv = old_logp.to(acc), advantages.to(acc)
-    ref = ref_logp.to(acc) if beta != 0.0 else None
-    t = hidden.shape[0]
-    logp = torch.empty(t, dtype=acc, device=hidden.device)
-    terms = torch.empty(4, t, dtype=acc, device=hidden.device)
-    gh, gw = torch.empty_like(hidden), torch.zeros_like(weight)
-    for t0 in range(0, t, chunk):
-        sl = slice(t0, min(t, t0 + chunk))
-        logits = (hidden[sl] @ weight.t()).to(acc)
+class _KernelModel:
+    """PyTorch models of the `_C` LM-head entry points, with their exact signatures and algorithms (token chunks,
+    logits in the input dtype, softmax statistics in float32 / float64, the gradient rounded to the input dtype,
+    grad_W accumulated over chunks in the weight dtype). Tests substitute them for `_C` on the CPU to check the
+    Python glue (autograd Functions, argument order, weights) and the fused algorithm without a GPU."""
+
+    @staticmethod
+    def _chunk_stats(h, weight, suppress):
+        logits = (h @ weight.t()).to(_acc_dtype(h.dtype))
         if suppress >= 0:
             logits[:, suppress] = float("-inf")
-        lse = torch.logsumexp(logits, -1)
-        y = targets[sl]
-        lp = logits.gather(1, y[:, None]).squeeze(1) - lse
-        g, tm = _grpo_dlogp(lp, old[sl], ref[sl] if ref is not None else None, adv[sl], w_pg[sl], w_kl[sl], w_nll[sl],
-                            eps_low, eps_high, beta, mu)
+        return logits, torch.logsumexp(logits, -1)
+
+    @staticmethod
+    def _entropy(logits, lse):
+        q = torch.exp(logits - lse[:, None])
+        return -(q * torch.where(q > 0, logits - lse[:, None], 0.0)).sum(-1)
+
+    @staticmethod
+    def _softmax_grad(logits, lse, y, g, suppress, dtype):
         dl = -g[:, None] * torch.exp(logits - lse[:, None])
         dl[torch.arange(dl.shape[0]), y] += g
         if suppress >= 0:
             dl[:, suppress] = 0.0
-        dl = dl.to(hidden.dtype)
-        gh[sl] = dl @ weight
-        gw += dl.t() @ hidden[sl]
-        logp[sl], terms[:, sl] = lp, tm
+        return dl.to(dtype)
+
+    @staticmethod
+    @torch.no_grad()
+    def linear_logprobs(hidden, weight, targets, suppress_token, chunk, with_entropy):
+        acc = _acc_dtype(hidden.dtype)
+        t = hidden.shape[0]
+        logp, lse = torch.empty(t, dtype=acc), torch.empty(t, dtype=acc)
+        ent = torch.empty(t, dtype=acc) if with_entropy else None
+        for t0 in range(0, t, chunk):
+            sl = slice(t0, min(t, t0 + chunk))
+            logits, l = _KernelModel._chunk_stats(hidden[sl], weight, suppress_token)
+            lse[sl] = l
+            logp[sl] = logits.gather(1, targets[sl][:, None]).squeeze(1) - l
+            if with_entropy:
+                ent[sl] = _KernelModel._entropy(logits, l)
+        return logp, lse, ent
+
+    @staticmethod
+    @torch.no_grad()
+    def linear_logprobs_backward(hidden, weight, targets, lse, grad_logp, suppress_token, chunk, need_grad_hidden,
+                                 need_grad_weight):
+        gh = torch.empty_like(hidden) if need_grad_hidden else None
+        gw = torch.zeros_like(weight) if need_grad_weight else None
+        for t0 in range(0, hidden.shape[0], chunk):
+            sl = slice(t0, min(hidden.shape[0], t0 + chunk))
+            logits, _ = _KernelModel._chunk_stats(hidden[sl], weight, suppress_token)
+            dl = _KernelModel._softmax_grad(logits, lse[sl], targets[sl], grad_logp[sl], suppress_token, hidden.dtype)
+            if gh is not None:
+                gh[sl] = dl @ weight
+            if gw is not None:
+                gw += dl.t() @ hidden[sl]
+        return gh, gw
+
+    @staticmethod
+    @torch.no_grad()
+    def fused_linear_grpo_loss(hidden, weight, targets, old_logp, ref_logp, advantages, w_pg, w_kl, w_nll, eps_low,
+                               eps_high, beta, mu, suppress_token, chunk, need_grad_hidden, need_grad_weight,
+                               with_entropy):
+        acc = _acc_dtype(hidden.dtype)
+        t = hidden.shape[0]
+        for name, x in (("old_logp", old_logp), ("advantages", advantages), ("w_pg", w_pg)):
+            assert x is None or (x.dtype == acc and x.shape == (t,)), name
+        logp, terms = torch.empty(t, dtype=acc), torch.empty(4, t, dtype=acc)
+        ent = torch.empty(t, dtype=acc) if with_entropy else None
+        gh = torch.empty_like(hidden) if need_grad_hidden else None
+        gw = torch.zeros_like(weight) if need_grad_weight else None
+        for t0 in range(0, t, chunk):
+            sl = slice(t0, min(t, t0 + chunk))
+            logits, lse = _KernelModel._chunk_stats(hidden[sl], weight, suppress_token)
+            y = targets[sl]
+            lp = logits.gather(1, y[:, None]).squeeze(1) - lse
+            pick = (lambda x: x[sl] if x is not None else None)
+            g, tm = _grpo_dlogp(lp, pick(old_logp), pick(ref_logp), advantages[sl], w_pg[sl], pick(w_kl), pick(w_nll),
+                                eps_low, eps_high, beta, mu)
+            logp[sl], terms[:, sl] = lp, tm
+            if with_entropy:
+                ent[sl] = _KernelModel._entropy(logits, lse)
+            if gh is not None or gw is not None:
+                dl = _KernelModel._softmax_grad(logits, lse, y, g, suppress_token, hidden.dtype)
+                if gh is not None:
+                    gh[sl] = dl @ weight
+                if gw is not None:
+                    gw += dl.t() @ hidden[sl]
+        return logp, terms, ent, gh, gw
+
+
+@torch.no_grad()
+def _fused_linear_grpo_chunked(hidden, weight, targets, old_logp, ref_logp, advantages, seq_idx, num_seqs, correct,
+                               chunk=1024, *, eps_low=0.2, eps_high=0.2, beta=0.01, mu=0.1, reduction="seq-tok-tok",
+                               totals=None, suppress_token=None):
+    """The fused algorithm end to end in PyTorch (weights, then _KernelModel.fused_linear_grpo_loss).
+    Returns (loss, logp, terms, grad_hidden, grad_weight)."""
+    acc = _acc_dtype(hidden.dtype)
+    w_pg, w_kl, w_nll = _loss_weights(seq_idx, num_seqs, correct, _parse_reduction(reduction), totals, acc)
+    logp, terms, _, gh, gw = _KernelModel.fused_linear_grpo_loss(
+        hidden, weight, targets, old_logp.to(acc) if old_logp is not None else None,
+        ref_logp.to(acc) if beta != 0.0 else None, advantages.to(acc), w_pg, w_kl if beta != 0.0 else None,
+        w_nll if mu != 0.0 else None, eps_low, eps_high, beta, mu, -1 if suppress_token is None else suppress_token,
+        chunk, True, True, False)
     loss = _loss_from_terms(logp, terms, w_pg, w_kl, w_nll, beta, mu)[0]
     return loss, logp, terms, gh, gw
