@@ -15,6 +15,23 @@
 namespace lrf {
 
 #ifdef LRF_WITH_CUDA
+// grpo_loss.cu
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+fused_linear_grpo_loss(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                       const std::optional<at::Tensor>& old_logp, const std::optional<at::Tensor>& ref_logp,
+                       const at::Tensor& advantages, const at::Tensor& w_pg, const std::optional<at::Tensor>& w_kl,
+                       const std::optional<at::Tensor>& w_nll, double eps_low, double eps_high, double beta, double mu,
+                       int64_t suppress_token, int64_t chunk, bool need_grad_hidden, bool need_grad_weight,
+                       bool with_entropy);
+at::Tensor group_normalize(const at::Tensor& rewards, const at::Tensor& group_ids, const at::Tensor& weights,
+                           bool decoupled);
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> linear_logprobs(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, int64_t suppress_token,
+    int64_t chunk, bool with_entropy);
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> linear_logprobs_backward(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse,
+    const at::Tensor& grad_logp, int64_t suppress_token, int64_t chunk, bool need_grad_hidden,
+    bool need_grad_weight);
 // kv_cache.cu
 void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& cache_lens, const at::Tensor& chunk_lens,
@@ -47,9 +64,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "The CUDA architectures compiled in, ';'-separated (e.g. '90a'); '' in a CPU-only build.");
 
 #ifdef LRF_WITH_CUDA
+  m.def("fused_linear_grpo_loss", &lrf::fused_linear_grpo_loss,
+        "GRPO loss from hidden states and the LM head, forward and backward fused per token chunk -> "
+        "(logp [T], terms [4, T] (policy term, k3, ratio, clipped), entropy [T] | None, grad_hidden | None, "
+        "grad_weight | None); see ops/grpo_loss.py",
+        py::arg("hidden"), py::arg("weight"), py::arg("targets"), py::arg("old_logp"), py::arg("ref_logp"),
+        py::arg("advantages"), py::arg("w_pg"), py::arg("w_kl"), py::arg("w_nll"), py::arg("eps_low"),
+        py::arg("eps_high"), py::arg("beta"), py::arg("mu"), py::arg("suppress_token"), py::arg("chunk"),
+        py::arg("need_grad_hidden"), py::arg("need_grad_weight"), py::arg("with_entropy"));
+  m.def("group_normalize", &lrf::group_normalize,
+        "Decoupled / sum group normalization of rewards -> advantages [S] (see ARCHITECTURE.md)",
+        py::arg("rewards"), py::arg("group_ids"), py::arg("weights"), py::arg("decoupled"));
   m.def("kv_cache_write", &lrf::kv_cache_write, "KV-cache write (in place; see ARCHITECTURE.md)",
         py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"), py::arg("cache_lens"),
         py::arg("chunk_lens"), py::arg("error_flag") = py::none());
+  m.def("linear_logprobs", &lrf::linear_logprobs,
+        "Per-token log-probs of targets under softmax(hidden @ weight.T), chunked -> (logp [T], lse [T], "
+        "entropy [T] | None)",
+        py::arg("hidden"), py::arg("weight"), py::arg("targets"), py::arg("suppress_token"), py::arg("chunk"),
+        py::arg("with_entropy"));
+  m.def("linear_logprobs_backward", &lrf::linear_logprobs_backward,
+        "Backward of linear_logprobs from grad_logp and the saved lse -> (grad_hidden | None, grad_weight | None)",
+        py::arg("hidden"), py::arg("weight"), py::arg("targets"), py::arg("lse"), py::arg("grad_logp"),
+        py::arg("suppress_token"), py::arg("chunk"), py::arg("need_grad_hidden"), py::arg("need_grad_weight"));
   m.def("threshold_unmask", &lrf::threshold_unmask,
         "Threshold unmasking step (in place; returns (block_done, eos_seen); see ARCHITECTURE.md)",
         py::arg("logits"), py::arg("tokens"), py::arg("masked"), py::arg("step_map"), py::arg("logp"),
