@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ..model import SDARForCausalLM
-from ..ops.grpo_loss import grpo_token_loss
+from ..ops.grpo_loss import fused_linear_grpo_loss
 from ..sampler import Rollout, SamplerConfig, generate
 from ..tasks import is_correct_batch
 from .advantages import Scored, compute_advantages, keep_groups, score_rollout
@@ -238,13 +238,17 @@ def loss_backward_stage(model, lb: LayoutBatch, rows: range, adv_tok, old, ref, 
         sel = ((lb.tgt_row >= r0) & (lb.tgt_row < r1)).nonzero().squeeze(1)
         if sel.numel() == 0:
             continue
-        logp = batch_logprobs(model, lb.rows(r0, r1))  # [t]
-        old_t = old[sel].to(dev) if old is not None else logp.detach()
-        ref_t = ref[sel].to(dev) if ref is not None else None
-        loss, stats = grpo_token_loss(
-            logp, old_t, ref_t, adv_tok[sel].to(dev), lb.tgt_row[sel].to(dev), lb.input_ids.shape[0], correct.to(dev),
-            eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.kl_beta if ref is not None else 0.0,
-            mu=cfg.nll_weight, reduction=cfg.reduction, totals=totals)
+        sub = lb.rows(r0, r1)
+        hidden = model.hidden(sub.input_ids.to(dev), sub.position_ids.to(dev), sub.layout)  # [rows, copies*n, H]
+        h = hidden[sub.tgt_row.to(dev), sub.tgt_col.to(dev)]  # [t, H] the states that predict the targets
+        # one fused pass: log-probs, loss and its gradient without [t, V] logits (CUDA kernel; chunked reference
+        # elsewhere); old_logp None = on-policy (ratio 1 with its gradient)
+        loss, stats, _ = fused_linear_grpo_loss(
+            h, model.lm_head.weight, sub.targets.to(dev), old[sel].to(dev) if old is not None else None,
+            ref[sel].to(dev) if ref is not None else None, adv_tok[sel].to(dev).to(h.dtype),
+            lb.tgt_row[sel].to(dev), lb.input_ids.shape[0], correct.to(dev), eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high, beta=cfg.kl_beta if ref is not None else 0.0, mu=cfg.nll_weight,
+            reduction=cfg.reduction, totals=totals, suppress_token=model.config.mask_token_id)
         loss.backward()
         w = sel.numel() / totals[1]
         agg["loss"] = agg.get("loss", 0.0) + float(loss.detach())
