@@ -91,10 +91,9 @@ void dispatch_splits(kernels::BlockAttnParams& p, int64_t requested, int device)
 
 }  // namespace
 
-at::Tensor block_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor k_cache,
+at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                            at::Tensor v_cache, const at::Tensor& cache_lens, const at::Tensor& chunk_lens,
                            int64_t block_size, double softmax_scale, int64_t num_splits) {
-  const at::Tensor& q = q_in;
   CHECK_CUDA(q);
   CHECK_DIM(q, 4);
   CHECK_DIM(k_cache, 4);
@@ -102,21 +101,21 @@ at::Tensor block_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   const int64_t L = k_cache.size(1), Hkv = k_cache.size(2);
   CHECK_SHAPE(k_cache, B, L, Hkv, D);
   CHECK_SHAPE(v_cache, B, L, Hkv, D);
-  CHECK_SHAPE(k_in, B, C, Hkv, D);
-  CHECK_SHAPE(v_in, B, C, Hkv, D);
+  CHECK_SHAPE(k, B, C, Hkv, D);
+  CHECK_SHAPE(v, B, C, Hkv, D);
   CHECK_SHAPE(cache_lens, B);
   CHECK_SHAPE(chunk_lens, B);
 
   CHECK_DTYPE_IN(q, at::kBFloat16, at::kHalf);
-  CHECK_SAME_DTYPE(q, k_in);
-  CHECK_SAME_DTYPE(q, v_in);
+  CHECK_SAME_DTYPE(q, k);
+  CHECK_SAME_DTYPE(q, v);
   CHECK_SAME_DTYPE(q, k_cache);
   CHECK_SAME_DTYPE(q, v_cache);
   CHECK_DTYPE(cache_lens, at::kInt);
   CHECK_DTYPE(chunk_lens, at::kInt);
 
-  CHECK_SAME_DEVICE(q, k_in);
-  CHECK_SAME_DEVICE(q, v_in);
+  CHECK_SAME_DEVICE(q, k);
+  CHECK_SAME_DEVICE(q, v);
   CHECK_SAME_DEVICE(q, k_cache);
   CHECK_SAME_DEVICE(q, v_cache);
   CHECK_SAME_DEVICE(q, cache_lens);
@@ -147,7 +146,7 @@ at::Tensor block_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
 
   // q, k, v are only read: copy the rare misaligned or strided-in-the-last-dim one into a fresh tensor.
   auto fit = [](const at::Tensor& t) { return aligned16(t) ? t : t.clone(at::MemoryFormat::Contiguous); };
-  const at::Tensor qa = fit(q), ka = fit(k_in), va = fit(v_in);
+  const at::Tensor qa = fit(q), ka = fit(k), va = fit(v);
 
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

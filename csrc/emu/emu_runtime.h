@@ -77,6 +77,23 @@ struct Cta {
   bool defer_copies = false;
   std::mt19937 rng{0};
   const std::function<void(int)>* body = nullptr;
+  std::vector<int> runq;  // runnable threads (not done, not waiting)
+  std::vector<int> slot;  // index of a thread in runq, -1 when absent
+
+  void make_runnable(int t) {
+    if (slot[t] < 0) {
+      slot[t] = static_cast<int>(runq.size());
+      runq.push_back(t);
+    }
+  }
+  void remove_runnable(int t) {
+    const int i = slot[t];
+    if (i < 0) return;
+    runq[i] = runq.back();
+    slot[runq[i]] = i;
+    runq.pop_back();
+    slot[t] = -1;
+  }
 };
 
 inline Cta& cta() {
@@ -94,10 +111,14 @@ inline void barrier(int kind) {
   const int hi = kind == 1 ? std::min(c.nthreads, lo + 32) : c.nthreads;
   int& arrived = kind == 1 ? c.warp_arrived[w] : c.block_arrived;
   c.fibers[t].waiting = kind;
+  c.remove_runnable(t);
   if (++arrived == hi - lo) {
     arrived = 0;
     for (int i = lo; i < hi; ++i) {
-      if (c.fibers[i].waiting == kind) c.fibers[i].waiting = 0;
+      if (c.fibers[i].waiting == kind) {
+        c.fibers[i].waiting = 0;
+        c.make_runnable(i);
+      }
     }
   }
   swapcontext(&c.fibers[t].ctx, &c.sched);
@@ -108,6 +129,7 @@ inline void trampoline() {
   const int t = c.cur;
   (*c.body)(t);
   c.fibers[t].done = true;
+  c.remove_runnable(t);
   bool pending = !c.fibers[t].open.empty();
   for (const auto& g : c.fibers[t].groups) pending = pending || !g.empty();
   if (pending) fail("thread exited with cp.async copies in flight");
@@ -140,19 +162,17 @@ inline void run_cta(int nthreads, size_t smem_bytes, const std::function<void(in
     f.ctx.uc_link = &c.sched;
     makecontext(&f.ctx, trampoline, 0);
   }
-  std::vector<int> runnable;
+  c.runq.clear();
+  c.slot.assign(nthreads, -1);
+  for (int t = 0; t < nthreads; ++t) c.make_runnable(t);
   for (;;) {
-    runnable.clear();
-    bool all_done = true;
-    for (int t = 0; t < nthreads; ++t) {
-      if (!c.fibers[t].done) {
-        all_done = false;
-        if (c.fibers[t].waiting == 0) runnable.push_back(t);
+    if (c.runq.empty()) {
+      for (int t = 0; t < nthreads; ++t) {
+        if (!c.fibers[t].done) fail("deadlock: every live thread waits on a barrier that cannot complete");
       }
+      break;
     }
-    if (all_done) break;
-    if (runnable.empty()) fail("deadlock: every live thread waits on a barrier that cannot complete");
-    c.cur = runnable[c.rng() % runnable.size()];
+    c.cur = c.runq[c.rng() % c.runq.size()];
     swapcontext(&c.sched, &c.fibers[c.cur].ctx);
   }
   c.cur = -1;
