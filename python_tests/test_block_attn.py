@@ -189,12 +189,12 @@ EMU_CASES = [
     # dtype, d, hq, hkv, c, cache_lens, chunk_lens, block, splits, deferred copies
     ("bf16", 128, 8, 2, 4, [0, 97, 130, 4], [4, 4, 4, 0], 4, 1, False),  # one block, an idle row
     ("bf16", 128, 8, 2, 4, [0, 97, 130, 4], [4, 4, 4, 0], 4, 3, True),  # same, split-KV + combine
-    ("fp16", 128, 4, 1, 16, [8, 0, 120, 5], [16, 8, 13, 16], 8, 2, False),  # finished block + next, odd offsets
+    ("fp16", 128, 4, 1, 16, [8, 0, 120, 5], [16, 8, 13, 16], 8, 2, True),  # finished block + next, odd offsets
     ("bf16", 64, 8, 8, 97, [0, 0, 32], [97, 1, 64], 32, 1, True),  # prefill, odd lengths, MHA, 2 m-tiles
     ("fp16", 64, 16, 2, 33, [0, 31, 64], [33, 2, 17], 32, 4, False),  # G = 8: 5 m-tiles, splits
     ("bf16", 128, 4, 2, 9, [3, 0, 7], [9, 1, 9], 1, 2, True),  # block 1 = causal
     ("bf16", 128, 8, 2, 64, [0, 200, 64], [64, 64, 40], 32, 8, False),  # 2 blocks of 32, more splits than tiles
-    ("fp16", 128, 2, 1, 200, [0, 0], [200, 131], 4, 1, False),  # a longer prefill: diagonal tiles, many tiles
+    ("fp16", 128, 2, 1, 200, [0, 0], [200, 131], 4, 1, True),  # a longer prefill: diagonal tiles, many tiles
 ]
 
 
