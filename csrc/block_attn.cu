@@ -72,8 +72,25 @@ void launch(const kernels::BlockAttnParams& p, int device, cudaStream_t stream) 
   if (p.num_splits > 1) {
     const int64_t rows = int64_t(p.batch) * p.chunk * p.hq;
     const int64_t cgrid = (rows + kernels::kBlockAttnCombineWarps - 1) / kernels::kBlockAttnCombineWarps;
-    kernels::block_attn_combine_kernel<T, D>
-        <<<static_cast<unsigned>(cgrid), kernels::kBlockAttnCombineWarps * 32, 0, stream>>>(p);
+    // Programmatic dependent launch: the combine grid is scheduled while the main grid drains (it waits in
+    // griddepcontrol.wait for the main grid's completion), hiding its launch latency; plain launch if the
+    // driver refuses the attribute.
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(cgrid));
+    cfg.blockDim = dim3(kernels::kBlockAttnCombineWarps * 32);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, kernels::block_attn_combine_kernel<T, D>, p);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // clear it; the plain launch below reports its own errors
+      kernels::block_attn_combine_kernel<T, D>
+          <<<static_cast<unsigned>(cgrid), kernels::kBlockAttnCombineWarps * 32, 0, stream>>>(p);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

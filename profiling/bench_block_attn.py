@@ -101,22 +101,43 @@ def sdpa_baseline(q, kc, vc, L, C, bs, device):
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
         for gqa in (True, False):  # native GQA where the backend has it, else K/V repeated per q head
-            if gqa:
-                args, kw = (qt, kt, vt), {"enable_gqa": True}
-            else:
-                args, kw = (qt, kt.repeat_interleave(HQ // HKV, 1), vt.repeat_interleave(HQ // HKV, 1)), {}
+            try:
+                if gqa:
+                    args, kw = (qt, kt, vt), {"enable_gqa": True}
+                else:  # the repeat is setup, not timed
+                    args, kw = (qt, kt.repeat_interleave(HQ // HKV, 1), vt.repeat_interleave(HQ // HKV, 1)), {}
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                continue
 
             def run(args=args, kw=kw, backend=backend):
                 with sdpa_kernel([backend]):
                     return F.scaled_dot_product_attention(*args, attn_mask=mask, **kw)
 
-            with contextlib.redirect_stderr(open(os.devnull, "w")):
+            with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
                 t = time_or_none(run, device)
+            del args
             if t is not None:
                 if best is None or t < best:
                     best, best_name = t, name + ("" if gqa else "+rep")
                 break
     return best, best_name
+
+
+_FLEX = {}
+
+
+def _compiled_flex(flex_attention):
+    """One torch.compile'd flex_attention, allowed to specialize on every benchmark shape (the default
+    recompile limit would silently fall back to the slow eager path after a few shapes)."""
+    if "fn" not in _FLEX:
+        import torch._dynamo
+
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 1024)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
 
 
 def flex_baseline(q, kc, vc, L, C, bs, device):
@@ -132,7 +153,7 @@ def flex_baseline(q, kc, vc, L, C, bs, device):
 
     try:
         bm = create_block_mask(mask_mod, None, None, C, Lk, device=device)
-        flex = torch.compile(flex_attention, dynamic=False)
+        flex = _compiled_flex(flex_attention)
     except Exception as e:
         print(f"  (flex skipped: {type(e).__name__}: {e})", file=sys.stderr)
         return None

@@ -135,6 +135,10 @@ LRF_DEVICE void block_attn_cta(const BlockAttnParams& p, int64_t cta64, int tid,
   static_assert(BM == 16 * (NT / 32), "16 rows per warp");
   static_assert(NS >= 2 && BM == BN, "the Q tile borrows one K slot");
 
+  // The combine grid (S > 1) may launch now: it only becomes resident in the space this grid leaves and
+  // waits (griddepcontrol.wait) for this whole grid to finish before it reads a partial.
+  griddep_launch_dependents();
+
   const int warp = tid / 32, lane = tid % 32;
   uint32_t rest = static_cast<uint32_t>(cta64);
   const int mt = static_cast<int>(rest % uint32_t(p.m_tiles));
@@ -407,6 +411,7 @@ LRF_DEVICE void block_attn_cta(const BlockAttnParams& p, int64_t cta64, int tid,
 template <typename T, int D>
 LRF_DEVICE void block_attn_combine_cta(const BlockAttnParams& p, int64_t cta, int tid) {
   constexpr int VEC = D / 32;  // floats per lane
+  griddep_wait();  // launched with programmatic serialization: the partials are complete past this point
   const int warp = tid / 32, lane = tid % 32;
   const int64_t rows_total = int64_t(p.batch) * p.chunk * p.hq;
   const int64_t row = cta * kBlockAttnCombineWarps + warp;

@@ -88,6 +88,12 @@ LRF_DEVICE void cp_async_wait() {
 
 LRF_DEVICE void block_sync() { __syncthreads(); }
 
+// Programmatic dependent launch (sm_90): the primary grid lets its dependent grid launch early; the
+// dependent grid waits until the primary grids have completed and their memory is visible. Both are no-ops
+// when the launch did not ask for programmatic serialization.
+LRF_DEVICE void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+LRF_DEVICE void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
 // 2^x, approximate (ex2.approx.ftz: ~2 ulp); 2^-inf = +0.
 LRF_DEVICE float fast_exp2(float x) {
   float y;
