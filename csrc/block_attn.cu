@@ -148,9 +148,12 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(std::isfinite(softmax_scale), "block_attention: softmax_scale must be finite, got ", softmax_scale);
   TORCH_CHECK(num_splits >= 0 && num_splits <= kernels::kBlockAttnMaxSplits, "block_attention: num_splits must be in [0, ",
               kernels::kBlockAttnMaxSplits, "] (0 = automatic), got ", num_splits);
+  // The kernel indexes keys, rows and CTAs in int32: tile starts reach L + BN - 1, row tiles C * G + BM - 1.
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
-  TORCH_CHECK(B <= kIntMax && L <= kIntMax && Hq <= kIntMax && C * (Hq / std::max<int64_t>(Hkv, 1)) <= kIntMax,
-              "block_attention: sizes must fit in int32, got q ", q.sizes(), " and a cache of ", k_cache.sizes());
+  constexpr int64_t kIndexMax = kIntMax - kernels::kBlockAttnBN;
+  TORCH_CHECK(B <= kIndexMax && L <= kIndexMax && Hq <= kIndexMax && C * (Hq / std::max<int64_t>(Hkv, 1)) <= kIndexMax,
+              "block_attention: sizes must fit in int32 (less one tile), got q ", q.sizes(), " and a cache of ",
+              k_cache.sizes());
   for (const at::Tensor* t : {&k_cache, &v_cache}) {
     TORCH_CHECK(aligned16(*t), t == &k_cache ? "k_cache" : "v_cache",
                 " must have a dense last dimension and a data pointer and strides that are multiples of 16 bytes, got "
@@ -197,6 +200,8 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
   const int64_t grid = int64_t(p.m_tiles) * p.num_splits * B * Hkv;
   TORCH_CHECK(grid <= kIntMax, "block_attention: too many CTAs (", grid, "); split the batch");
+  TORCH_CHECK(p.num_splits == 1 || B * C * Hq / kernels::kBlockAttnCombineWarps < kIntMax,
+              "block_attention: too many output rows for the split combine (", B * C * Hq, "); split the batch");
   at::Tensor o_part, lse_part;
   if (p.num_splits > 1) {
     const int64_t rows = B * C * Hq;
