@@ -1,8 +1,16 @@
-"""ops.block_attention: reference vs a naive loop (CPU), kernel vs float64 reference (GPU), opcheck, bad inputs."""
+"""ops.block_attention: reference vs a naive loop (CPU), opcheck, bad inputs; the CUDA kernel's source under
+CPU emulation (csrc/emu) vs the float64 reference; the built kernel vs the float64 reference (GPU)."""
 
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
+from lightningrl_fast import _ext
 from lightningrl_fast.ops.block_attn import block_attention, block_attention_reference
 
 
@@ -77,23 +85,364 @@ def test_bad_inputs_raise_clear_errors():
     assert torch.equal(kc, before)  # nothing written on a rejected call
 
 
+
+# ------------------------------------------------------------------------------------------- shared checks
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """16-bit payload of a bf16/fp16 tensor (bitwise comparison, NaN poison included)."""
+    return t.contiguous().view(torch.int16)
+
+
+def poison_from(cache: torch.Tensor, cache_lens) -> torch.Tensor:
+    """NaN at every position >= cache_lens[b]: the chunk write covers [cl, cl + n); a kernel that read a key
+    position it must not (stale chunk rows in the cache, positions past the chunk) turns the output NaN."""
+    out = cache.clone()
+    for b, c0 in enumerate(cache_lens):
+        out[b, max(c0, 0):] = float("nan")
+    return out
+
+
+def expected_caches(kc, vc, k, v, cache_lens, chunk_lens):
+    kc, vc = kc.clone(), vc.clone()
+    L, C = kc.shape[1], k.shape[1]
+    for b, (c0, n) in enumerate(zip(cache_lens, chunk_lens)):
+        if c0 >= 0 and 0 <= n <= C and c0 + n <= L:
+            kc[b, c0 : c0 + n], vc[b, c0 : c0 + n] = k[b, :n], v[b, :n]
+    return kc, vc
+
+
+def check_kernel(run, dtype, bsz, c, hq, hkv, d, cap, cache_lens, chunk_lens, bs, device="cpu", seed=0):
+    """run(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, scale) -> (out, k_cache, v_cache)
+    against the float64 reference: error within 2x the same-dtype PyTorch reference's, zero rows past
+    chunk_lens, caches bit-exact (chunk rows written, every other position untouched)."""
+    args64 = make_inputs(bsz, c, hq, hkv, d, cap, cache_lens, chunk_lens, device=device, seed=seed)
+    scale = d**-0.5
+    want = block_attention_reference(*[a.clone() for a in args64], bs, scale)
+    low = [a.to(dtype) if a.is_floating_point() else a for a in args64]
+    low_ref = block_attention_reference(*[a.clone() for a in low], bs, scale).double()
+    q, k, v, kc, vc, cl, nl = low
+    kc_in, vc_in = poison_from(kc, cache_lens), poison_from(vc, cache_lens)
+    got, kc_out, vc_out = run(q, k, v, kc_in.clone(), vc_in.clone(), cl, nl, bs, scale)
+    assert got.shape == q.shape and got.dtype == dtype
+    got = got.double()
+    assert not got.isnan().any(), "NaN in the output (a key position outside the mask was read)"
+    err = (got - want).abs().max().item()
+    err_ref = (low_ref - want).abs().max().item()
+    assert err <= 2 * err_ref + 1e-6, (err, err_ref)
+    for b, n in enumerate(chunk_lens):
+        assert torch.equal(got[b, n:], torch.zeros_like(got[b, n:])), f"row {b}: output past chunk_lens not zero"
+    want_kc, want_vc = expected_caches(kc_in, vc_in, k, v, cache_lens, chunk_lens)
+    assert torch.equal(bits(kc_out.cpu()), bits(want_kc.cpu())), "k_cache differs from the expected write"
+    assert torch.equal(bits(vc_out.cpu()), bits(want_vc.cpu())), "v_cache differs from the expected write"
+    return err, err_ref
+
+
+# ------------------------------------------------------------ the kernel source under CPU emulation (csrc/emu)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    """csrc/emu/block_attn_emu.cpp compiled with the host compiler: kernels/block_attn.cuh run on the CPU."""
+    src = REPO / "csrc" / "emu" / "block_attn_emu.cpp"
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if not src.is_file() or cxx is None:
+        pytest.skip("needs the csrc/ sources and a C++20 host compiler")
+    exe = tmp_path_factory.mktemp("emu") / "block_attn_emu"
+    cmd = [cxx, "-std=c++20", "-O1", "-Wno-unknown-pragmas", "-DLRF_KERNEL_EMULATION", f"-I{REPO / 'csrc'}",
+           str(src), "-o", str(exe)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 and "_Float16" in res.stderr:
+        pytest.skip("the host compiler lacks _Float16")
+    assert res.returncode == 0, res.stderr[-4000:]
+    return exe
+
+
+def emu_runner(exe, splits, defer=False, seed=0, tmp=None):
+    """A `run` for check_kernel that executes the emulated kernel (+ combine when splits > 1)."""
+
+    def run(q, k, v, kc, vc, cl, nl, bs, scale):
+        B, C, Hq, D = q.shape
+        L, Hkv = kc.shape[1], kc.shape[2]
+        hdr = np.array([B, C, L, Hq, Hkv, D, bs, 0 if q.dtype == torch.bfloat16 else 1, splits, int(defer), seed],
+                       dtype=np.int32).tobytes() + np.array([scale], dtype=np.float32).tobytes()
+        payload = b"".join(bits(t).numpy().tobytes() for t in (q, k, v, kc, vc))
+        lens = cl.numpy().astype(np.int32).tobytes() + nl.numpy().astype(np.int32).tobytes()
+        fin, fout = tmp / "in.bin", tmp / "out.bin"
+        fin.write_bytes(hdr + payload + lens)
+        res = subprocess.run([str(exe), "run", str(fin), str(fout)], capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-4000:]
+        raw = np.fromfile(fout, dtype=np.int16)
+        n_out, n_cache = q.numel(), kc.numel()
+        as_t = lambda a, shape: torch.from_numpy(a.copy()).view(q.dtype).view(shape)  # noqa: E731
+        return (as_t(raw[:n_out], q.shape), as_t(raw[n_out : n_out + n_cache], kc.shape),
+                as_t(raw[n_out + n_cache :], kc.shape))
+
+    return run
+
+
+EMU_CASES = [
+    # dtype, d, hq, hkv, c, cache_lens, chunk_lens, block, splits, deferred copies
+    ("bf16", 128, 8, 2, 4, [0, 97, 130, 4], [4, 4, 4, 0], 4, 1, False),  # one block, an idle row
+    ("bf16", 128, 8, 2, 4, [0, 97, 130, 4], [4, 4, 4, 0], 4, 3, True),  # same, split-KV + combine
+    ("fp16", 128, 4, 1, 16, [8, 0, 120, 5], [16, 8, 13, 16], 8, 2, True),  # finished block + next, odd offsets
+    ("bf16", 64, 8, 8, 97, [0, 0, 32], [97, 1, 64], 32, 1, True),  # prefill, odd lengths, MHA, 2 m-tiles
+    ("fp16", 64, 16, 2, 33, [0, 31, 64], [33, 2, 17], 32, 4, False),  # G = 8: 5 m-tiles, splits
+    ("bf16", 128, 4, 2, 9, [3, 0, 7], [9, 1, 9], 1, 2, True),  # block 1 = causal
+    ("bf16", 128, 8, 2, 64, [0, 200, 64], [64, 64, 40], 32, 8, False),  # 2 blocks of 32, more splits than tiles
+    ("fp16", 128, 2, 1, 200, [0, 0], [200, 131], 4, 1, True),  # a longer prefill: diagonal tiles, many tiles
+]
+
+
+@pytest.mark.parametrize("dt,d,hq,hkv,c,cache_lens,chunk_lens,bs,splits,defer", EMU_CASES)
+def test_emulated_kernel_matches_reference(emulator, tmp_path, dt, d, hq, hkv, c, cache_lens, chunk_lens, bs, splits,
+                                           defer):
+    cap = max(c0 + n for c0, n in zip(cache_lens, chunk_lens)) + 37
+    run = emu_runner(emulator, splits, defer, seed=len(cache_lens) + c, tmp=tmp_path)
+    check_kernel(run, DTYPES[dt], len(cache_lens), c, hq, hkv, d, cap, cache_lens, chunk_lens, bs, seed=c)
+
+
+def test_emulated_bad_row_writes_nothing_and_outputs_zeros(emulator, tmp_path):
+    """Lengths past the capacity / negative / beyond C: that row writes nothing and outputs zeros; others run."""
+    cache_lens, chunk_lens = [10, 60, -1, 3, 0], [4, 8, 2, 4, 5]  # row 1: 60 + 8 > 64; row 2: -1; row 4: 5 > C
+    B, C, L = 5, 4, 64
+    q, k, v, kc, vc, cl, nl = make_inputs(B, C, 4, 2, 64, L, cache_lens, chunk_lens, dtype=torch.bfloat16, seed=3)
+    got, kc_out, vc_out = emu_runner(emulator, 2, tmp=tmp_path)(q, k, v, kc.clone(), vc.clone(), cl, nl, 4, 0.125)
+    for b in (1, 2, 4):
+        assert torch.equal(got[b], torch.zeros_like(got[b]))
+        assert torch.equal(bits(kc_out[b]), bits(kc[b])) and torch.equal(bits(vc_out[b]), bits(vc[b]))
+    good = [0, 3]
+    want = block_attention_reference(*(t[good].double() for t in (q, k, v, kc, vc)), cl[good], nl[good], 4, 0.125)
+    assert (got[good].double() - want).abs().max().item() < 2e-2
+    assert torch.equal(bits(kc_out[0, 10:14]), bits(k[0])) and torch.equal(bits(vc_out[3, 3:7]), bits(v[3]))
+
+
+@pytest.mark.parametrize("base,cap,rows,resident,want", [
+    (2048, 8192, 16, 264, 1),  # the batch fills the GPU: no split
+    (8, 8192, 16, 264, 32),  # batch 1, 8 kv heads: split up to >= 4 tiles per split
+    (8, 8192, 64, 264, 16),  # 64 query rows: the partials cap it
+    (8, 256, 16, 264, 1),  # a short cache: one split
+    (1, 1 << 20, 16, 10_000, 64),  # the hard cap
+])
+def test_emulated_split_heuristic(emulator, base, cap, rows, resident, want):
+    out = subprocess.run([str(emulator), "splits", str(base), str(cap), str(rows), str(resident)], capture_output=True,
+                         text=True, check=True)
+    assert int(out.stdout) == want
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.fixture
+def cuda_kernels():
+    """The CUDA kernel must be what runs, else a GPU test would compare the reference with itself."""
+    if not (_ext.has_cuda_kernels() and hasattr(_ext.ext(), "block_attention")):
+        if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
+            pytest.fail("LRF_EXPECT_CUDA_BUILD=1 but lightningrl_fast._C has no block_attention kernel")
+        pytest.skip("lightningrl_fast._C is not built with CUDA")
+
+
+def op_runner(q, k, v, kc, vc, cl, nl, bs, scale):
+    """The public op on CUDA (host length check + custom op + kernel)."""
+    args = [t.cuda() for t in (q, k, v, kc, vc, cl, nl)]
+    out = block_attention(*args, bs, scale)
+    return out, args[3], args[4]
+
+
+def direct_runner(num_splits):
+    def run(q, k, v, kc, vc, cl, nl, bs, scale):
+        args = [t.cuda() for t in (q, k, v, kc, vc, cl, nl)]
+        out = _ext.ext().block_attention(*args, bs, scale, num_splits)
+        return out, args[3], args[4]
+
+    return run
+
+
+GPU_CASES = [
+    # block, C, cache_lens, chunk_lens (4 rows; 32 q / 8 kv heads, head_dim 128)
+    (4, 4, [0, 97, 1024, 4], [4, 4, 4, 0]),  # one denoising block, an idle row
+    (8, 16, [0, 8, 2048, 1000], [16, 8, 16, 13]),  # finished block + next block, partial chunks
+    (32, 64, [0, 32, 1024, 992], [64, 64, 33, 64]),
+    (32, 32, [4096, 0, 3000, 17], [32, 32, 1, 32]),
+    (8, 1025, [0, 0, 8, 16], [1025, 97, 1, 1000]),  # prefill of whole prompts, odd lengths
+    (4, 1, [0, 5, 100, 4100], [1, 1, 1, 1]),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("bs,c,cache_lens,chunk_lens", [
-    (4, 4, [0, 97, 1024, 4], [4, 4, 4, 0]),
-    (32, 64, [0, 32, 1024, 992], [64, 64, 33, 64]),
-    (8, 1025, [0, 0, 8, 16], [1025, 97, 1, 1000]),
-])
-def test_gpu_matches_float64_reference(dtype, bs, c, cache_lens, chunk_lens):
-    cap = 2048 + 1024
-    args64 = make_inputs(4, c, 32, 8, 128, cap, cache_lens, chunk_lens, device="cuda", seed=bs)
-    want = block_attention_reference(*[a.clone() for a in args64], bs)
-    low = [a.to(dtype) if a.is_floating_point() else a for a in args64]
-    low_ref = block_attention_reference(*[a.clone() for a in low], bs).double()
-    kc_low = low[3].clone()
-    got = block_attention(low[0], low[1], low[2], kc_low, low[4].clone(), low[5], low[6], bs).double()
-    err_ref = (low_ref - want).abs().max().item()
-    err = (got - want).abs().max().item()
-    assert err <= 2 * err_ref + 1e-6, (err, err_ref)
-    for b, (c0, n) in enumerate(zip(cache_lens, chunk_lens)):
-        assert torch.equal(kc_low[b, c0 : c0 + n], low[1][b, :n])
+@pytest.mark.parametrize("bs,c,cache_lens,chunk_lens", GPU_CASES)
+def test_gpu_matches_float64_reference(cuda_kernels, dtype, bs, c, cache_lens, chunk_lens):
+    cap = 4096 + 1025 + 3
+    check_kernel(op_runner, dtype, 4, c, 32, 8, 128, cap, cache_lens, chunk_lens, bs, device="cuda", seed=bs + c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+@pytest.mark.parametrize("bs,c,cache_lens,chunk_lens", [GPU_CASES[0], GPU_CASES[2], (4, 8, [0, 3000, 511, 64], [8, 8, 8, 5])])
+def test_gpu_forced_splits(cuda_kernels, num_splits, bs, c, cache_lens, chunk_lens):
+    check_kernel(direct_runner(num_splits), torch.bfloat16, 4, c, 32, 8, 128, 4096, cache_lens, chunk_lens, bs,
+                 device="cuda", seed=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,hq,hkv", [(64, 16, 8), (128, 8, 8), (128, 64, 8), (64, 4, 1), (128, 12, 4)])
+@pytest.mark.parametrize("bs,c,cache_lens,chunk_lens", [(4, 8, [0, 97, 1024], [8, 4, 8]), (32, 97, [0, 64, 5], [97, 64, 3])])
+def test_gpu_head_dims_and_groups(cuda_kernels, d, hq, hkv, bs, c, cache_lens, chunk_lens):
+    check_kernel(op_runner, torch.float16, 3, c, hq, hkv, d, 1200, cache_lens, chunk_lens, bs, device="cuda", seed=d + hq)
+
+
+@pytest.mark.gpu
+def test_gpu_strided_and_misaligned_inputs(cuda_kernels):
+    """q/k/v as views of a fused projection (strided, aligned: read in place) or misaligned (copied)."""
+    B, C, Hq, Hkv, D, L, bs = 3, 8, 8, 2, 128, 300, 4
+    cache_lens, chunk_lens = [0, 100, 292], [8, 5, 8]
+    q, k, v, kc, vc, cl, nl = make_inputs(B, C, Hq, Hkv, D, L, cache_lens, chunk_lens, dtype=torch.bfloat16, device="cuda")
+    want = block_attention_reference(*(t.double() for t in (q, k, v, kc.clone(), vc.clone())), cl, nl, bs)
+    fused = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=2)  # [B, C, (Hq + 2 Hkv) D]
+    qs, ks, vs = (fused[..., a : a + n * D].unflatten(2, (n, D)) for a, n in ((0, Hq), (Hq * D, Hkv), ((Hq + Hkv) * D, Hkv)))
+    assert not qs.is_contiguous()
+
+    def misaligned(t):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        out = buf[1:].view(t.shape)
+        out.copy_(t)
+        return out
+
+    for qq, kk, vv in ((qs, ks, vs), (misaligned(q), misaligned(k), misaligned(v))):
+        kc2, vc2 = kc.clone(), vc.clone()
+        got = block_attention(qq, kk, vv, kc2, vc2, cl, nl, bs).double()
+        assert (got - want).abs().max().item() < 3e-2
+        assert torch.equal(bits(kc2[1, 100:105]), bits(k[1, :5]))
+
+
+@pytest.mark.gpu
+def test_gpu_lengths_past_capacity_never_write_out_of_bounds(cuda_kernels):
+    """_C called directly (no host check): bad rows write nothing, inside or outside their cache, and output zeros."""
+    B, C, Hkv, D, L = 4, 8, 2, 128, 64
+    dtype = torch.bfloat16
+    guard = 4096
+    storage = torch.full(((B * L) * Hkv * D + guard,), float("nan"), dtype=dtype, device="cuda")
+    kc = storage[: B * L * Hkv * D].view(B, L, Hkv, D)
+    vstore = storage.clone()
+    vc = vstore[: B * L * Hkv * D].view(B, L, Hkv, D)
+    q = torch.randn(B, C, 8, D, device="cuda").to(dtype)
+    k, v = torch.randn(B, C, Hkv, D, device="cuda").to(dtype), torch.randn(B, C, Hkv, D, device="cuda").to(dtype)
+    kc[:, :60] = 1.0
+    vc[:, :60] = 1.0
+    before_k, before_v = storage.clone(), vstore.clone()
+    for cache_lens, chunk_lens in (([0, 60, 0, 58], [8, 8, 0, 6]), ([-3, 0, 2, 63], [8, 9, 1, 2])):
+        cl = torch.tensor(cache_lens, dtype=torch.int32, device="cuda")
+        nl = torch.tensor(chunk_lens, dtype=torch.int32, device="cuda")
+        storage.copy_(before_k)
+        vstore.copy_(before_v)
+        out = _ext.ext().block_attention(q, k, v, kc, vc, cl, nl, 4, D**-0.5, 0)
+        torch.cuda.synchronize()
+        want_k, want_v = expected_caches(before_k[: B * L * Hkv * D].view(B, L, Hkv, D),
+                                         before_v[: B * L * Hkv * D].view(B, L, Hkv, D), k, v, cache_lens, chunk_lens)
+        assert torch.equal(bits(kc), bits(want_k)) and torch.equal(bits(vc), bits(want_v))
+        assert torch.equal(bits(storage[B * L * Hkv * D :]), bits(before_k[B * L * Hkv * D :]))
+        for b, (c0, n) in enumerate(zip(cache_lens, chunk_lens)):
+            if not (c0 >= 0 and 0 <= n <= C and c0 + n <= L):
+                assert torch.equal(out[b], torch.zeros_like(out[b])), b
+            else:
+                assert not out[b].isnan().any()
+        with pytest.raises(ValueError, match="cache_lens|chunk_lens"):
+            block_attention(q, k, v, kc, vc, cl, nl, 4)  # the public op checks on the host first
+
+
+@pytest.mark.gpu
+def test_gpu_launcher_checks_inputs(cuda_kernels):
+    """The C++ launcher is safe to call directly: its TORCH_CHECKs name the argument."""
+    kernel = _ext.ext().block_attention
+    q, k, v, kc, vc, cl, nl = make_inputs(2, 4, 4, 2, 128, 16, [0, 4], [4, 4], dtype=torch.bfloat16, device="cuda")
+    a = dict(q=q, k=k, v=v, k_cache=kc, v_cache=vc, cache_lens=cl, chunk_lens=nl, block_size=4, softmax_scale=0.1)
+    for change, match in [
+        (dict(q=q.float()), "q must have dtype in"),
+        (dict(q=q.cpu()), "q must be a CUDA tensor"),
+        (dict(k=k[:, :3]), "k must have shape"),
+        (dict(v_cache=vc.half()), "q and v_cache must have the same dtype"),
+        (dict(cache_lens=cl.long()), "cache_lens must have dtype"),
+        (dict(chunk_lens=nl.cpu()), "chunk_lens is on"),
+        (dict(cache_lens=torch.zeros(4, dtype=torch.int32, device="cuda")[::2]), "cache_lens must be contiguous"),
+        (dict(q=q[:, :, :3]), "must be a multiple of the cache's kv heads"),
+        (dict(block_size=0), "block_size must be positive"),
+        (dict(softmax_scale=float("nan")), "softmax_scale must be finite"),
+        (dict(num_splits=65), "num_splits must be in"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            kernel(**(a | change))
+    q96, k96, v96, kc96, vc96, _, _ = make_inputs(2, 4, 4, 2, 96, 16, [0, 4], [4, 4], dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+        kernel(q96, k96, v96, kc96, vc96, cl, nl, 4, 0.1)
+    buf = torch.zeros(kc.numel() + 1, dtype=kc.dtype, device="cuda")
+    with pytest.raises(RuntimeError, match="k_cache must have a dense last dimension"):
+        kernel(**(a | dict(k_cache=buf[1:].view(kc.shape))))
+    before = kc.clone()
+    for change in (dict(q=q.float()), dict(num_splits=65)):  # a rejected call writes nothing
+        with pytest.raises(RuntimeError):
+            kernel(**(a | change))
+    assert torch.equal(bits(kc), bits(before))
+
+
+@pytest.mark.gpu
+def test_gpu_public_op_runs_the_kernel(cuda_kernels, monkeypatch):
+    import lightningrl_fast.ops.block_attn as mod
+
+    def no_reference(*a, **k):
+        raise AssertionError("the reference ran instead of the CUDA kernel")
+
+    monkeypatch.setattr(mod, "block_attention_reference", no_reference)
+    q, k, v, kc, vc, cl, nl = make_inputs(2, 4, 4, 2, 128, 16, [0, 4], [4, 4], dtype=torch.bfloat16, device="cuda")
+    block_attention(q, k, v, kc, vc, cl, nl, 4)
+    q, k, v, kc, vc, cl, nl = make_inputs(2, 4, 4, 2, 128, 16, [0, 4], [4, 4], dtype=torch.float32, device="cuda")
+    with pytest.raises(AssertionError, match="reference ran"):  # fp32: not a kernel dtype, the reference path
+        block_attention(q, k, v, kc, vc, cl, nl, 4)
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck(cuda_kernels):
+    q, k, v, kc, vc, cl, nl = make_inputs(2, 8, 8, 2, 128, 40, [0, 9], [8, 5], dtype=torch.bfloat16, device="cuda")
+    torch.library.opcheck(torch.ops.lightningrl_fast.block_attention.default, (q, k, v, kc, vc, cl, nl, 4, 0.088))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 24])  # batch 1 splits the keys (+ the combine launch); 24 rows may not
+def test_gpu_cuda_graph_capture(cuda_kernels, B):
+    C, Hq, Hkv, D, L, bs = 8, 32, 8, 128, 2048, 4
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(B)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(device="cuda", dtype=dtype)  # noqa: E731
+    q, k, v = rnd(B, C, Hq, D), rnd(B, C, Hkv, D), rnd(B, C, Hkv, D)
+    kc, vc = rnd(B, L, Hkv, D), rnd(B, L, Hkv, D)
+    cl = torch.zeros(B, dtype=torch.int32, device="cuda")
+    nl = torch.full((B,), C, dtype=torch.int32, device="cuda")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture
+        block_attention(q, k, v, kc, vc, cl, nl, bs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block_attention(q, k, v, kc, vc, cl, nl, bs)
+
+    for step in range(3):  # new values and lengths in the captured inputs
+        q.copy_(rnd(B, C, Hq, D)), k.copy_(rnd(B, C, Hkv, D)), v.copy_(rnd(B, C, Hkv, D))
+        c0 = torch.randint(0, L - C, (B,), generator=g).int()
+        c0[0] = 1500 + 4 * step
+        n = torch.randint(0, C + 1, (B,), generator=g).int()
+        n[0] = C - step
+        cl.copy_(c0)
+        nl.copy_(n)
+        ref_kc, ref_vc = kc.clone(), vc.clone()
+        want = block_attention_reference(q.double(), k.double(), v.double(), ref_kc.double(), ref_vc.double(), cl, nl, bs)
+        kv_want = expected_caches(ref_kc, ref_vc, k, v, c0.tolist(), n.tolist())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (out.double() - want).abs().max().item() < 3e-2, step
+        assert torch.equal(bits(kc), bits(kv_want[0])) and torch.equal(bits(vc), bits(kv_want[1]))

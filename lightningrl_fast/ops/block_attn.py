@@ -9,8 +9,14 @@ once a block is final), then attends:
       every cached key (position < cache_lens[b]) and
       chunk key j < chunk_lens[b] when p_j // block_size <= p_i // block_size.
 
-Rows i >= chunk_lens[b] of the output are zero. The CUDA kernel comes from its own issue; until the
-extension provides `_C.block_attention` the reference below runs on every device.
+Rows i >= chunk_lens[b] of the output are zero.
+
+On CUDA tensors in bf16/fp16 with head_dim 64 or 128 the op runs `_C.block_attention` (csrc/block_attn.cu,
+kernels/block_attn.cuh): one launch writes the chunk into the cache and attends with tensor cores, splitting
+the key range over CTAs (flash-decoding, plus a log-sum-exp merge launch) when batch x kv heads cannot fill
+the GPU. It reads no length on the host, so it can be captured in a CUDA graph; a row whose lengths are out
+of range writes nothing and outputs zeros (the host check below raises first whenever it may sync).
+Other dtypes / head dims and CPU tensors use the reference.
 """
 
 from __future__ import annotations
@@ -20,6 +26,14 @@ import torch.nn.functional as F
 
 from ._common import FLOAT_DTYPES, check_tensor, cuda_kernel
 from .kv_cache import kv_cache_write, kv_cache_write_reference
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+KERNEL_HEAD_DIMS = (64, 128)
+
+
+def kernel_supports(q: torch.Tensor) -> bool:
+    """True when `_C.block_attention` handles q's dtype and head dim (it still needs CUDA tensors and a CUDA build)."""
+    return q.dtype in KERNEL_DTYPES and q.shape[-1] in KERNEL_HEAD_DIMS
 
 
 def block_attention_reference(
@@ -75,7 +89,7 @@ def _block_attention_op(
     block_size: int,
     softmax_scale: float,
 ) -> torch.Tensor:
-    kernel = cuda_kernel("block_attention", q, k_cache)
+    kernel = cuda_kernel("block_attention", q, k_cache) if kernel_supports(q) else None
     if kernel is not None:
         return kernel(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, softmax_scale)
     return block_attention_reference(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, softmax_scale)

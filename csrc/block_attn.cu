@@ -1,0 +1,221 @@
+// Launcher of block attention with an incremental KV cache (device code: kernels/block_attn.cuh).
+// Contract: ARCHITECTURE.md (block_attention).
+//
+// Checks every input, then one launch writes the chunk's K/V into the caches and attends (S == 1), or that
+// launch writes per-split partials and a second one merges them (S > 1). The split count comes from the
+// shapes and the device (SM count x resident CTAs per SM), never from the lengths: nothing here reads a
+// device value on the host, so the call is CUDA-graph capturable. Lengths out of range are handled on the
+// device (that row writes nothing and outputs zeros); the Python wrapper raises on them when it may sync.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>  // not ATen/cuda/CUDAContext.h: that one needs the cuBLAS/cuSPARSE headers
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "checks.h"
+#include "kernels/block_attn.cuh"
+
+namespace lrf {
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+kernels::AttnTensor as_attn_tensor(const at::Tensor& t) {
+  const int64_t es = t.element_size();
+  return {static_cast<char*>(const_cast<void*>(t.data_ptr())), t.stride(0) * es, t.stride(1) * es,
+          t.stride(2) * es};
+}
+
+// cp.async moves 16-byte units: the data pointer and the byte strides of the first three dims must be
+// multiples of 16 and the last dim dense.
+bool aligned16(const at::Tensor& t) {
+  if (t.size(3) > 1 && t.stride(3) != 1) return false;
+  const int64_t es = t.element_size();
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int d = 0; d < 3; ++d) {
+    if (t.size(d) > 1 && (t.stride(d) * es) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// Per device and kernel instantiation: dynamic shared memory raised once, resident CTAs per SM x SMs.
+template <typename T, int D>
+int64_t resident_ctas(int device) {
+  static std::atomic<int64_t> cache[kMaxDevices];
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "block_attention: device index ", device, " out of range");
+  int64_t r = cache[device].load(std::memory_order_relaxed);
+  if (r > 0) return r;
+  const int smem = kernels::block_attn_smem_bytes(D);
+  auto kernel = kernels::block_attn_kernel<T, D>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int sms = 0, per_sm = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kernels::kBlockAttnThreads, smem));
+  r = int64_t(sms) * (per_sm > 0 ? per_sm : 1);
+  cache[device].store(r, std::memory_order_relaxed);
+  return r;
+}
+
+template <typename T, int D>
+void launch(const kernels::BlockAttnParams& p, int device, cudaStream_t stream) {
+  resident_ctas<T, D>(device);  // raises the shared-memory limit on this device first
+  const int64_t grid = int64_t(p.m_tiles) * p.num_splits * p.batch * p.hkv;
+  kernels::block_attn_kernel<T, D>
+      <<<static_cast<unsigned>(grid), kernels::kBlockAttnThreads, kernels::block_attn_smem_bytes(D), stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (p.num_splits > 1) {
+    const int64_t rows = int64_t(p.batch) * p.chunk * p.hq;
+    const int64_t cgrid = (rows + kernels::kBlockAttnCombineWarps - 1) / kernels::kBlockAttnCombineWarps;
+    // Programmatic dependent launch: the combine grid is scheduled while the main grid drains (it waits in
+    // griddepcontrol.wait for the main grid's completion), hiding its launch latency; plain launch if the
+    // driver refuses the attribute.
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(cgrid));
+    cfg.blockDim = dim3(kernels::kBlockAttnCombineWarps * 32);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, kernels::block_attn_combine_kernel<T, D>, p);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // clear it; the plain launch below reports its own errors
+      kernels::block_attn_combine_kernel<T, D>
+          <<<static_cast<unsigned>(cgrid), kernels::kBlockAttnCombineWarps * 32, 0, stream>>>(p);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+template <typename T, int D>
+void dispatch_splits(kernels::BlockAttnParams& p, int64_t requested, int device) {
+  if (requested > 0) {
+    p.num_splits = static_cast<int>(requested);
+  } else {
+    const int rows_per_cta = p.m_rows < kernels::kBlockAttnBM ? p.m_rows : kernels::kBlockAttnBM;
+    p.num_splits = kernels::block_attn_num_splits(int64_t(p.m_tiles) * p.batch * p.hkv, p.capacity, rows_per_cta,
+                                                  resident_ctas<T, D>(device));
+  }
+}
+
+}  // namespace
+
+at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                           at::Tensor v_cache, const at::Tensor& cache_lens, const at::Tensor& chunk_lens,
+                           int64_t block_size, double softmax_scale, int64_t num_splits) {
+  CHECK_CUDA(q);
+  CHECK_DIM(q, 4);
+  CHECK_DIM(k_cache, 4);
+  const int64_t B = q.size(0), C = q.size(1), Hq = q.size(2), D = q.size(3);
+  const int64_t L = k_cache.size(1), Hkv = k_cache.size(2);
+  CHECK_SHAPE(k_cache, B, L, Hkv, D);
+  CHECK_SHAPE(v_cache, B, L, Hkv, D);
+  CHECK_SHAPE(k, B, C, Hkv, D);
+  CHECK_SHAPE(v, B, C, Hkv, D);
+  CHECK_SHAPE(cache_lens, B);
+  CHECK_SHAPE(chunk_lens, B);
+
+  CHECK_DTYPE_IN(q, at::kBFloat16, at::kHalf);
+  CHECK_SAME_DTYPE(q, k);
+  CHECK_SAME_DTYPE(q, v);
+  CHECK_SAME_DTYPE(q, k_cache);
+  CHECK_SAME_DTYPE(q, v_cache);
+  CHECK_DTYPE(cache_lens, at::kInt);
+  CHECK_DTYPE(chunk_lens, at::kInt);
+
+  CHECK_SAME_DEVICE(q, k);
+  CHECK_SAME_DEVICE(q, v);
+  CHECK_SAME_DEVICE(q, k_cache);
+  CHECK_SAME_DEVICE(q, v_cache);
+  CHECK_SAME_DEVICE(q, cache_lens);
+  CHECK_SAME_DEVICE(q, chunk_lens);
+  CHECK_CONTIGUOUS(cache_lens);
+  CHECK_CONTIGUOUS(chunk_lens);
+
+  TORCH_CHECK(D == 64 || D == 128, "block_attention: head_dim must be 64 or 128, got ", D);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "block_attention: q heads (", Hq, ") must be a multiple of the cache's kv heads (",
+              Hkv, ")");
+  TORCH_CHECK(block_size > 0 && block_size <= std::numeric_limits<int>::max(),
+              "block_attention: block_size must be positive, got ", block_size);
+  TORCH_CHECK(std::isfinite(softmax_scale), "block_attention: softmax_scale must be finite, got ", softmax_scale);
+  TORCH_CHECK(num_splits >= 0 && num_splits <= kernels::kBlockAttnMaxSplits, "block_attention: num_splits must be in [0, ",
+              kernels::kBlockAttnMaxSplits, "] (0 = automatic), got ", num_splits);
+  // The kernel indexes keys, rows and CTAs in int32: tile starts reach L + BN - 1, row tiles C * G + BM - 1.
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  constexpr int64_t kIndexMax = kIntMax - kernels::kBlockAttnBN;
+  TORCH_CHECK(B <= kIndexMax && L <= kIndexMax && Hq <= kIndexMax && C * (Hq / std::max<int64_t>(Hkv, 1)) <= kIndexMax,
+              "block_attention: sizes must fit in int32 (less one tile), got q ", q.sizes(), " and a cache of ",
+              k_cache.sizes());
+  for (const at::Tensor* t : {&k_cache, &v_cache}) {
+    TORCH_CHECK(aligned16(*t), t == &k_cache ? "k_cache" : "v_cache",
+                " must have a dense last dimension and a data pointer and strides that are multiples of 16 bytes, got "
+                "strides ",
+                t->strides());
+  }
+
+  at::Tensor out = at::empty({B, C, Hq, D}, q.options());
+  if (B == 0 || C == 0) return out;  // nothing to write (a length error cannot write out of bounds either)
+
+  // q, k, v are only read: copy the rare misaligned or strided-in-the-last-dim one into a fresh tensor.
+  auto fit = [](const at::Tensor& t) { return aligned16(t) ? t : t.clone(at::MemoryFormat::Contiguous); };
+  const at::Tensor qa = fit(q), ka = fit(k), va = fit(v);
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int device = q.get_device();
+
+  kernels::BlockAttnParams p{};
+  p.q = as_attn_tensor(qa);
+  p.k = as_attn_tensor(ka);
+  p.v = as_attn_tensor(va);
+  p.k_cache = as_attn_tensor(k_cache);
+  p.v_cache = as_attn_tensor(v_cache);
+  p.out = static_cast<char*>(out.data_ptr());
+  p.cache_lens = cache_lens.data_ptr<int32_t>();
+  p.chunk_lens = chunk_lens.data_ptr<int32_t>();
+  p.batch = static_cast<int>(B);
+  p.chunk = static_cast<int>(C);
+  p.capacity = static_cast<int>(L);
+  p.hq = static_cast<int>(Hq);
+  p.hkv = static_cast<int>(Hkv);
+  p.group = static_cast<int>(Hq / Hkv);
+  p.block_size = static_cast<int>(block_size);
+  p.m_rows = static_cast<int>(C * p.group);
+  p.m_tiles = (p.m_rows + kernels::kBlockAttnBM - 1) / kernels::kBlockAttnBM;
+  p.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
+
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  if (bf16 && D == 128) dispatch_splits<kernels::Bf16, 128>(p, num_splits, device);
+  else if (bf16) dispatch_splits<kernels::Bf16, 64>(p, num_splits, device);
+  else if (D == 128) dispatch_splits<kernels::Fp16, 128>(p, num_splits, device);
+  else dispatch_splits<kernels::Fp16, 64>(p, num_splits, device);
+
+  const int64_t grid = int64_t(p.m_tiles) * p.num_splits * B * Hkv;
+  TORCH_CHECK(grid <= kIntMax, "block_attention: too many CTAs (", grid, "); split the batch");
+  TORCH_CHECK(p.num_splits == 1 || B * C * Hq / kernels::kBlockAttnCombineWarps < kIntMax,
+              "block_attention: too many output rows for the split combine (", B * C * Hq, "); split the batch");
+  at::Tensor o_part, lse_part;
+  if (p.num_splits > 1) {
+    const int64_t rows = B * C * Hq;
+    o_part = at::empty({p.num_splits, rows, D}, q.options().dtype(at::kFloat));
+    lse_part = at::empty({p.num_splits, rows}, q.options().dtype(at::kFloat));
+    p.o_part = o_part.data_ptr<float>();
+    p.lse_part = lse_part.data_ptr<float>();
+  }
+
+  if (bf16 && D == 128) launch<kernels::Bf16, 128>(p, device, stream);
+  else if (bf16) launch<kernels::Bf16, 64>(p, device, stream);
+  else if (D == 128) launch<kernels::Fp16, 128>(p, device, stream);
+  else launch<kernels::Fp16, 64>(p, device, stream);
+  return out;
+}
+
+}  // namespace lrf

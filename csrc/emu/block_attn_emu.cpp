@@ -1,0 +1,143 @@
+// CPU driver of the block-attention kernel source (kernels/block_attn.cuh) under emulation (emu_runtime.h).
+// Used by python_tests/test_block_attn.py; not part of the extension. Build:
+//   g++ -std=c++20 -O1 -DLRF_KERNEL_EMULATION -Icsrc csrc/emu/block_attn_emu.cpp -o block_attn_emu
+//
+//   block_attn_emu run IN OUT
+//     IN: int32 B, C, L, Hq, Hkv, D, block_size, dtype (0 bf16, 1 fp16), splits, defer_copies, seed;
+//         float32 scale; then (16-bit elements, contiguous) q [B,C,Hq,D], k [B,C,Hkv,D], v, k_cache
+//         [B,L,Hkv,D], v_cache; int32 cache_lens [B], chunk_lens [B].
+//     OUT: out [B,C,Hq,D], k_cache, v_cache (16-bit), as the launcher would leave them.
+//   block_attn_emu splits BASE_CTAS CAPACITY ROWS_PER_CTA RESIDENT   -> prints block_attn_num_splits(...)
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/block_attn.cuh"
+
+using namespace lrf::kernels;
+
+namespace {
+
+template <typename V>
+void read_into(FILE* f, V& v, size_t n) {
+  v.resize(n);
+  if (n && std::fread(v.data(), sizeof(v[0]), n, f) != n) lrf::emu::fail("short input file");
+}
+
+template <typename T, int D>
+void run(BlockAttnParams p, int splits_defer, uint32_t seed) {
+  const int64_t grid = int64_t(p.m_tiles) * p.num_splits * p.batch * p.hkv;
+  for (int64_t cta = 0; cta < grid; ++cta) {
+    std::function<void(int)> body = [&](int tid) {
+      block_attn_cta<T, D>(p, cta, tid, lrf::emu::cta().smem.data());
+    };
+    lrf::emu::run_cta(kBlockAttnThreads, block_attn_smem_bytes(D), body, splits_defer != 0,
+                      seed + static_cast<uint32_t>(cta));
+  }
+  if (p.num_splits > 1) {
+    const int64_t rows = int64_t(p.batch) * p.chunk * p.hq;
+    const int64_t cgrid = (rows + kBlockAttnCombineWarps - 1) / kBlockAttnCombineWarps;
+    for (int64_t cta = 0; cta < cgrid; ++cta) {
+      std::function<void(int)> body = [&](int tid) { block_attn_combine_cta<T, D>(p, cta, tid); };
+      lrf::emu::run_cta(kBlockAttnCombineWarps * 32, 0, body, false, seed);
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc == 6 && std::string(argv[1]) == "splits") {
+    std::printf("%d\n", block_attn_num_splits(std::atoll(argv[2]), std::atoll(argv[3]), std::atoi(argv[4]),
+                                              std::atoll(argv[5])));
+    return 0;
+  }
+  if (argc != 4 || std::string(argv[1]) != "run") {
+    std::fprintf(stderr, "usage: %s run IN OUT | splits BASE CAP ROWS RESIDENT\n", argv[0]);
+    return 2;
+  }
+  FILE* in = std::fopen(argv[2], "rb");
+  if (!in) lrf::emu::fail("cannot open input");
+  std::vector<int32_t> hdr;
+  read_into(in, hdr, 11);
+  std::vector<float> scale;
+  read_into(in, scale, 1);
+  const int B = hdr[0], C = hdr[1], L = hdr[2], Hq = hdr[3], Hkv = hdr[4], D = hdr[5], bs = hdr[6];
+  const int dtype = hdr[7], S = hdr[8], defer = hdr[9];
+  const uint32_t seed = static_cast<uint32_t>(hdr[10]);
+  std::vector<uint16_t> q, k, v, kc, vc;
+  std::vector<int32_t> cl, nl;
+  read_into(in, q, size_t(B) * C * Hq * D);
+  read_into(in, k, size_t(B) * C * Hkv * D);
+  read_into(in, v, size_t(B) * C * Hkv * D);
+  read_into(in, kc, size_t(B) * L * Hkv * D);
+  read_into(in, vc, size_t(B) * L * Hkv * D);
+  read_into(in, cl, B);
+  read_into(in, nl, B);
+  std::fclose(in);
+
+  // Same tensors as the launcher hands over; the inputs are copied into 16-byte aligned buffers.
+  auto aligned = [](std::vector<uint16_t>& src) {
+    std::vector<uint16_t>* keep = new std::vector<uint16_t>(src.size() + 8);
+    uint16_t* base = keep->data();
+    while (reinterpret_cast<uintptr_t>(base) % 16) ++base;
+    std::memcpy(base, src.data(), src.size() * 2);
+    return base;
+  };
+  uint16_t *qa = aligned(q), *ka = aligned(k), *va = aligned(v), *kca = aligned(kc), *vca = aligned(vc);
+  std::vector<uint16_t> out(size_t(B) * C * Hq * D + 8, 0xFFFF);  // poison: every element must be written
+  uint16_t* outa = out.data();
+  while (reinterpret_cast<uintptr_t>(outa) % 16) ++outa;
+
+  const int G = Hq / Hkv;
+  auto t4 = [&](uint16_t* ptr, int64_t rows, int64_t heads) {
+    return AttnTensor{reinterpret_cast<char*>(ptr), rows * heads * D * 2, heads * D * 2, int64_t(D) * 2};
+  };
+  BlockAttnParams p{};
+  p.q = t4(qa, C, Hq);
+  p.k = t4(ka, C, Hkv);
+  p.v = t4(va, C, Hkv);
+  p.k_cache = t4(kca, L, Hkv);
+  p.v_cache = t4(vca, L, Hkv);
+  p.out = reinterpret_cast<char*>(outa);
+  const int64_t rows = int64_t(B) * C * Hq;
+  std::vector<float> o_part, lse_part;
+  if (S > 1) {
+    o_part.assign(size_t(S) * rows * D, NAN);  // poison: a partial the combine reads must have been written
+    lse_part.assign(size_t(S) * rows, NAN);
+    p.o_part = o_part.data();
+    p.lse_part = lse_part.data();
+  }
+  p.cache_lens = cl.data();
+  p.chunk_lens = nl.data();
+  p.batch = B;
+  p.chunk = C;
+  p.capacity = L;
+  p.hq = Hq;
+  p.hkv = Hkv;
+  p.group = G;
+  p.block_size = bs;
+  p.m_rows = C * G;
+  p.m_tiles = (C * G + kBlockAttnBM - 1) / kBlockAttnBM;
+  p.num_splits = S;
+  p.scale_log2 = scale[0] * 1.4426950408889634f;
+
+  if (B > 0 && C > 0) {
+    if (dtype == 0 && D == 128) run<Bf16, 128>(p, defer, seed);
+    else if (dtype == 0 && D == 64) run<Bf16, 64>(p, defer, seed);
+    else if (dtype == 1 && D == 128) run<Fp16, 128>(p, defer, seed);
+    else if (dtype == 1 && D == 64) run<Fp16, 64>(p, defer, seed);
+    else lrf::emu::fail("unsupported dtype / head_dim");
+  }
+
+  FILE* o = std::fopen(argv[3], "wb");
+  if (!o) lrf::emu::fail("cannot open output");
+  std::fwrite(outa, 2, size_t(B) * C * Hq * D, o);
+  std::fwrite(kca, 2, kc.size(), o);
+  std::fwrite(vca, 2, vc.size(), o);
+  std::fclose(o);
+  return 0;
+}

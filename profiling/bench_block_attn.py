@@ -1,0 +1,284 @@
+"""Benchmark block_attention: the CUDA kernel vs the reference op, SDPA, FlexAttention and flash-attn.
+
+    python profiling/bench_block_attn.py              # GPU: decode + prefill shapes (32 q / 8 kv heads, d 128, bf16)
+    python profiling/bench_block_attn.py --quick      # a few shapes
+    python profiling/bench_block_attn.py --cpu        # the reference only, one tiny shape each (no GPU needed)
+    python profiling/bench_block_attn.py --ncu --batch 1 --cache 4096 --block 4   # one shape under an NVTX
+                                                      # range "block_attn" (profiling/ncu_block_attn.sh)
+
+Every row has every row of the batch at the same cache length `cache` (block-aligned) and a full chunk:
+decode = one block (C = block) or a finished block + the next one (C = 2 x block); prefill = a whole
+prompt (cache 0, C = prompt length). Columns (microseconds, median of CUDA-event timings):
+  kernel_us  _C.block_attention (chunk write + attention; split count chosen by the launcher)
+  ref_us     the op's PyTorch reference (cache write + masked SDPA over the whole cache)
+  sdpa_us    F.scaled_dot_product_attention on the cached keys with the equivalent mask (no mask when the
+             chunk is one block: it then sees every key), best of the flash / cuDNN / efficient backends that
+             accept the inputs (`sdpa` names it); attention only, no cache write
+  flex_us    FlexAttention (torch.compile'd, block mask built once per shape); attention only
+  fa_us      flash_attn_with_kvcache when flash-attn is installed (appends k/v like the kernel; causal=True
+             within a two-block chunk, i.e. a stricter mask than block-causal); else "-"
+  GB/s, %copy   K/V bytes read by the kernel / kernel time, against the measured device copy bandwidth
+                (bytes read + written per second, profiling/common.py)
+  TFLOP/s       4 * D * (query, key) pairs allowed by the mask / kernel time
+  vs_best       kernel time / fastest baseline time (< 1: the kernel is faster)
+Ends with ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import copy_bandwidth_gbs, device_name, emit_json, print_table, time_fn  # noqa: E402
+
+from lightningrl_fast import _ext  # noqa: E402
+from lightningrl_fast.ops.block_attn import block_attention_reference  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+# (batch, cache, block, chunk): decode rows
+DECODE = [(b, L, bs, c) for b in (1, 8, 32, 128, 256) for L in (512, 2048, 8192) for bs, c in ((4, 4), (32, 32), (32, 64))]
+QUICK_DECODE = [(1, 8192, 4, 4), (32, 2048, 4, 4), (128, 4096, 32, 32), (256, 2048, 32, 64)]
+# (batch, prompt length, block): prefill rows (cache 0)
+PREFILL = [(1, 4096, 32), (4, 2048, 4), (8, 1024, 32), (1, 8192, 4)]
+QUICK_PREFILL = [(1, 4096, 32), (4, 2048, 4)]
+REF_MAX_BYTES = 8 << 30  # skip the reference where its repeat_interleave'd K/V would exceed this
+
+
+def block_mask_bool(B, C, Lk, cl, bs, device):
+    """[B, 1, C, Lk] allow-mask of block attention with every row at cache length cl, chunk length C."""
+    i = torch.arange(C, device=device).view(C, 1)
+    t = torch.arange(Lk, device=device).view(1, Lk)
+    allow = (t < cl + C) & (t // bs <= (cl + i) // bs)
+    return allow.view(1, 1, C, Lk).expand(B, 1, C, Lk)
+
+
+def allowed_pairs(C, cl, bs):
+    i = torch.arange(C)
+    kend = torch.minimum(torch.full_like(i, cl + C), ((cl + i) // bs + 1) * bs)
+    return int(kend.sum())
+
+
+def make(B, L, C, dtype, device):
+    cap = L + C
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    q, k, v = rnd(B, C, HQ, D), rnd(B, C, HKV, D), rnd(B, C, HKV, D)
+    kc = torch.randn(B, cap, HKV, D, device=device, dtype=dtype)
+    vc = torch.randn_like(kc)
+    cl = torch.full((B,), L, dtype=torch.int32, device=device)
+    nl = torch.full((B,), C, dtype=torch.int32, device=device)
+    return q, k, v, kc, vc, cl, nl
+
+
+def time_or_none(fn, device):
+    try:
+        fn()
+        return 1e3 * time_fn(fn, device=device, warmup=5, iters=30)
+    except Exception as e:  # a backend that rejects the inputs, out of memory, ...
+        print(f"  (skipped: {type(e).__name__}: {str(e).splitlines()[0][:100]})", file=sys.stderr)
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        return None
+
+
+def sdpa_baseline(q, kc, vc, L, C, bs, device):
+    """Best SDPA backend on the cache prefix [0, L + C) with the block mask (None when it allows everything)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B = q.shape[0]
+    Lk = L + C
+    qt = q.transpose(1, 2)
+    kt, vt = kc[:, :Lk].transpose(1, 2), vc[:, :Lk].transpose(1, 2)
+    mask = block_mask_bool(B, C, Lk, L, bs, device)
+    if bool(mask.all()):
+        mask = None
+    best, best_name = None, "-"
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        for gqa in (True, False):  # native GQA where the backend has it, else K/V repeated per q head
+            try:
+                if gqa:
+                    args, kw = (qt, kt, vt), {"enable_gqa": True}
+                else:  # the repeat is setup, not timed
+                    args, kw = (qt, kt.repeat_interleave(HQ // HKV, 1), vt.repeat_interleave(HQ // HKV, 1)), {}
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                continue
+
+            def run(args=args, kw=kw, backend=backend):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(*args, attn_mask=mask, **kw)
+
+            with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+                t = time_or_none(run, device)
+            del args
+            if t is not None:
+                if best is None or t < best:
+                    best, best_name = t, name + ("" if gqa else "+rep")
+                break
+    return best, best_name
+
+
+_FLEX = {}
+
+
+def _compiled_flex(flex_attention):
+    """One torch.compile'd flex_attention, allowed to specialize on every benchmark shape (the default
+    recompile limit would silently fall back to the slow eager path after a few shapes)."""
+    if "fn" not in _FLEX:
+        import torch._dynamo
+
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 1024)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def flex_baseline(q, kc, vc, L, C, bs, device):
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    B = q.shape[0]
+    Lk = L + C
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx < L + C) & (kv_idx // bs <= (q_idx + L) // bs)
+
+    try:
+        bm = create_block_mask(mask_mod, None, None, C, Lk, device=device)
+        flex = _compiled_flex(flex_attention)
+    except Exception as e:
+        print(f"  (flex skipped: {type(e).__name__}: {e})", file=sys.stderr)
+        return None
+    qt = q.transpose(1, 2).contiguous()
+    kt, vt = kc[:, :Lk].transpose(1, 2).contiguous(), vc[:, :Lk].transpose(1, 2).contiguous()
+    return time_or_none(lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=True), device)
+
+
+def fa_baseline(q, k, v, kc, vc, cl, C, bs):
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError:
+        return None
+    return time_or_none(lambda: flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=cl, causal=C > bs),
+                        q.device)
+
+
+def bench_row(kind, B, L, bs, C, dtype, device, kernels, bw, baselines=True):
+    t = make(B, L, C, dtype, device)
+    q, k, v, kc, vc, cl, nl = t
+    row = {"kind": kind, "B": B, "cache": L, "block": bs, "C": C}
+    scale = D**-0.5
+    kv_bytes = 2 * B * HKV * (L + C) * D * q.element_size()
+    flops = 4 * B * HQ * D * allowed_pairs(C, L, bs)
+    if kernels:
+        kern = _ext.ext().block_attention
+        row["kernel_us"] = time_or_none(lambda: kern(q, k, v, kc, vc, cl, nl, bs, scale), device)
+    ref_bytes = 2 * B * HQ * (L + C) * D * q.element_size()
+    row["ref_us"] = time_or_none(lambda: block_attention_reference(q, k, v, kc, vc, cl, nl, bs, scale), device) \
+        if ref_bytes <= REF_MAX_BYTES else None
+    if baselines and device.type == "cuda":
+        row["sdpa_us"], row["sdpa"] = sdpa_baseline(q, kc, vc, L, C, bs, device)
+        row["flex_us"] = flex_baseline(q, kc, vc, L, C, bs, device)
+        row["fa_us"] = fa_baseline(q, k, v, kc, vc, cl, C, bs)
+    main = row.get("kernel_us") or row.get("ref_us")
+    if main:
+        row["GB/s"] = kv_bytes / (main * 1e-6) / 1e9
+        row["%copy"] = 100 * row["GB/s"] / bw
+        row["TFLOP/s"] = flops / (main * 1e-6) / 1e12
+    base = [row.get(c) for c in ("sdpa_us", "flex_us", "fa_us") if row.get(c)]
+    if row.get("kernel_us") and base:
+        row["vs_best"] = row["kernel_us"] / min(base)
+    if row.get("kernel_us") and row.get("flex_us"):
+        row["vs_flex"] = row["kernel_us"] / row["flex_us"]
+    del t, q, k, v, kc, vc
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def ncu_mode(args, device, dtype):
+    """One shape, a few calls, each inside an NVTX range named block_attn (ncu --nvtx-include block_attn/)."""
+    q, k, v, kc, vc, cl, nl = make(args.batch, args.cache, args.chunk or args.block, dtype, device)
+    kern = _ext.ext().block_attention
+    for _ in range(3):  # warm up: lazy module load, shared-memory attribute
+        kern(q, k, v, kc, vc, cl, nl, args.block, D**-0.5)
+    torch.cuda.synchronize()
+    for _ in range(args.ncu_calls):
+        torch.cuda.nvtx.range_push("block_attn")
+        kern(q, k, v, kc, vc, cl, nl, args.block, D**-0.5)
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    emit_json("block_attention_ncu", device=device_name(device), batch=args.batch, cache=args.cache, block=args.block,
+              chunk=args.chunk or args.block, calls=args.ncu_calls)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (reference only, tiny shapes)")
+    ap.add_argument("--quick", action="store_true", help="a few decode and prefill shapes")
+    ap.add_argument("--no-baselines", action="store_true", help="kernel and reference only")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    ap.add_argument("--ncu", action="store_true", help="profile mode: one shape (--batch/--cache/--block/--chunk)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--cache", type=int, default=4096)
+    ap.add_argument("--block", type=int, default=4)
+    ap.add_argument("--chunk", type=int, default=0, help="chunk length (default: one block)")
+    ap.add_argument("--ncu-calls", type=int, default=2)
+    args = ap.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    on_gpu = device.type == "cuda"
+    kernels = on_gpu and _ext.has_cuda_kernels() and hasattr(_ext.ext(), "block_attention")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.ncu:
+        if not kernels:
+            raise SystemExit("--ncu needs a GPU and a CUDA build of lightningrl_fast._C")
+        return ncu_mode(args, device, dtype)
+
+    global HQ, HKV, D
+    if not on_gpu:
+        print("No GPU (or --cpu): timing the PyTorch reference only, at a tiny size (2 q / 1 kv heads, d 16, fp32).")
+        HQ, HKV, D = 2, 1, 16
+        dtype = torch.float32
+        decode, prefill = [(2, 64, 4, 4)], [(1, 64, 8)]
+    elif not kernels:
+        print("lightningrl_fast._C has no block_attention kernel: timing the reference and the baselines only.")
+    if on_gpu:
+        decode, prefill = (QUICK_DECODE, QUICK_PREFILL) if args.quick else (DECODE, PREFILL)
+    bw = copy_bandwidth_gbs(device)
+    print(f"device: {device_name(device)}; copy bandwidth {bw:.0f} GB/s; Hq={HQ} Hkv={HKV} D={D} {str(dtype)[6:]}")
+
+    rows = []
+    for B, L, bs, C in decode:
+        rows.append(bench_row("decode", B, L, bs, C, dtype, device, kernels, bw, not args.no_baselines))
+    for B, P, bs in prefill:
+        rows.append(bench_row("prefill", B, 0, bs, P, dtype, device, kernels, bw, not args.no_baselines))
+    cols = ["kind", "B", "cache", "block", "C", "kernel_us", "ref_us", "sdpa_us", "sdpa", "flex_us", "fa_us", "GB/s",
+            "%copy", "TFLOP/s", "vs_best", "vs_flex"]
+    table = [{c: ("-" if r.get(c) is None else r[c]) for c in cols} for r in rows]
+    print_table(table)
+
+    dec = [r for r in rows if r["kind"] == "decode" and r.get("kernel_us")]
+    summary = {}
+    if dec:
+        long = [r for r in dec if r["cache"] >= 2048]
+        summary["decode_min_pct_copy_cache_ge_2048"] = round(min(r["%copy"] for r in long), 1) if long else None
+        vs = [r["vs_best"] for r in dec if r.get("vs_best")]
+        summary["decode_max_vs_best"] = round(max(vs), 3) if vs else None
+    pre = [r["vs_flex"] for r in rows if r["kind"] == "prefill" and r.get("vs_flex")]
+    summary["prefill_max_vs_flex"] = round(max(pre), 3) if pre else None
+    emit_json("block_attention", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:], hq=HQ, hkv=HKV,
+              head_dim=D, copy_gbs=round(bw, 1), cpu_reference_only=not on_gpu, **summary,
+              rows=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
+
+
+if __name__ == "__main__":
+    main()
