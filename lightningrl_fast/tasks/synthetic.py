@@ -1,6 +1,6 @@
 """The embedded default task: multi-step arithmetic with a worked trace, several equally valid phrasings.
 
-A prompt is `a+b+c?` (three operands in [0, max_operand]); a correct response is a worked trace ending in
+A prompt is `a+b+c?` (three operands in [min_operand, max_operand], 1..9 by default); a correct response is a worked trace ending in
 the answer, e.g. `6+4=10,10+5=15#15`, then EOS. Every example's SFT target is drawn at random from
 equally valid phrasings (REFERENCE §7):
   * operand order of each step (`6+4=10` or `4+6=10`; `10+5=15` or `5+10=15`),
@@ -96,12 +96,13 @@ class SyntheticArithmetic:
 
     name = "synthetic"
 
-    def __init__(self, num_operands: int = 3, max_operand: int = 9, test_fraction: float = 0.2, seed: int = 0) -> None:
-        if num_operands < 2 or max_operand < 1 or not 0 < test_fraction < 1:
-            raise ValueError("need num_operands >= 2, max_operand >= 1 and 0 < test_fraction < 1")
+    def __init__(self, num_operands: int = 3, max_operand: int = 9, test_fraction: float = 0.2, seed: int = 0,
+                 min_operand: int = 1) -> None:
+        if num_operands < 2 or not 0 <= min_operand < max_operand or not 0 < test_fraction < 1:
+            raise ValueError("need num_operands >= 2, 0 <= min_operand < max_operand and 0 < test_fraction < 1")
         self.num_operands, self.max_operand = num_operands, max_operand
         self.tokenizer = CharTokenizer(ALPHABET)
-        triples = _all_operands(num_operands, max_operand)
+        triples = _all_operands(num_operands, min_operand, max_operand)
         test = [t for t in triples if _hash01(t, seed) < test_fraction]
         train = [t for t in triples if _hash01(t, seed) >= test_fraction]
         self.train = [ArithExample(t) for t in train]
@@ -128,10 +129,10 @@ class SyntheticArithmetic:
         return len(trace(big, spaced=True, swap=(False,) * (self.num_operands - 1))) + 1
 
 
-def _all_operands(k: int, m: int) -> list[tuple[int, ...]]:
+def _all_operands(k: int, lo: int, hi: int) -> list[tuple[int, ...]]:
     out: list[tuple[int, ...]] = [()]
     for _ in range(k):
-        out = [t + (x,) for t in out for x in range(m + 1)]
+        out = [t + (x,) for t in out for x in range(lo, hi + 1)]
     return out
 
 

@@ -1,0 +1,54 @@
+"""The embedded default task: splits, phrasings, the exact verifier."""
+
+import random
+
+import pytest
+
+from lightningrl_fast.tasks import get_task
+from lightningrl_fast.tasks.synthetic import ArithExample, SyntheticArithmetic, final_answer, trace, well_formed
+
+
+def test_splits_are_disjoint_deterministic_and_cover_all_prompts():
+    t = SyntheticArithmetic()
+    train, test = {e.operands for e in t.train}, {e.operands for e in t.test}
+    assert not train & test and len(train | test) == 9**3
+    assert 0.1 < len(test) / 9**3 < 0.3
+    assert [e.operands for e in SyntheticArithmetic().test] == [e.operands for e in t.test]
+    assert {e.operands for e in SyntheticArithmetic(seed=1).test} != test
+    with pytest.raises(ValueError, match="min_operand < max_operand"):
+        SyntheticArithmetic(min_operand=5, max_operand=5)
+
+
+def test_every_phrasing_is_correct_and_there_are_several():
+    ex = ArithExample((6, 4, 5))
+    rng = random.Random(0)
+    seen = {trace(ex, rng) for _ in range(200)}
+    assert len(seen) == 8  # 2 orders x 2 orders x 2 spacings
+    assert "6+4=10,10+5=15#15" in seen and "4 + 6 = 10,5 + 10 = 15#15" in seen
+    assert all(well_formed(s, ex) and final_answer(s) == 15 for s in seen)
+
+
+def test_verifier_and_well_formed():
+    t = SyntheticArithmetic()
+    ex = ArithExample((6, 4, 5))
+    assert t.is_correct("6+4=10,10+5=15#15", ex) and t.score("junk#15", ex) == 1.0  # the answer decides
+    assert not t.is_correct("6+4=10,10+5=15#16", ex) and not t.is_correct("6+4=10,10+5=15", ex)
+    assert not t.is_correct("#1 5", ex)
+    for bad in ("6+4=11,11+4=15#15", "6+4=10#15", "6+5=11,11+4=15#15", "6+4=10,10+5=15,1+1=2#15", "6+4=10,10*5=15#15"):
+        assert not well_formed(bad, ex), bad
+
+
+def test_sft_pairs_end_with_eos_and_fit_the_length_bound():
+    t = SyntheticArithmetic()
+    tok = t.tokenizer
+    rng = random.Random(1)
+    for ex in t.train[:50]:
+        p, r = t.sft_pair(ex, rng)
+        assert tok.decode(p) == ex.prompt and r[-1] == tok.special_id("<|im_end|>")
+        assert len(r) <= t.max_response_tokens()
+        assert t.is_correct(tok.decode(r, skip_special=True), ex)
+
+
+def test_registered_as_a_task():
+    t = get_task("synthetic", max_operand=4)
+    assert t.build_prompt(t.train[0]).endswith("?")
