@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..checkpoint import CheckpointError, checkpoint_files, save_model
+from ..checkpoint import CheckpointError, _fsync, _pid_alive, _rename_exchange, checkpoint_files, save_model
 from .trainer import TrainState
 
 TRAINER_STATE = "trainer_state.pt"
@@ -78,38 +78,6 @@ def _crash_point(stage: str) -> None:
 def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
     """Names of parameters holding NaN or inf."""
     return [n for n, p in model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _rename_exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False when unsupported."""
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    return fn(-100, os.fsencode(str(a)), -100, os.fsencode(str(b)), 2) == 0
 
 
 def _step_of(name: str) -> int | None:
