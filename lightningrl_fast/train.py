@@ -41,7 +41,7 @@ import torch
 from .config import RUN_CONFIG, ConfigError, TrainConfig, cache_root, parse_config
 from .tasks import is_correct_batch
 
-SFT_CACHE_VERSION = 1  # bump when the SFT recipe changes in a way the cache key cannot see
+SFT_CACHE_VERSION = 2  # bump when the SFT recipe changes in a way the cache key cannot see
 
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_NONFINITE = 0, 1, 2, 3
 
@@ -93,7 +93,7 @@ def embedded_model_config(cfg: TrainConfig, tokenizer: Any):
         vocab_size=tokenizer.vocab_size, hidden_size=e.hidden_size, intermediate_size=e.intermediate_size,
         num_hidden_layers=e.num_layers, num_attention_heads=e.num_heads, num_key_value_heads=e.num_kv_heads,
         head_dim=e.head_dim, block_size=e.model_block_size, mask_token_id=tokenizer.mask_token_id,
-        max_position_embeddings=256, torch_dtype="float32", tie_word_embeddings=False,
+        max_position_embeddings=256, torch_dtype="float32", tie_word_embeddings=True,
     )
 
 
