@@ -59,6 +59,7 @@ from .generate import (
     batches,
     check_decoding_args,
     check_model_dir,
+    cli_main,
     decode_block_size,
     decode_texts,
     eos_ids_for,
@@ -508,13 +509,7 @@ def run(args) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except CLIError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return cli_main(build_parser, run, argv)
 
 
 if __name__ == "__main__":

@@ -415,7 +415,8 @@ def run(args) -> dict:
     return summary
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def cli_main(build_parser, run, argv: Sequence[str] | None = None) -> int:
+    """Parse, run, and turn a CLIError into one `error:` line and exit status 2 (shared by the CLIs)."""
     args = build_parser().parse_args(argv)
     try:
         run(args)
@@ -423,6 +424,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli_main(build_parser, run, argv)
 
 
 if __name__ == "__main__":
