@@ -52,3 +52,16 @@ def test_sft_pairs_end_with_eos_and_fit_the_length_bound():
 def test_registered_as_a_task():
     t = get_task("synthetic", max_operand=4)
     assert t.build_prompt(t.train[0]).endswith("?")
+
+
+def test_padded_traces_have_a_length_fixed_by_the_phrasing():
+    t = SyntheticArithmetic()
+    assert t.width == 2
+    lengths = {}
+    for ex in t.train:
+        for spaced in (False, True):
+            s = trace(ex, swap=(False, True), spaced=spaced, width=t.width)
+            assert t.is_correct(s, ex) and well_formed(s, ex)
+            lengths.setdefault(spaced, set()).add(len(s))
+    assert lengths == {False: {20}, True: {28}}
+    assert trace(ArithExample((6, 4, 5)), swap=(False, False), spaced=False, width=2) == "06+04=10,10+05=15#15"

@@ -1,10 +1,11 @@
 """The embedded default task: multi-step arithmetic with a worked trace, several equally valid phrasings.
 
-A prompt is `a+b+c?` (three operands in [min_operand, max_operand], 1..9 by default); a correct response is a worked trace ending in
-the answer, e.g. `6+4=10,10+5=15#15`, then EOS. Every example's SFT target is drawn at random from
-equally valid phrasings (REFERENCE §7):
-  * operand order of each step (`6+4=10` or `4+6=10`; `10+5=15` or `5+10=15`),
-  * spacing (`6+4=10` or `6 + 4 = 10`),
+A prompt is `a+b+c?` (three operands in [min_operand, max_operand], 1..9 by default); a correct response
+is a worked trace ending in the answer, numbers zero-padded to the width of the largest sum, e.g.
+`06+04=10,10+05=15#15`, then EOS. Every example's SFT target is drawn at random from equally valid
+phrasings (REFERENCE §7):
+  * operand order of each step (`06+04=10` or `04+06=10`; `10+05=15` or `05+10=15`),
+  * spacing (`06+04=10` or `06 + 04 = 10`),
 so an SFT model cannot know which phrasing its neighbouring positions will take: its per-position
 confidence is split between modes, parallel (threshold) decoding unmasks few tokens per step, and TPF is
 low. LightningRL's job — collapse to one phrasing per prompt and raise TPF at equal accuracy — is real
@@ -49,9 +50,12 @@ class ArithExample:
 
 
 def trace(ex: ArithExample, rng: random.Random | None = None, swap: tuple[bool, ...] | None = None,
-          spaced: bool | None = None) -> str:
-    """A correct worked trace for `ex`; phrasing drawn from `rng` unless given (swap per step, spacing)."""
+          spaced: bool | None = None, width: int = 1) -> str:
+    """A correct worked trace for `ex`; phrasing drawn from `rng` unless given (swap per step, spacing).
+
+    Numbers are zero-padded to `width` digits, so a phrasing's length does not depend on the values."""
     rng = rng or random.Random(0)
+    num = f"{{:0{width}d}}".format
     nsteps = len(ex.operands) - 1
     swap = swap if swap is not None else tuple(rng.random() < 0.5 for _ in range(nsteps))
     spaced = spaced if spaced is not None else rng.random() < 0.5
@@ -60,8 +64,8 @@ def trace(ex: ArithExample, rng: random.Random | None = None, swap: tuple[bool, 
     for i, x in enumerate(ex.operands[1:]):
         lhs, rhs = (x, acc) if swap[i] else (acc, x)
         acc += x
-        steps.append(f"{lhs}{plus}{rhs}{eq}{acc}")
-    return ",".join(steps) + f"#{acc}"
+        steps.append(f"{num(lhs)}{plus}{num(rhs)}{eq}{num(acc)}")
+    return ",".join(steps) + f"#{num(acc)}"
 
 
 def final_answer(response: str) -> int | None:
@@ -97,10 +101,13 @@ class SyntheticArithmetic:
     name = "synthetic"
 
     def __init__(self, num_operands: int = 3, max_operand: int = 9, test_fraction: float = 0.2, seed: int = 0,
-                 min_operand: int = 1) -> None:
+                 min_operand: int = 1, pad_numbers: bool = True) -> None:
         if num_operands < 2 or not 0 <= min_operand < max_operand or not 0 < test_fraction < 1:
             raise ValueError("need num_operands >= 2, 0 <= min_operand < max_operand and 0 < test_fraction < 1")
         self.num_operands, self.max_operand = num_operands, max_operand
+        # every number in a trace has the width of the largest possible sum: the length of a trace is fixed
+        # by its phrasing alone, so parallel decoding never has to guess how many digits a partial sum has
+        self.width = len(str(num_operands * max_operand)) if pad_numbers else 1
         self.tokenizer = CharTokenizer(ALPHABET)
         triples = _all_operands(num_operands, min_operand, max_operand)
         test = [t for t in triples if _hash01(t, seed) < test_fraction]
@@ -122,11 +129,11 @@ class SyntheticArithmetic:
     def sft_pair(self, ex: ArithExample, rng: random.Random) -> tuple[list[int], list[int]]:
         """(prompt ids, response ids + EOS) with a random phrasing."""
         tok = self.tokenizer
-        return tok.encode(ex.prompt), tok.encode(trace(ex, rng)) + [tok.special_id("<|im_end|>")]
+        return tok.encode(ex.prompt), tok.encode(trace(ex, rng, width=self.width)) + [tok.special_id("<|im_end|>")]
 
     def max_response_tokens(self) -> int:
         big = ArithExample(tuple([self.max_operand] * self.num_operands))
-        return len(trace(big, spaced=True, swap=(False,) * (self.num_operands - 1))) + 1
+        return len(trace(big, spaced=True, swap=(False,) * (self.num_operands - 1), width=self.width)) + 1
 
 
 def _all_operands(k: int, lo: int, hi: int) -> list[tuple[int, ...]]:
