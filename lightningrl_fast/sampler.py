@@ -31,7 +31,6 @@ unmasked them. `forwards` counts the forwards a row took part in (prefill and co
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -203,7 +202,6 @@ def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int
 
 def _commit_step(model, st: _State, cache: KVCache, bs: int) -> None:
     """SDAR-style separate commit: re-run each row's just-finished block to write its clean K/V."""
-    n = st.seq.shape[0]
     start = (st.cur_block - 1).clamp_min(0) * bs
     idx = start[:, None] + torch.arange(bs, device=st.seq.device)
     chunk_lens = torch.where(st.pending, bs, 0).int()
@@ -214,7 +212,10 @@ def _commit_step(model, st: _State, cache: KVCache, bs: int) -> None:
 
 
 class _GraphedStep:
-    """The denoising step captured in a CUDA graph for one working-set size (falls back to eager on failure)."""
+    """The denoising step captured in a CUDA graph for one working-set size (falls back to eager on failure).
+
+    The first call runs eagerly (warm-up and real work); capture then records the step without running it,
+    so the decoding state is never advanced twice."""
 
     def __init__(self, fn) -> None:
         self.fn, self.graph, self.failed = fn, None, False
@@ -235,8 +236,6 @@ class _GraphedStep:
             self.failed = True
             warnings.warn(f"CUDA graph capture of the denoising step failed ({type(e).__name__}: {e}); "
                           "decoding continues eagerly", RuntimeWarning, stacklevel=2)
-
-    # NB: capture records the step without running it, so the state is not advanced twice.
 
 
 @torch.no_grad()
@@ -352,6 +351,3 @@ def _finish(prompts, out, plens, cfg: SamplerConfig, pad_id: int, total_forwards
         finish_reason=["eos" if e else "length" for e in eos_found.tolist()],
     )
 
-
-def mean_tpf(rollout: Rollout) -> float:
-    return float(rollout.tpf.mean()) if len(rollout) else math.nan
