@@ -197,7 +197,9 @@ EXTERNAL_HELP: dict[str, str] = {
     "min_tpf_range": "TPF-aware filter: drop groups whose TPF spread (max - min) is below this",
     "filter_groups": "drop groups without signal (all wrong, or TPF spread < --min-tpf-range)",
     "max_refill_rounds": "extra rollout rounds per step to refill filtered groups",
-    "updates_per_step": "optimizer steps (PPO mini-batches) per rollout batch",
+    "updates_per_step": "optimizer steps (PPO mini-batches) per pass over a rollout batch",
+    "epochs_per_step": "passes over each rollout batch (PPO epochs): > 1 reuses the rollouts for more updates, "
+                       "the ratio to the rollout policy clipped by --eps-low/--eps-high",
     "micro_batch_tokens": "token budget of one training forward/backward (memory knob)",
     "max_nonfinite_steps": "stop (exit non-zero) after this many non-finite updates in a row",
     "seed": "run seed: data order, rollout sampling, SFT warm-up, embedded model init",
@@ -230,15 +232,17 @@ SAMPLER_EXCLUDED = ("seed", "eos_ids")
 # ----------------------------------------------------------------------------------------------------------
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # CPU, 2 cores: a 0.44 M parameter model (tied embeddings). Measured (1 thread, README "Results"): SFT
-    # 2500 steps -> 100% held-out accuracy, TPF 3.0 at tau 0.9; RL at lr 5e-5 / kl 0.05 raises TPF at ~99%
-    # accuracy, but slower per CPU-second than the RFT baseline: not tuned to the bar yet.
+    # CPU, 2 cores: a 0.44 M parameter model (tied embeddings). Measured (1 thread each, README "Results"): SFT
+    # 2500 steps -> 100% held-out accuracy, TPF 3.0 at tau 0.9. RL recipe: rollouts at temperature 0.5 (samples
+    # near the mode the greedy evaluation decodes), mu = 1 (the NLL on verified-correct samples sharpens the
+    # model onto its own phrasing, the TPF advantage picks the fast one), lr 1e-4, 2 passes over each rollout
+    # batch: 180 s -> 100% / TPF 5.4, where the RFT baseline reaches 97.2% / 4.3 in the same time.
     "default": dict(
         hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
         model_block_size=8, num_operands=3, max_operand=9, test_fraction=0.2,
         sft_steps=2500, sft_batch_size=64, sft_lr=3e-3, sft_warmup=20, sft_time_budget=600.0,
-        steps=200, prompts_per_step=16, group_size=8, lr=5e-5, warmup_steps=5, kl_beta=0.05, nll_weight=0.1,
-        tpf_weight=1.0, threshold=0.9, temperature=1.0, max_new_tokens=36, rl_time_budget=180.0,
+        steps=200, prompts_per_step=16, group_size=8, lr=1e-4, warmup_steps=5, kl_beta=0.01, nll_weight=1.0,
+        epochs_per_step=2, tpf_weight=1.0, threshold=0.9, temperature=0.5, max_new_tokens=36, rl_time_budget=180.0,
         eval_thresholds=[0.5, 0.7, 0.9, 0.95], eval_batch_size=256,
         rft_lr=2e-4, rft_batch_size=64, rft_steps=1000,
     ),

@@ -144,6 +144,29 @@ def test_train_step_updates_the_weights_the_sampler_uses():
     assert ro_before.tokens.shape == ro_after.tokens.shape
 
 
+def test_epochs_and_minibatches_reuse_one_rollout_batch():
+    """2 epochs x 2 mini-batches = 4 optimizer steps on one rollout; from the second update on the policy has
+    moved away from the rollout policy, so the ratio differs from 1 and a large lr drives it past the clip."""
+    task = HalfRightTask(max_operand=4)
+    tok = task.tokenizer
+    cfg = SDARConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=8,
+                     mask_token_id=tok.mask_token_id, torch_dtype="float32", max_position_embeddings=64)
+    scfg = SamplerConfig(threshold=0.9, temperature=1.0, max_new_tokens=20, eos_ids=tuple(sorted(tok.eos_token_ids)))
+    base = dict(steps=1, prompts_per_step=4, group_size=4, lr=3e-2, warmup_steps=1, kl_beta=0.0,
+                filter_groups=False, max_refill_rounds=0, micro_batch_tokens=4096)
+    one = make_state(build_model(cfg, dtype=torch.float32, seed=0).eval(), RLConfig(**base))
+    m1 = train_step(one, tok, task, task.train, RLConfig(**base), scfg)
+    rc = RLConfig(**base, updates_per_step=2, epochs_per_step=2)
+    four = make_state(build_model(cfg, dtype=torch.float32, seed=0).eval(), rc)
+    m4 = train_step(four, tok, task, task.train, rc, scfg)
+    assert m1["updates"] == 1 and m4["updates"] == 4
+    assert m1["clip_frac"] == 0.0 and m4["clip_frac"] > 0.0  # on-policy: ratio 1; reused: clipped tokens
+    assert one.step == four.step == 1 and one.cursor == four.cursor == 4  # one rollout batch either way
+    with pytest.raises(ValueError, match="epochs_per_step must be >= 1"):
+        RLConfig(epochs_per_step=0).validate()
+
+
 def test_rl_config_validation():
     with pytest.raises(ValueError, match="group_size must be >= 2"):
         RLConfig(group_size=1).validate()

@@ -51,7 +51,8 @@ class RLConfig:
     min_tpf_range: float = 0.01  # drop groups whose TPF spread is below this
     filter_groups: bool = True
     max_refill_rounds: int = 2  # extra rollout rounds per step to refill filtered groups
-    updates_per_step: int = 1  # optimizer steps (PPO mini-batches) per rollout batch
+    updates_per_step: int = 1  # optimizer steps (PPO mini-batches) per pass over a rollout batch
+    epochs_per_step: int = 1  # passes over each rollout batch (PPO epochs; > 1 reuses rollouts, clipped by eps)
     micro_batch_tokens: int = 16384  # token budget of one forward/backward (memory knob)
     max_nonfinite_steps: int = 3  # stop after this many non-finite updates in a row
     seed: int = 0
@@ -61,7 +62,8 @@ class RLConfig:
             raise ValueError(f"adv_mode must be 'decoupled' or 'sum', got {self.adv_mode!r}")
         if self.logprob_mode not in ("block_proxy", "trace"):
             raise ValueError(f"logprob_mode must be 'block_proxy' or 'trace', got {self.logprob_mode!r}")
-        for name in ("steps", "prompts_per_step", "group_size", "updates_per_step", "micro_batch_tokens"):
+        for name in ("steps", "prompts_per_step", "group_size", "updates_per_step", "epochs_per_step",
+                     "micro_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 2:
@@ -292,34 +294,36 @@ def train_step(state: TrainState, tokenizer, task: Task, train_examples: list, c
     # advantages
     adv = advantage_stage(groups, cfg)  # [S]
     correct = torch.tensor(groups.accuracy) > 0  # [S] verifier-correct (and finished)
-    # log-probs: layout, old policy (only needed with several updates), frozen reference
+    # log-probs: layout, old policy (only needed with several updates per rollout batch), frozen reference
     t0 = time.perf_counter()
     lb = layout_stage(groups, mcfg.block_size, mcfg.mask_token_id, cfg.logprob_mode)
     adv_tok = adv[lb.tgt_row]  # [T]
     model.eval()
-    old = logprob_stage(model, lb, cfg.micro_batch_tokens) if cfg.updates_per_step > 1 else None
+    n_updates = cfg.updates_per_step * cfg.epochs_per_step
+    old = logprob_stage(model, lb, cfg.micro_batch_tokens) if n_updates > 1 else None
     ref = logprob_stage(state.ref_model, lb, cfg.micro_batch_tokens) if state.ref_model is not None else None
     metrics["logprob_s"] = time.perf_counter() - t0
-    # loss -> backward -> step, `updates_per_step` mini-batches of whole groups
+    # loss -> backward -> step: `epochs_per_step` passes, each `updates_per_step` mini-batches of whole groups
     t0 = time.perf_counter()
     model.train()
     n_groups = len(groups) // cfg.group_size
     per = -(-n_groups // cfg.updates_per_step) * cfg.group_size
     applied, losses = 0, {}
-    for u0 in range(0, len(groups), per):
-        rows = range(u0, min(len(groups), u0 + per))
-        agg = loss_backward_stage(model, lb, rows, adv_tok, old, ref, correct, cfg)
-        ok, gnorm = optimizer_stage(state, cfg)
-        applied += ok
-        for k, v in agg.items():
-            losses[k] = losses.get(k, 0.0) + v / cfg.updates_per_step
-        losses["grad_norm"] = gnorm
+    for _epoch in range(cfg.epochs_per_step):
+        for u0 in range(0, len(groups), per):
+            rows = range(u0, min(len(groups), u0 + per))
+            agg = loss_backward_stage(model, lb, rows, adv_tok, old, ref, correct, cfg)
+            ok, gnorm = optimizer_stage(state, cfg)
+            applied += ok
+            for k, v in agg.items():
+                losses[k] = losses.get(k, 0.0) + v / n_updates
+            losses["grad_norm"] = gnorm
     model.eval()
     state.scheduler.step()
     state.step += 1
     metrics.update(losses, updates=applied, train_s=time.perf_counter() - t0, lr=state.scheduler.get_last_lr()[0],
                    step_s=time.perf_counter() - t_start, kept_acc=sum(groups.accuracy) / len(groups),
                    kept_tpf=sum(groups.tpf) / len(groups))
-    if applied < cfg.updates_per_step:
-        metrics["nonfinite_skipped"] = cfg.updates_per_step - applied
+    if applied < n_updates:
+        metrics["nonfinite_skipped"] = n_updates - applied
     return metrics
