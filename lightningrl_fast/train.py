@@ -41,7 +41,7 @@ import torch
 from .config import RUN_CONFIG, ConfigError, TrainConfig, cache_root, parse_config
 from .tasks import is_correct_batch
 
-SFT_CACHE_VERSION = 3  # bump when the SFT recipe changes in a way the cache key cannot see
+SFT_CACHE_VERSION = 4  # bump when the SFT recipe changes in a way the cache key cannot see
 
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_NONFINITE = 0, 1, 2, 3
 

@@ -23,8 +23,9 @@ def test_every_phrasing_is_correct_and_there_are_several():
     ex = ArithExample((6, 4, 5))
     rng = random.Random(0)
     seen = {trace(ex, rng) for _ in range(200)}
-    assert len(seen) == 8  # 2 orders x 2 orders x 2 spacings
-    assert "6+4=10,10+5=15#15" in seen and "4 + 6 = 10,5 + 10 = 15#15" in seen
+    assert len(seen) == 8  # 2 orders x 2 orders x 2 spacing styles
+    assert "6 + 4=10,10 + 5=15#15" in seen and "4+6 = 10,5+10 = 15#15" in seen
+    assert len({len(s) for s in seen}) == 1  # one length: TPF cannot be raised by a longer phrasing
     assert all(well_formed(s, ex) and final_answer(s) == 15 for s in seen)
 
 
@@ -59,9 +60,12 @@ def test_padded_traces_have_a_length_fixed_by_the_phrasing():
     assert t.width == 2
     lengths = {}
     for ex in t.train:
-        for spaced in (False, True):
-            s = trace(ex, swap=(False, True), spaced=spaced, width=t.width)
+        for style in (0, 1):
+            s = trace(ex, swap=(False, True), style=style, width=t.width)
             assert t.is_correct(s, ex) and well_formed(s, ex)
-            lengths.setdefault(spaced, set()).add(len(s))
-    assert lengths == {False: {20}, True: {28}}
-    assert trace(ArithExample((6, 4, 5)), swap=(False, False), spaced=False, width=2) == "06+04=10,10+05=15#15"
+            lengths.setdefault(style, set()).add(len(s))
+    assert lengths == {0: {24}, 1: {24}}
+    assert trace(ArithExample((6, 4, 5)), swap=(False, False), style=0, width=2) == "06 + 04=10,10 + 05=15#15"
+    assert trace(ArithExample((6, 4, 5)), swap=(True, False), style=1, width=2) == "04+06 = 10,10+05 = 15#15"
+    with pytest.raises(ValueError, match="style must be 0"):
+        trace(ArithExample((6, 4, 5)), style=2)

@@ -2,15 +2,18 @@
 
 A prompt is `a+b+c?` (three operands in [min_operand, max_operand], 1..9 by default); a correct response
 is a worked trace ending in the answer, numbers zero-padded to the width of the largest sum, e.g.
-`06+04=10,10+05=15#15`, then EOS. Every example's SFT target is drawn at random from equally valid
+`06 + 04=10,10 + 05=15#15`, then EOS. Every example's SFT target is drawn at random from equally valid
 phrasings (REFERENCE §7):
-  * operand order of each step (`06+04=10` or `04+06=10`; `10+05=15` or `05+10=15`),
-  * spacing (`06+04=10` or `06 + 04 = 10`),
+  * operand order of each step (`06 + 04=10` or `04 + 06=10`; `10 + 05=15` or `05 + 10=15`),
+  * spacing style, spaces around `+` or around `=` (`06 + 04=10` or `06+04 = 10`): the digits after the
+    first operand sit two positions apart in the two styles,
 so an SFT model cannot know which phrasing its neighbouring positions will take: its per-position
 confidence is split between modes, parallel (threshold) decoding unmasks few tokens per step, and TPF is
 low. LightningRL's job — collapse to one phrasing per prompt and raise TPF at equal accuracy — is real
 and measurable on a CPU in minutes. Had the data one phrasing, the SFT model would already decode every
-block in one step and there would be nothing to gain.
+block in one step and there would be nothing to gain. All eight phrasings of an example have the same
+length, so TPF (tokens per forward) is the inverse of forwards per answer: a policy cannot raise TPF by
+choosing a longer phrasing whose extra tokens are easy.
 
 Splits: the operand triples are split once by a fixed hash into train and held-out test, so the test
 accuracy measures generalization to unseen prompts. The verifier is exact: the text after the last `#`
@@ -50,16 +53,20 @@ class ArithExample:
 
 
 def trace(ex: ArithExample, rng: random.Random | None = None, swap: tuple[bool, ...] | None = None,
-          spaced: bool | None = None, width: int = 1) -> str:
-    """A correct worked trace for `ex`; phrasing drawn from `rng` unless given (swap per step, spacing).
+          style: int | None = None, width: int = 1) -> str:
+    """A correct worked trace for `ex`; phrasing drawn from `rng` unless given (swap per step, spacing
+    style: 0 = spaces around '+', 1 = spaces around '=').
 
-    Numbers are zero-padded to `width` digits, so a phrasing's length does not depend on the values."""
+    Numbers are zero-padded to `width` digits, so a trace's length depends on neither the values nor the
+    phrasing."""
     rng = rng or random.Random(0)
     num = f"{{:0{width}d}}".format
     nsteps = len(ex.operands) - 1
     swap = swap if swap is not None else tuple(rng.random() < 0.5 for _ in range(nsteps))
-    spaced = spaced if spaced is not None else rng.random() < 0.5
-    plus, eq = (" + ", " = ") if spaced else ("+", "=")
+    style = style if style is not None else int(rng.random() < 0.5)
+    if style not in (0, 1):
+        raise ValueError(f"style must be 0 (spaces around '+') or 1 (around '='), got {style!r}")
+    plus, eq = (" + ", "=") if style == 0 else ("+", " = ")
     acc, steps = ex.operands[0], []
     for i, x in enumerate(ex.operands[1:]):
         lhs, rhs = (x, acc) if swap[i] else (acc, x)
@@ -133,7 +140,7 @@ class SyntheticArithmetic:
 
     def max_response_tokens(self) -> int:
         big = ArithExample(tuple([self.max_operand] * self.num_operands))
-        return len(trace(big, spaced=True, swap=(False,) * (self.num_operands - 1), width=self.width)) + 1
+        return len(trace(big, style=0, swap=(False,) * (self.num_operands - 1), width=self.width)) + 1
 
 
 def _all_operands(k: int, lo: int, hi: int) -> list[tuple[int, ...]]:
