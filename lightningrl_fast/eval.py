@@ -185,6 +185,7 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
                 cfg = dataclasses.replace(sampler_cfg, threshold=float(tau))
                 responses: list[str] = [""] * len(ids)
                 tpf = [math.nan] * len(ids)
+                row_fwd = [0] * len(ids)  # forwards each answer took part in (prefill and commits included)
                 eos = [False] * len(ids)
                 pending: list[tuple[range, concurrent.futures.Future]] = []
                 n_tok = n_fwd = truncated = 0
@@ -200,6 +201,7 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
                     for j, i in enumerate(idx):
                         responses[i] = texts[j]
                         tpf[i] = float(ro.tpf[j])
+                        row_fwd[i] = int(ro.forwards[j])
                         eos[i] = bool(ro.eos_found[j])
                     exs = [examples[i] for i in idx]
                     pending.append((idx, pool.submit(_timed, _correct_batch, task, texts, exs)))
@@ -220,7 +222,7 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
                 pt = {
                     "threshold": float(tau), "n": len(ids), "correct": n_ok, "accuracy": n_ok / len(ids),
                     "verifier_accuracy": sum(verified) / len(ids), "finished": sum(eos) / len(ids),
-                    "mean_tpf": sum(tpf) / len(tpf), "tokens": n_tok,
+                    "mean_tpf": sum(tpf) / len(tpf), "forwards_per_answer": sum(row_fwd) / len(ids), "tokens": n_tok,
                     "tokens_per_s": n_tok / decode_s if decode_s > 0 else math.nan,
                     "forwards": n_fwd, "forwards_per_s": n_fwd / decode_s if decode_s > 0 else math.nan,
                     "truncated": truncated, "decode_s": decode_s, "score_s": score_s,

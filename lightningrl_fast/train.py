@@ -162,7 +162,7 @@ def evaluate(model, tokenizer, task, examples: Sequence, scfg, thresholds: Seque
     """Greedy decoding of `examples` at each threshold -> {f"{tau:g}": {acc, tpf, ...}}: `eval.evaluate`, reshaped.
 
     acc: verifier-correct AND finished with EOS (a response hitting the length cap is wrong); tpf: mean
-    tokens per forward; well_formed (synthetic task): every step of the worked trace is right; finished:
+    tokens per forward; fwd_per_answer: mean forwards an answer took (prefill and commits included); well_formed (synthetic task): every step of the worked trace is right; finished:
     fraction that emitted EOS; tokens_per_s: generated tokens per second of decoding."""
     from .eval import evaluate as evaluate_points
 
@@ -171,7 +171,8 @@ def evaluate(model, tokenizer, task, examples: Sequence, scfg, thresholds: Seque
     res = evaluate_points(model, tokenizer, task, list(examples), taus, ec, batch_size=batch_size)
     out: dict[str, dict[str, float]] = {}
     for p in res["points"]:
-        rec = {"acc": p["accuracy"], "tpf": p["mean_tpf"], "finished": p["finished"], "n": p["n"],
+        rec = {"acc": p["accuracy"], "tpf": p["mean_tpf"], "fwd_per_answer": p["forwards_per_answer"],
+               "finished": p["finished"], "n": p["n"],
                "tokens_per_s": p["tokens_per_s"], "seconds": p["decode_s"]}
         if "well_formed" in p:
             rec["well_formed"] = p["well_formed"]

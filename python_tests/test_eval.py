@@ -118,6 +118,10 @@ def test_evaluate_synthetic_numbers_in_range(synth_ckpt):
         assert 1.0 <= p["mean_tpf"] <= BLOCK
         assert p["tokens"] <= 6 * 12 and p["tokens_per_s"] > 0 and p["forwards_per_s"] > 0
         assert p["forwards"] >= math.ceil(12 / BLOCK) and 0 <= p["truncated"] <= 6
+        # every answer takes at least one forward per response token / TPF, and the batch's engine forwards
+        # serve all its rows at once
+        assert p["tokens"] / 6 / p["mean_tpf"] <= p["forwards_per_answer"] + 1e-9
+        assert p["forwards_per_answer"] <= p["forwards"]
     assert res["aup"] >= 0 and math.isfinite(res["aup"])
     assert res["n_examples"] == 6 and res["sampler"]["block_size"] == BLOCK and "threshold" not in res["sampler"]
     assert all(0 <= p["well_formed"] <= p["finished"] <= 1 and p["accuracy"] <= p["verifier_accuracy"]

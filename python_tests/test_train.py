@@ -237,10 +237,13 @@ def test_run_logger_progress_bar(tmp_path):
 
 
 def test_tables_and_plots(tmp_path, monkeypatch, capsys):
-    before = {"0.5": {"acc": 0.9, "tpf": 3.0}, "0.9": {"acc": 0.99, "tpf": 2.4, "well_formed": 0.98}}
-    after = {"0.5": {"acc": 0.92, "tpf": 4.0}, "0.9": {"acc": 0.985, "tpf": 4.5, "well_formed": 0.97}}
+    before = {"0.5": {"acc": 0.9, "tpf": 3.0},
+              "0.9": {"acc": 0.99, "tpf": 2.4, "fwd_per_answer": 9.5, "well_formed": 0.98}}
+    after = {"0.5": {"acc": 0.92, "tpf": 4.0},
+             "0.9": {"acc": 0.985, "tpf": 4.5, "fwd_per_answer": 5.25, "well_formed": 0.97}}
     t = L.before_after_table(before, after, 0.9)
     assert "tau = 0.9" in t and "+2.10" in t and "-0.005" in t and "well_formed" in t
+    assert "fwd/answer" in t and "-4.25" in t
     s = L.sweep_table({"before": before, "after": after})
     assert s.splitlines()[0].split() == ["tau", "before", "acc", "before", "TPF", "after", "acc", "after", "TPF"]
     hist = [{"step": i, "acc": 0.5 + i / 10, "tpf": 2 + i / 5} for i in range(1, 4)]

@@ -222,20 +222,24 @@ def sweep_table(sweeps: dict[str, dict], title: str | None = None) -> str:
 
 def before_after_table(before: dict, after: dict, threshold: float, labels: tuple[str, str] = ("before", "after"),
                        extra_rows: dict[str, dict] | None = None) -> str:
-    """The headline table at one threshold: accuracy, TPF (and well-formed fraction when present)."""
-    cols = ["acc", "tpf"] + (["well_formed"] if any("well_formed" in (s.get(_key(s, threshold)) or {})
-                                                   for s in (before, after)) else [])
+    """The headline table at one threshold: accuracy, TPF, forwards per answer and the well-formed fraction
+    (the last two when the records have them)."""
+    present = [c for c in ("fwd_per_answer", "well_formed")
+               if any(c in (s.get(_key(s, threshold)) or {}) for s in (before, after))]
+    cols = ["acc", "tpf"] + present
+    fmts = {"acc": ".3f", "tpf": ".2f", "fwd_per_answer": ".2f", "well_formed": ".3f"}
     rows = []
     runs = {labels[0]: before, labels[1]: after, **(extra_rows or {})}
     for lab, s in runs.items():
         k = _key(s, threshold)
         r = s.get(k, {}) if k is not None else {}
-        rows.append([lab] + [_fmt(r.get(c), ".3f" if c != "tpf" else ".2f") for c in cols])
+        rows.append([lab] + [_fmt(r.get(c), fmts[c]) for c in cols])
     b, a = (before.get(_key(before, threshold)) or {}), (after.get(_key(after, threshold)) or {})
     if b and a:
         rows.append(["change"] + [_fmt((a.get(c) - b.get(c)) if a.get(c) is not None and b.get(c) is not None else None,
-                                       "+.3f" if c != "tpf" else "+.2f") for c in cols])
-    return f"tau = {threshold:g}\n" + format_table(["model"] + [c if c != "tpf" else "TPF" for c in cols], rows)
+                                       "+" + fmts[c]) for c in cols])
+    heads = {"tpf": "TPF", "fwd_per_answer": "fwd/answer"}
+    return f"tau = {threshold:g}\n" + format_table(["model"] + [heads.get(c, c) for c in cols], rows)
 
 
 # ------------------------------------------------------------------------------------------------------------
