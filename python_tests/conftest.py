@@ -1,8 +1,14 @@
-"""Shared test setup: deterministic seeds, the `gpu` marker's auto-skip, per-dtype tolerances."""
+"""Shared test setup: deterministic seeds, the `gpu` marker's auto-skip, per-dtype tolerances, the build of
+the CPU emulator of device code (csrc/emu)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,3 +45,62 @@ def tolerance(dtype: torch.dtype) -> dict:
     """`dict(rtol=..., atol=...)` for comparing a kernel in `dtype` against a float64 reference."""
     rtol, atol = _TOLERANCES[dtype]
     return {"rtol": rtol, "atol": atol}
+
+
+# ------------------------------------------------------------------ the CPU emulator of device code (csrc/emu)
+
+REPO = Path(__file__).resolve().parents[1]  # the source tree (pytest imports the installed package)
+EMU_DIR = REPO / "csrc" / "emu"
+EMU_FLAGS = ["-std=c++20", "-O2", "-ffp-contract=off", "-Wno-unknown-pragmas", "-DLRF_KERNEL_EMULATION"]
+
+
+def cuda_include() -> Path | None:
+    """The CUDA headers' folder (cuda_fp16.h), or None."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    for root in (os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
+            return Path(root) / "include"
+    return None
+
+
+@pytest.fixture(scope="session")
+def emu_build(tmp_path_factory):
+    """`build(driver, shared=False, cuda_headers=False)` -> the path of csrc/emu/<driver> compiled with the host
+    compiler ($CXX or g++): an executable, or with `shared` a library for ctypes. Cached under build/emu/ per
+    version of csrc/emu and csrc/kernels, compiler and flags. Skips without a compiler, without the CUDA headers
+    when `cuda_headers` (the CUDA-builtins front-end includes cuda_fp16.h), or without _Float16."""
+
+    def build(driver: str, shared: bool = False, cuda_headers: bool = False) -> Path:
+        src = EMU_DIR / driver
+        cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+        if not src.is_file() or cxx is None:
+            pytest.skip("the emulator needs the csrc/ sources and a C++20 host compiler (g++ or $CXX)")
+        cmd = [cxx, *EMU_FLAGS, f"-I{REPO / 'csrc'}"]
+        if cuda_headers:
+            inc = cuda_include()
+            if inc is None:
+                pytest.skip("the CUDA-builtins emulator needs the CUDA headers (cuda_fp16.h)")
+            cmd.append(f"-I{inc}")
+        if shared:
+            cmd += ["-shared", "-fPIC"]
+        sources = sorted([*EMU_DIR.iterdir(), *(REPO / "csrc" / "kernels").iterdir()])
+        digest = hashlib.sha256(" ".join([*cmd, driver]).encode())
+        for f in sources:
+            digest.update(f.name.encode() + b"\0" + f.read_bytes())
+        out_dir = REPO / "build" / "emu"
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            out_dir = tmp_path_factory.mktemp("emu")
+        out = out_dir / f"{src.stem}-{digest.hexdigest()[:16]}{'.so' if shared else ''}"
+        if not out.exists():
+            tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+            res = subprocess.run([*cmd, str(src), "-o", str(tmp)], capture_output=True, text=True)
+            if res.returncode != 0 and "_Float16" in res.stderr:
+                pytest.skip("the host compiler lacks _Float16")
+            assert res.returncode == 0, f"emulator build failed:\n{' '.join(cmd)}\n{res.stderr[-4000:]}"
+            os.replace(tmp, out)
+        return out
+
+    return build

@@ -2,9 +2,7 @@
 CPU emulation (csrc/emu) vs the float64 reference; the built kernel vs the float64 reference (GPU)."""
 
 import os
-import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,24 +140,10 @@ def check_kernel(run, dtype, bsz, c, hq, hkv, d, cap, cache_lens, chunk_lens, bs
 
 # ------------------------------------------------------------ the kernel source under CPU emulation (csrc/emu)
 
-REPO = Path(__file__).resolve().parents[1]
-
-
 @pytest.fixture(scope="module")
-def emulator(tmp_path_factory):
-    """csrc/emu/block_attn_emu.cpp compiled with the host compiler: kernels/block_attn.cuh run on the CPU."""
-    src = REPO / "csrc" / "emu" / "block_attn_emu.cpp"
-    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if not src.is_file() or cxx is None:
-        pytest.skip("needs the csrc/ sources and a C++20 host compiler")
-    exe = tmp_path_factory.mktemp("emu") / "block_attn_emu"
-    cmd = [cxx, "-std=c++20", "-O1", "-Wno-unknown-pragmas", "-DLRF_KERNEL_EMULATION", f"-I{REPO / 'csrc'}",
-           str(src), "-o", str(exe)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0 and "_Float16" in res.stderr:
-        pytest.skip("the host compiler lacks _Float16")
-    assert res.returncode == 0, res.stderr[-4000:]
-    return exe
+def emulator(emu_build):
+    """csrc/emu/block_attn_emu.cpp (kernels/block_attn.cuh over the warp_ops front-end) as an executable."""
+    return emu_build("block_attn_emu.cpp")
 
 
 def emu_runner(exe, splits, defer=False, seed=0, tmp=None):

@@ -1,14 +1,10 @@
 """ops.threshold_unmask: reference vs a naive per-position loop, Philox known answers, sampling statistics;
-the CUDA kernel's device code on the CPU through the SIMT emulator (python_tests/simt); the CUDA kernel on a
-GPU (marked `gpu`)."""
+the CUDA kernel's device code on the CPU through the emulator (csrc/emu, CUDA-builtins front-end); the CUDA
+kernel on a GPU (marked `gpu`)."""
 
 import ctypes
-import hashlib
 import math
 import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -235,25 +231,13 @@ def assert_same_step(got_state, got_flags, want_state, want_flags, rtol=1e-5, at
     assert torch.equal(got_flags[1].cpu(), want_flags[1].cpu()), "eos_seen"
 
 
-# ------------------------------------------------- the kernel's device code on the CPU (SIMT emulator)
+# ------------------------------------------------- the kernel's device code on the CPU (csrc/emu emulator)
 
-_SIMT = Path(__file__).resolve().parent / "simt"
-_REPO = Path(__file__).resolve().parents[1]
-_EMU_SOURCES = [_SIMT / "unmask_emu.cpp", _SIMT / "simt_emu.h", _REPO / "csrc" / "kernels" / "unmask.cuh"]
 _EMU_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def _cuda_include() -> Path | None:
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    for root in (os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"):
-        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
-            return Path(root) / "include"
-    return None
-
-
 class Emulated:
-    """`_C.threshold_unmask`'s device code run by the SIMT emulator (CPU tensors, [B, S] tensors contiguous)."""
+    """`_C.threshold_unmask`'s device code run by the CPU emulator (CPU tensors, [B, S] tensors contiguous)."""
 
     def __init__(self, lib):
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -282,27 +266,9 @@ class Emulated:
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    """Compile python_tests/simt/unmask_emu.cpp once per source version (cached under build/simt_emu)."""
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    inc = _cuda_include()
-    if cxx is None or inc is None:
-        pytest.skip("the SIMT emulator needs a C++ compiler (g++ or $CXX) and the CUDA headers (cuda_fp16.h)")
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in _EMU_SOURCES) + cxx.encode() + str(inc).encode())
-    out_dir = _REPO / "build" / "simt_emu"
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        out_dir = tmp_path_factory.mktemp("simt_emu")
-    so = out_dir / f"unmask_emu-{digest.hexdigest()[:16]}.so"
-    if not so.exists():
-        tmp = so.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-shared", "-fPIC", f"-I{_REPO / 'csrc'}", f"-I{inc}",
-               str(_SIMT / "unmask_emu.cpp"), "-o", str(tmp)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        assert res.returncode == 0, f"emulator build failed:\n{' '.join(cmd)}\n{res.stderr[-4000:]}"
-        os.replace(tmp, so)
-    return Emulated(ctypes.CDLL(str(so)))
+def emu(emu_build):
+    """csrc/emu/unmask_emu.cpp (kernels/unmask.cuh over the CUDA-builtins front-end) as a ctypes library."""
+    return Emulated(ctypes.CDLL(str(emu_build("unmask_emu.cpp", shared=True, cuda_headers=True))))
 
 
 def run_both(emu, state, extra, threshold, temperature, greedy, **emu_kw):
@@ -320,7 +286,7 @@ def run_both(emu, state, extra, threshold, temperature, greedy, **emu_kw):
 def test_emulated_kernel_matches_reference(emu, dtype, greedy, b, s, vocab, split):
     """Picks, selection, in-place writes and flags equal the reference's (same Philox stream when sampling);
     `split` forces chunks per row (0 = the launcher's choice; 40 > 32 lanes per merge group; with vocab 111
-    most chunks are empty), blocks run in a shuffled order."""
+    most chunks are empty), blocks run in a shuffled order, their threads interleaved at random."""
     state, extra = case(b, s, vocab, dtype, seed=vocab + s)
     got, flags, ref, want = run_both(emu, state, extra, 0.3, 1.0, greedy, split=split, order=vocab)
     assert split == 0 or emu.nsplit == split

@@ -1,6 +1,7 @@
-// CPU driver of the block-attention kernel source (kernels/block_attn.cuh) under emulation (emu_runtime.h).
-// Used by python_tests/test_block_attn.py; not part of the extension. Build:
-//   g++ -std=c++20 -O1 -DLRF_KERNEL_EMULATION -Icsrc csrc/emu/block_attn_emu.cpp -o block_attn_emu
+// CPU driver of the block-attention kernel source (kernels/block_attn.cuh) under emulation (emu_core.h with the
+// warp_ops front-end warp_ops.h, which kernels/warp_ops.cuh includes). An executable for
+// python_tests/test_block_attn.py; not part of the extension. Build:
+//   g++ -std=c++20 -O2 -ffp-contract=off -DLRF_KERNEL_EMULATION -Icsrc csrc/emu/block_attn_emu.cpp -o block_attn_emu
 //
 //   block_attn_emu run IN OUT
 //     IN: int32 B, C, L, Hq, Hkv, D, block_size, dtype (0 bf16, 1 fp16), splits, defer_copies, seed;
@@ -32,7 +33,7 @@ void run(BlockAttnParams p, int splits_defer, uint32_t seed) {
   const int64_t grid = int64_t(p.m_tiles) * p.num_splits * p.batch * p.hkv;
   for (int64_t cta = 0; cta < grid; ++cta) {
     std::function<void(int)> body = [&](int tid) {
-      block_attn_cta<T, D>(p, cta, tid, lrf::emu::cta().smem.data());
+      block_attn_cta<T, D>(p, cta, tid, lrf::emu::smem());
     };
     lrf::emu::run_cta(kBlockAttnThreads, block_attn_smem_bytes(D), body, splits_defer != 0,
                       seed + static_cast<uint32_t>(cta));

@@ -104,9 +104,10 @@ struct UnmaskParams {
 
 // ---------------------------------------------------------------------------------------------- helpers
 
-// LRF_SIMT_EMULATION: python_tests/simt compiles this header as host C++ over a SIMT emulator (CPU tests
-// of the device logic); it supplies the intrinsics and replaces the two inline-PTX helpers.
-#ifndef LRF_SIMT_EMULATION
+// LRF_KERNEL_EMULATION: csrc/emu/unmask_emu.cpp compiles this header as host C++ over the CPU emulator
+// (csrc/emu/cuda_builtins.h supplies the intrinsics; CPU tests of the device logic); it replaces the two
+// inline-PTX helpers.
+#ifndef LRF_KERNEL_EMULATION
 __device__ __forceinline__ float ex2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -125,7 +126,7 @@ __device__ __forceinline__ uint4 load_stream16(const void* p) {
 }
 #else
 __device__ __forceinline__ float ex2_approx(float x) { return exp2f(x); }
-__device__ __forceinline__ uint4 load_stream16(const void* p) { return simt::load16(p); }
+__device__ __forceinline__ uint4 load_stream16(const void* p) { return lrf::emu::load16(p); }
 #endif
 
 // First output word of Philox4x32-10: key (k0, k1), counter (c0, c1, c2, c3).
@@ -529,10 +530,10 @@ __global__ void __launch_bounds__(kUnmaskThreads, kGreedy ? 4 : 3) threshold_unm
   static_assert(N <= kUnmaskStage && N <= 32, "a group must fit the staging block and a 32-bit mask");
 
   __shared__ UnmaskShared sh;
-#ifndef LRF_SIMT_EMULATION
+#ifndef LRF_KERNEL_EMULATION
   extern __shared__ __align__(16) char dyn[];
 #else
-  char* dyn = simt::dynamic_smem();
+  char* dyn = lrf::emu::dynamic_smem();
 #endif
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -2,9 +2,10 @@
 // inputs, fp32 accumulate), cp.async with zero fill, ex2.approx, warp shuffles, 2 x 16-bit packing.
 //
 // Every instruction the kernels use goes through this header, so the same kernel source also compiles as
-// plain host C++ when LRF_KERNEL_EMULATION is defined: the functions then come from csrc/emu/emu_runtime.h,
-// which runs each CTA's threads as cooperative fibers and implements the PTX semantics (fragment layouts
-// as in the PTX ISA). The CPU tests use that to check the index math without a GPU.
+// plain host C++ when LRF_KERNEL_EMULATION is defined: the functions then come from csrc/emu/warp_ops.h, the
+// warp_ops front-end of the CPU emulator (csrc/emu/emu_core.h), which runs each CTA's threads as cooperative
+// fibers and implements the PTX semantics (fragment layouts as in the PTX ISA). The CPU tests use that to
+// check the index math without a GPU.
 //
 // Fragment layouts of mma.m16n8k16 (lane = 4 * group + tig):
 //   A 16x16 row-major, 4 regs: a0 (row group,   k 2tig..+1), a1 (row group+8, k 2tig..+1),
@@ -16,7 +17,7 @@
 #include <cstdint>
 
 #if defined(LRF_KERNEL_EMULATION)
-#include "emu/emu_runtime.h"
+#include "emu/warp_ops.h"
 #else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,12 +1,11 @@
-// Host build of csrc/kernels/unmask.cuh over the SIMT emulator (simt_emu.h), for the CPU tests in
-// python_tests/test_unmask.py. It mirrors the launcher csrc/unmask.cu: the same split choice and workspace
-// layout (both from the header), a zeroed workspace, one "launch" of rows * nsplit blocks — run in a
-// caller-chosen order — and it reports whether the kernel left every counter at zero.
-//
-//   g++ -std=c++17 -O2 -ffp-contract=off -shared -fPIC -I<csrc> -I<cuda>/include unmask_emu.cpp -o emu.so
-#define LRF_SIMT_EMULATION 1
-#define __shared__ static
-#include "simt_emu.h"
+// CPU driver of the threshold-unmask kernel source (kernels/unmask.cuh) under emulation (emu_core.h with the
+// CUDA-builtins front-end cuda_builtins.h), a shared library for python_tests/test_unmask.py (ctypes); not
+// part of the extension. It mirrors the launcher csrc/unmask.cu: the same split choice and workspace layout
+// (both from the header), a zeroed workspace, one "launch" of rows * nsplit blocks — run in a caller-chosen
+// order — and it reports whether the kernel left every counter at zero. Build:
+//   g++ -std=c++20 -O2 -ffp-contract=off -DLRF_KERNEL_EMULATION -shared -fPIC -Icsrc -I<cuda>/include
+//       csrc/emu/unmask_emu.cpp -o unmask_emu.so
+#include "emu/cuda_builtins.h"
 
 #include <algorithm>
 #include <numeric>
@@ -28,8 +27,9 @@ void body() {
 extern "C" {
 
 // dtype: 0 float32, 1 bfloat16, 2 float16. [B, S] arrays are contiguous; logits strides are in elements.
-// slots = SMs x resident CTAs per SM used for the split choice; order_seed 0 = blocks in launch order,
-// else a random permutation. Returns 0, or 1 when a counter was left non-zero. *nsplit_out = chunks per row.
+// slots = SMs x resident CTAs per SM used for the split choice; order_seed 0 = blocks in launch order and
+// each block's threads in launch order, else a random permutation of the blocks and seeded random thread
+// interleavings. Returns 0, or 1 when a counter was left non-zero. *nsplit_out = chunks per row.
 int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64_t logits_ss, int B, int S, int V,
                          int64_t* tokens, bool* masked, int32_t* step_map, float* logp, float* conf,
                          const int32_t* step, const int32_t* quota, const int64_t* eos_ids, int num_eos,
@@ -81,7 +81,17 @@ int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64
   std::iota(order.begin(), order.end(), 0u);
   if (order_seed != 0) std::shuffle(order.begin(), order.end(), std::mt19937_64(order_seed));
   const size_t smem = size_t(unmask_dynamic_smem(S, is_greedy));
-  for (unsigned blk : order) simt::run_block(fn, int(blk), grid, kUnmaskThreads, smem);
+  const std::function<void()> thread = fn;
+  for (unsigned blk : order) {
+    lrf::emu::Launch launch;
+    launch.nthreads = kUnmaskThreads;
+    launch.smem_bytes = smem;
+    launch.block = int(blk);
+    launch.grid = grid;
+    launch.random_order = order_seed != 0;
+    launch.seed = order_seed + blk;
+    lrf::emu::run_cta(launch, thread);
+  }
   for (int b = 0; b < B; ++b) {
     if (p.counters[b] != 0) return 1;
   }

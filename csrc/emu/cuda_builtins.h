@@ -1,0 +1,151 @@
+// CUDA-builtins front-end of the CPU emulator (emu_core.h): the CUDA names that device code uses directly
+// (threadIdx / blockIdx / blockDim / gridDim, __syncthreads[_or], __syncwarp, __ballot_sync, __any_sync,
+// __reduce_or_sync, __shfl_xor_sync, atomicAdd, __ldcg, ...) for a kernel header compiled as host C++ with
+// -DLRF_KERNEL_EMULATION. Used by unmask_emu.cpp (csrc/kernels/unmask.cuh); test support only.
+//
+// Kernels are 1-D (threadIdx.x, blockIdx.x); only full-warp masks (0xffffffff) are emulated. `__shared__`
+// variables become host statics (shared by the CTAs, which run one after another); the dynamic shared memory
+// is the core's per-CTA array (dynamic_smem()). The CUDA headers (cuda_fp16.h, cuda_runtime.h) are needed for
+// the vector types and half-precision conversions the device code uses.
+#pragma once
+
+#define __shared__ static  // before the CUDA headers, which keep a definition they find
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <math.h>
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>  // before the threadIdx / gridDim macros below
+#include <vector_functions.h>
+#include <vector_types.h>
+
+#include "emu/emu_core.h"
+
+namespace lrf {
+namespace emu {
+
+// Collective kinds (pointer identity; the text is what a divergence report prints).
+inline constexpr char kSyncWarp[] = "__syncwarp";
+inline constexpr char kBallot[] = "__ballot_sync / __any_sync";
+inline constexpr char kReduceOr[] = "__reduce_or_sync";
+inline constexpr char kShflXor[] = "__shfl_xor_sync";
+inline constexpr char kSyncThreads[] = "__syncthreads";
+inline constexpr char kSyncThreadsOr[] = "__syncthreads_or";
+
+struct Idx3 {
+  unsigned x, y, z;
+};
+
+inline Idx3 thread_idx() { return {unsigned(tid()), 0u, 0u}; }
+inline Idx3 block_idx() { return {unsigned(block()), 0u, 0u}; }
+inline Idx3 block_dim() { return {unsigned(nthreads()), 1u, 1u}; }
+inline Idx3 grid_dim() { return {grid(), 1u, 1u}; }
+inline char* dynamic_smem() { return smem(); }
+
+inline void check_full_mask(unsigned mask) {
+  if (mask != 0xffffffffu) fail("only full-warp masks are emulated");
+}
+
+struct ShflIn {
+  uint32_t val, lane_mask;
+};
+
+inline uint32_t shfl_xor_bits(unsigned mask, uint32_t v, int lane_mask) {
+  check_full_mask(mask);
+  if (lane_mask < 0 || lane_mask >= kWarpSize) fail("shfl_xor lane mask outside 0..31");
+  return warp_collective<uint32_t>(kShflXor, ShflIn{v, uint32_t(lane_mask)},
+                                   [](const auto& in, auto& out) {
+                                     for (int l = 0; l < kWarpSize; ++l) {
+                                       if (in[l].lane_mask != in[0].lane_mask) {
+                                         fail("shfl_xor with a non-uniform lane mask");
+                                       }
+                                       out[l] = in[l ^ int(in[l].lane_mask)].val;
+                                     }
+                                   });
+}
+
+// __ballot_sync (bit l = lane l's predicate) or __reduce_or_sync (OR of the values).
+inline uint32_t vote(const char* kind, unsigned mask, uint32_t v, bool as_bits) {
+  check_full_mask(mask);
+  return warp_collective<uint32_t>(kind, v, [as_bits](const auto& in, auto& out) {
+    uint32_t all = 0;
+    for (int l = 0; l < kWarpSize; ++l) all |= as_bits ? (in[l] ? 1u : 0u) << l : in[l];
+    out.fill(all);
+  });
+}
+
+inline uint4 load16(const void* p) {
+  uint4 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+
+}  // namespace emu
+}  // namespace lrf
+
+// ------------------------------------------------------------------ CUDA names the device code uses
+
+#define threadIdx (::lrf::emu::thread_idx())
+#define blockIdx (::lrf::emu::block_idx())
+#define blockDim (::lrf::emu::block_dim())
+#define gridDim (::lrf::emu::grid_dim())
+#ifndef __launch_bounds__
+#define __launch_bounds__(...)
+#endif
+
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  lrf::emu::check_full_mask(mask);
+  lrf::emu::warp_barrier(lrf::emu::kSyncWarp);
+}
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+  return lrf::emu::vote(lrf::emu::kBallot, mask, pred != 0, true);
+}
+inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0u; }
+inline unsigned __reduce_or_sync(unsigned mask, unsigned v) {
+  return lrf::emu::vote(lrf::emu::kReduceOr, mask, v, false);
+}
+inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  bits = lrf::emu::shfl_xor_bits(mask, bits, lane_mask);
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+inline int __shfl_xor_sync(unsigned mask, int v, int lane_mask) {
+  return int(lrf::emu::shfl_xor_bits(mask, uint32_t(v), lane_mask));
+}
+inline void __syncthreads() { lrf::emu::block_barrier(lrf::emu::kSyncThreads); }
+inline int __syncthreads_or(int pred) { return int(lrf::emu::block_barrier(lrf::emu::kSyncThreadsOr, pred != 0)); }
+inline void __threadfence() {}
+inline int atomicAdd(int* p, int v) {  // no fiber switch inside: atomic by construction
+  const int old = *p;
+  *p = old + v;
+  return old;
+}
+inline float4 __ldcg(const float4* p) { return *p; }
+inline int4 __ldcg(const int4* p) { return *p; }
+inline unsigned __umulhi(unsigned a, unsigned b) { return unsigned((uint64_t(a) * uint64_t(b)) >> 32); }
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __ffs(unsigned v) { return __builtin_ffs(int(v)); }
+inline float __uint_as_float(unsigned v) {
+  float f;
+  std::memcpy(&f, &v, 4);
+  return f;
+}
+// volatile keeps the host compiler from contracting into an FMA (as __fmul_rn/__fadd_rn never are)
+inline float __fmul_rn(float a, float b) {
+  volatile float r = a * b;
+  return r;
+}
+inline float __fsub_rn(float a, float b) {
+  volatile float r = a - b;
+  return r;
+}
+inline float __fadd_rn(float a, float b) {
+  volatile float r = a + b;
+  return r;
+}

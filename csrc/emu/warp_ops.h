@@ -1,0 +1,306 @@
+// warp_ops front-end of the CPU emulator (emu_core.h): host implementations of the functions of
+// csrc/kernels/warp_ops.cuh, which includes this header instead of its PTX when LRF_KERNEL_EMULATION is defined.
+// Used by block_attn_emu.cpp (csrc/kernels/block_attn.cuh); test support only.
+//
+//  * ldmatrix / mma.m16n8k16 / shfl_xor are warp collectives (warp_collective): every lane gives its operands,
+//    and the 32 lanes' results are computed at once from all of them, with the fragment layouts of the PTX ISA
+//    (see warp_ops.cuh); mma products are summed in fp32. block_sync is a block barrier.
+//  * cp.async: by default a copy lands at issue time (the earliest the hardware may land it); with
+//    defer_copies it lands when the issuing thread's cp.async.wait_group retires its group (the latest).
+//    Running both brackets the hardware's timing. A thread that exits with copies in flight is an error.
+//  * A "shared address" is an offset into the core's shared memory (bounds and alignment checked). Global
+//    memory is host memory (16-, 8- and 4-byte accesses are alignment checked like the device).
+//  * run_cta(): one CTA, body(tid) per thread, threads interleaved at random from a seed.
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <vector>
+
+#include <math.h>
+
+#include "emu/emu_core.h"
+
+#define LRF_DEVICE inline
+#define __host__
+#define __device__
+
+namespace lrf {
+namespace emu {
+
+inline constexpr char kLdmatrix[] = "ldmatrix.x4";
+inline constexpr char kLdmatrixTrans[] = "ldmatrix.x4.trans";
+inline constexpr char kMma[] = "mma.m16n8k16";
+inline constexpr char kShfl[] = "shfl.xor";
+inline constexpr char kBlockSync[] = "block_sync";
+
+struct Copy {
+  uint32_t dst;
+  const char* src;
+  int bytes;
+};
+
+// cp.async state of one thread: copies issued since the last commit, committed groups not yet retired.
+struct CopyQueue {
+  std::vector<Copy> open;
+  std::deque<std::vector<Copy>> groups;
+  bool pending() const {
+    bool any = !open.empty();
+    for (const auto& g : groups) any = any || !g.empty();
+    return any;
+  }
+};
+
+struct WarpOpsState {
+  bool defer_copies = false;
+  std::vector<CopyQueue> copies;  // per thread
+};
+
+inline WarpOpsState& warp_ops_state() {
+  static WarpOpsState s;
+  return s;
+}
+
+// Runs one CTA of `nthreads` threads, body(tid) per thread, with `smem_bytes` of shared memory filled with
+// 0xFF bytes (NaN in bf16/fp16: reading shared memory nobody wrote shows up as NaN); the threads interleave
+// at random from `seed`.
+inline void run_cta(int nthreads, size_t smem_bytes, const std::function<void(int)>& body, bool defer_copies,
+                    uint32_t seed) {
+  WarpOpsState& s = warp_ops_state();
+  s.defer_copies = defer_copies;
+  s.copies.assign(nthreads, CopyQueue{});
+  Launch launch;
+  launch.nthreads = nthreads;
+  launch.smem_bytes = smem_bytes;
+  launch.random_order = true;
+  launch.seed = seed;
+  const std::function<void()> thread = [&]() {
+    body(tid());
+    if (s.copies[tid()].pending()) fail("thread exited with cp.async copies in flight");
+  };
+  emu::run_cta(launch, thread);
+}
+
+inline char* smem_ptr(uint32_t addr, size_t bytes) {
+  if (size_t(addr) + bytes > smem_bytes()) fail("shared memory access out of bounds");
+  return smem() + addr;
+}
+
+inline void do_copy(const Copy& cp) {
+  char* dst = smem_ptr(cp.dst, 16);
+  if (cp.bytes == 16) {
+    std::memcpy(dst, cp.src, 16);
+  } else {
+    std::memset(dst, 0, 16);
+  }
+}
+
+inline void check_align(const void* p, uintptr_t a, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % a != 0) fail(what);
+}
+
+inline uint16_t ld_u16(uint32_t addr) {
+  uint16_t v;
+  std::memcpy(&v, smem_ptr(addr, 2), 2);
+  return v;
+}
+
+}  // namespace emu
+
+namespace kernels {
+
+struct Bf16 {};
+struct Fp16 {};
+
+struct U128 {
+  uint32_t x, y, z, w;
+};
+
+inline float to_float(Bf16, uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float to_float(Fp16, uint16_t h) {
+  _Float16 x;
+  std::memcpy(&x, &h, 2);
+  return static_cast<float>(x);
+}
+
+inline uint16_t from_float(Bf16, float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline uint16_t from_float(Fp16, float f) {
+  const _Float16 x = static_cast<_Float16>(f);  // round to nearest even
+  uint16_t h;
+  std::memcpy(&h, &x, 2);
+  return h;
+}
+
+inline uint32_t smem_addr(const void* p) {
+  const char* q = static_cast<const char*>(p);
+  const char* base = emu::smem();
+  if (q < base || q > base + emu::smem_bytes()) emu::fail("smem_addr of a non-shared pointer");
+  return static_cast<uint32_t>(q - base);
+}
+
+inline void ldmatrix_impl(uint32_t (&r)[4], uint32_t addr, bool trans) {
+  if (addr % 16 != 0) emu::fail("ldmatrix row address not 16-byte aligned");
+  using Regs = std::array<uint32_t, 4>;
+  const Regs got = emu::warp_collective<Regs>(
+      trans ? emu::kLdmatrixTrans : emu::kLdmatrix, addr, [trans](const auto& rows, auto& out) {
+        for (int lane = 0; lane < emu::kWarpSize; ++lane) {
+          for (int m = 0; m < 4; ++m) {
+            uint16_t lo, hi;
+            if (!trans) {  // row lane/4 of matrix m, columns 2(lane%4), +1
+              const uint32_t row = rows[8 * m + lane / 4];
+              lo = emu::ld_u16(row + 4 * (lane % 4));
+              hi = emu::ld_u16(row + 4 * (lane % 4) + 2);
+            } else {  // column lane/4 of matrix m, rows 2(lane%4), +1
+              lo = emu::ld_u16(rows[8 * m + 2 * (lane % 4)] + 2 * (lane / 4));
+              hi = emu::ld_u16(rows[8 * m + 2 * (lane % 4) + 1] + 2 * (lane / 4));
+            }
+            out[lane][m] = uint32_t(lo) | (uint32_t(hi) << 16);
+          }
+        }
+      });
+  for (int m = 0; m < 4; ++m) r[m] = got[m];
+}
+
+inline void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) { ldmatrix_impl(r, addr, false); }
+inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) { ldmatrix_impl(r, addr, true); }
+
+inline uint16_t half_of(uint32_t reg, int k) { return static_cast<uint16_t>(k % 2 ? reg >> 16 : reg & 0xffffu); }
+
+struct MmaOperands {
+  uint32_t a[4];
+  uint32_t b[2];
+  float c[4];
+};
+
+template <typename T>
+inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  using Acc = std::array<float, 4>;
+  const MmaOperands mine{{a[0], a[1], a[2], a[3]}, {b0, b1}, {d[0], d[1], d[2], d[3]}};
+  const Acc got = emu::warp_collective<Acc>(emu::kMma, mine, [](const auto& ops, auto& out) {
+    for (int lane = 0; lane < emu::kWarpSize; ++lane) {
+      const int g = lane / 4, tg = lane % 4;
+      for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e / 2), col = 2 * tg + (e % 2);
+        float acc = ops[lane].c[e];
+        for (int k = 0; k < 16; ++k) {
+          const uint32_t areg = ops[(row % 8) * 4 + (k % 8) / 2].a[(row / 8) + 2 * (k / 8)];
+          const uint32_t breg = ops[col * 4 + (k % 8) / 2].b[k / 8];
+          acc += to_float(T{}, half_of(areg, k)) * to_float(T{}, half_of(breg, k));
+        }
+        out[lane][e] = acc;
+      }
+    }
+  });
+  for (int e = 0; e < 4; ++e) d[e] = got[e];
+}
+
+inline void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  if (dst % 16 != 0) emu::fail("cp.async shared address not 16-byte aligned");
+  if (src_bytes != 0 && src_bytes != 16) emu::fail("cp.async src-size must be 0 or 16 here");
+  if (src_bytes == 16) emu::check_align(src, 16, "cp.async global address not 16-byte aligned");
+  const emu::Copy cp{dst, static_cast<const char*>(src), src_bytes};
+  emu::smem_ptr(dst, 16);
+  emu::WarpOpsState& s = emu::warp_ops_state();
+  if (s.defer_copies) {
+    s.copies[emu::tid()].open.push_back(cp);
+  } else {
+    emu::do_copy(cp);
+  }
+}
+
+inline void cp_async_commit() {
+  emu::CopyQueue& q = emu::warp_ops_state().copies[emu::tid()];
+  q.groups.push_back(std::move(q.open));
+  q.open.clear();
+}
+
+template <int N>
+inline void cp_async_wait() {
+  emu::CopyQueue& q = emu::warp_ops_state().copies[emu::tid()];
+  while (static_cast<int>(q.groups.size()) > N) {
+    for (const emu::Copy& cp : q.groups.front()) emu::do_copy(cp);
+    q.groups.pop_front();
+  }
+}
+
+inline void block_sync() { emu::block_barrier(emu::kBlockSync); }
+
+// Grids run one after the other here: programmatic dependent launch has nothing to overlap.
+inline void griddep_launch_dependents() {}
+inline void griddep_wait() {}
+
+inline float fast_exp2(float x) { return std::exp2(x); }
+
+inline float shfl_xor(float v, int mask) {
+  if (mask < 0 || mask >= emu::kWarpSize) emu::fail("shfl_xor lane mask outside 0..31");
+  struct In {
+    float v;
+    int mask;
+  };
+  return emu::warp_collective<float>(emu::kShfl, In{v, mask}, [](const auto& in, auto& out) {
+    for (int l = 0; l < emu::kWarpSize; ++l) {
+      if (in[l].mask != in[0].mask) emu::fail("shfl_xor with a non-uniform lane mask");
+      out[l] = in[l ^ in[l].mask].v;
+    }
+  });
+}
+
+inline U128 ld_global_16(const void* p) {
+  emu::check_align(p, 16, "16-byte global load not aligned");
+  U128 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+
+inline void st_global_16(void* p, U128 v) {
+  emu::check_align(p, 16, "16-byte global store not aligned");
+  std::memcpy(p, &v, 16);
+}
+
+template <typename T>
+inline uint32_t pack2(float lo, float hi) {
+  return uint32_t(from_float(T{}, lo)) | (uint32_t(from_float(T{}, hi)) << 16);
+}
+
+template <int N>
+inline void ld_global_f32(const float* p, float (&x)[N]) {
+  emu::check_align(p, 4 * N, "vector float load not aligned");
+  std::memcpy(x, p, 4 * N);
+}
+
+inline void st_global_u32(void* p, uint32_t v) {
+  emu::check_align(p, 4, "4-byte store not aligned");
+  std::memcpy(p, &v, 4);
+}
+
+inline void st_global_u64(void* p, uint32_t lo, uint32_t hi) {
+  emu::check_align(p, 8, "8-byte store not aligned");
+  std::memcpy(p, &lo, 4);
+  std::memcpy(static_cast<char*>(p) + 4, &hi, 4);
+}
+
+inline void st_global_f32x2(float* p, float a, float b) {
+  emu::check_align(p, 8, "float2 store not aligned");
+  p[0] = a;
+  p[1] = b;
+}
+
+}  // namespace kernels
+}  // namespace lrf
