@@ -32,9 +32,14 @@ def test_every_phrasing_is_correct_and_there_are_several():
 def test_verifier_and_well_formed():
     t = SyntheticArithmetic()
     ex = ArithExample((6, 4, 5))
-    assert t.is_correct("6+4=10,10+5=15#15", ex) and t.score("junk#15", ex) == 1.0  # the answer decides
-    assert not t.is_correct("6+4=10,10+5=15#16", ex) and not t.is_correct("6+4=10,10+5=15", ex)
-    assert not t.is_correct("#1 5", ex)
+    loose = SyntheticArithmetic(strict=False)
+    for task in (t, loose):
+        assert task.is_correct("6+4=10,10+5=15#15", ex) and task.is_correct("04 + 06=10,10 + 05=15#15", ex)
+        assert not task.is_correct("6+4=10,10+5=15#16", ex) and not task.is_correct("6+4=10,10+5=15", ex)
+        assert not task.is_correct("#1 5", ex)
+    # strict (the default): a right answer after a wrong or junk trace is wrong; answer-only accepts it
+    for hacked in ("junk#15", "09 0 0= 10,05++  = 15#15", "6+4=11,11+4=15#15"):
+        assert t.score(hacked, ex) == 0.0 and loose.score(hacked, ex) == 1.0, hacked
     for bad in ("6+4=11,11+4=15#15", "6+4=10#15", "6+5=11,11+4=15#15", "6+4=10,10+5=15,1+1=2#15", "6+4=10,10*5=15#15"):
         assert not well_formed(bad, ex), bad
 

@@ -16,8 +16,10 @@ length, so TPF (tokens per forward) is the inverse of forwards per answer: a pol
 choosing a longer phrasing whose extra tokens are easy.
 
 Splits: the operand triples are split once by a fixed hash into train and held-out test, so the test
-accuracy measures generalization to unseen prompts. The verifier is exact: the text after the last `#`
-(before EOS) must be the true sum; `well_formed` also checks every step of the trace.
+accuracy measures generalization to unseen prompts. The verifier is exact and, by default, strict: the
+text after the last `#` (before EOS) must be the true sum AND every step of the worked trace must be right
+(`well_formed`). With an answer-only verifier (`strict=False`) RL learns to keep the answer and turn the
+trace into fast junk (measured: `9+9+7?` -> `09 0 0= 18,08++  = 25#25`, 95% "correct", 0% well-formed).
 """
 
 from __future__ import annotations
@@ -108,10 +110,11 @@ class SyntheticArithmetic:
     name = "synthetic"
 
     def __init__(self, num_operands: int = 3, max_operand: int = 9, test_fraction: float = 0.2, seed: int = 0,
-                 min_operand: int = 1, pad_numbers: bool = True) -> None:
+                 min_operand: int = 1, pad_numbers: bool = True, strict: bool = True) -> None:
         if num_operands < 2 or not 0 <= min_operand < max_operand or not 0 < test_fraction < 1:
             raise ValueError("need num_operands >= 2, 0 <= min_operand < max_operand and 0 < test_fraction < 1")
         self.num_operands, self.max_operand = num_operands, max_operand
+        self.strict = strict  # the worked trace must be right too, not only the final answer
         # every number in a trace has the width of the largest possible sum: the length of a trace is fixed
         # by its phrasing alone, so parallel decoding never has to guess how many digits a partial sum has
         self.width = len(str(num_operands * max_operand)) if pad_numbers else 1
@@ -127,7 +130,7 @@ class SyntheticArithmetic:
         return ex.prompt
 
     def is_correct(self, response: str, ex: ArithExample) -> bool:
-        return final_answer(response) == ex.answer
+        return well_formed(response, ex) if self.strict else final_answer(response) == ex.answer
 
     def score(self, response: str, ex: ArithExample) -> float:
         return float(self.is_correct(response, ex))
