@@ -104,3 +104,12 @@ def emu_build(tmp_path_factory):
         return out
 
     return build
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one CPU thread for the test (tiny models decode faster than with thread hand-offs), restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -18,12 +18,7 @@ from lightningrl_fast.tasks.synthetic import ArithExample, SyntheticArithmetic
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread, restored after
 
 
 # ------------------------------------------------------------------------------------------------------------

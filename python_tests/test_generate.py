@@ -22,12 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread, restored after
 
 
 def _tiny_config(tok, max_pos=256, block=BLOCK) -> SDARConfig:
