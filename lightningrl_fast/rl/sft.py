@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..model import SDARForCausalLM
 from ..ops.masked_attn import MaskLayout
+from .optim import make_optimizer
 
 
 def collate(pairs: list[tuple[list[int], list[int]]], block_size: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,7 +67,7 @@ def train_sft(model: SDARForCausalLM, sample_pair, steps: int, batch_size: int, 
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    opt = make_optimizer(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)  # fp32 state for bf16 models
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
     model.train()

@@ -26,6 +26,7 @@ from ..sampler import Rollout, SamplerConfig, generate
 from ..tasks import is_correct_batch
 from .advantages import Scored, compute_advantages, keep_groups, score_rollout
 from .logprobs import LayoutBatch, batch_logprobs, build_layout_batch
+from .optim import make_optimizer
 
 
 @dataclass
@@ -97,7 +98,7 @@ def make_state(model: SDARForCausalLM, cfg: RLConfig) -> TrainState:
         ref = copy.deepcopy(model).eval()
         ref.requires_grad_(False)
     model.zero_grad(set_to_none=True)  # no gradient left over from a warm-up may leak into the first update
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    opt = make_optimizer(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)  # fp32 state
     warm = max(1, cfg.warmup_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     return TrainState(model, ref, opt, sched)
