@@ -162,8 +162,9 @@ def evaluate(model, tokenizer, task, examples: Sequence, scfg, thresholds: Seque
     """Greedy decoding of `examples` at each threshold -> {f"{tau:g}": {acc, tpf, ...}}: `eval.evaluate`, reshaped.
 
     acc: verifier-correct AND finished with EOS (a response hitting the length cap is wrong); tpf: mean
-    tokens per forward; fwd_per_answer: mean forwards an answer took (prefill and commits included); well_formed (synthetic task): every step of the worked trace is right; finished:
-    fraction that emitted EOS; tokens_per_s: generated tokens per second of decoding."""
+    tokens per forward; fwd_per_answer: mean forwards an answer took (prefill and commits included);
+    well_formed (synthetic task): every step of the worked trace is right; finished: fraction that emitted
+    EOS; tokens_per_s: generated tokens per second of decoding."""
     from .eval import evaluate as evaluate_points
 
     ec = dataclasses.replace(scfg, temperature=0.0, seed=0, max_new_tokens=max_new_tokens or scfg.max_new_tokens)
@@ -416,8 +417,9 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
 
 
 def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
-    """REFERENCE §7 baseline: greedy decode of the train prompts at tau, keep the correct (and, for the
-    synthetic task, well-formed) outputs, fine-tune on them with the SFT objective, all within the RL budget."""
+    """REFERENCE §7 baseline: greedy decode of the train prompts at tau, keep the verifier-correct outputs
+    (synthetic task: the whole worked trace is checked), fine-tune on them with the SFT objective, all within
+    the RL budget."""
     from .checkpoint import save_model
     from .rl.checkpointing import nonfinite_parameters
     from .rl.sft import train_sft
@@ -429,29 +431,23 @@ def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     before = _eval_sweep(ctx, "before RFT", say)
     t_start = time.perf_counter()
     examples = ctx.train_examples[: b.rft_max_prompts] if b.rft_max_prompts else ctx.train_examples
-    is_synthetic = getattr(ctx.task, "name", "") == "synthetic"
-    if is_synthetic:
-        from .tasks.synthetic import well_formed
     prompts = [ctx.tokenizer.encode(ctx.task.build_prompt(ex)) for ex in examples]
     dec = dataclasses.replace(ctx.scfg, temperature=0.0, seed=0)
-    kept: list[tuple[list[int], list[int]]] = []
-    n_correct = 0
+    kept: list[tuple[list[int], list[int]]] = []  # (prompt ids, response ids) of the verified-correct outputs
     for i in range(0, len(prompts), cfg.eval.eval_batch_size):
         chunk, exs = prompts[i:i + cfg.eval.eval_batch_size], examples[i:i + cfg.eval.eval_batch_size]
         ro = generate(ctx.model, chunk, dec)
         texts = [ctx.tokenizer.decode(ro.response_ids(j), skip_special=True) for j in range(len(ro))]
         ok = is_correct_batch(ctx.task, texts, list(exs))
-        for j, (t, ex) in enumerate(zip(texts, exs)):
-            good = ok[j] and bool(ro.eos_found[j])
-            n_correct += good
-            if good and (not is_synthetic or well_formed(t, ex)):
+        for j in range(len(texts)):
+            if ok[j] and bool(ro.eos_found[j]):  # the task's verifier decides (synthetic: the whole trace)
                 kept.append((chunk[j], ro.response_ids(j)))
         if budget is not None and time.perf_counter() - t_start > budget:
             say("RFT: time budget reached while decoding")
             break
     decode_s = time.perf_counter() - t_start
     say(f"RFT: decoded {len(prompts)} train prompts greedily at tau {tau:g} in {decode_s:.1f}s; "
-        f"{n_correct} correct, {len(kept)} kept")
+        f"{len(kept)} correct and kept")
     remaining = None if budget is None else budget - decode_s
     losses: list[float] = []
     if kept and (remaining is None or remaining > 0):
@@ -464,7 +460,7 @@ def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     elapsed = time.perf_counter() - t_start
     say(f"RFT: {len(losses)} fine-tune steps, phase took {elapsed:.1f}s")
     with open(ctx.out / "metrics.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps({"phase": "rft_decode", "prompts": len(prompts), "correct": n_correct, "kept": len(kept),
+        f.write(json.dumps({"phase": "rft_decode", "prompts": len(prompts), "correct": len(kept), "kept": len(kept),
                             "seconds": decode_s}) + "\n")
         for i, loss in enumerate(losses):
             f.write(json.dumps({"phase": "rft_sft", "step": i + 1, "loss": loss if math.isfinite(loss) else None}) + "\n")
