@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One lease of a GPU machine, in one command: build the extension there, run the GPU tests, run the
+# benchmarks, check the SASS, and leave every log under $OUT (or ./gpu_out when $OUT is unset).
+#
+#   bash profiling/gpu_session.sh [stage ...]
+#
+# Stages (default: build tests sass kernels): build, tests, sass, kernels (unmask, kv_cache, block_attn
+# --quick, grpo_loss), decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32), attn_full (every
+# bench_block_attn shape), ncu (Nsight Compute of the unmask and block-attention kernels).
+# Each stage has its own time limit so that one hung stage cannot eat the lease. The logs are plain text;
+# copy the figures into profiling/RESULTS.md with the device, date, commit and shapes.
+set -u
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export MAX_JOBS=${MAX_JOBS:-12} NVCC_THREADS=${NVCC_THREADS:-4} LRF_PTXAS_VERBOSE=1
+REPO=$PWD
+stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(build tests sass kernels)
+
+stage() {  # stage NAME LIMIT_S LOGFILE CMD...
+  local name=$1 limit=$2 log=$3; shift 3
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s)" | tee -a "$OUT/$log"
+  timeout -k 10 "$limit" "$@" >>"$OUT/$log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/$log"
+  return $rc
+}
+
+so_path() { python3 -c 'import lightningrl_fast._C as c; print(c.__file__)' 2>/dev/null; }
+
+for s in "${stages[@]}"; do
+  case $s in
+    build)
+      { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+        nvcc --version | tail -n 2; python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
+      } >"$OUT/build.log" 2>&1
+      stage build 300 build.log python3 -m pip install --no-build-isolation --no-deps -v . || exit 1
+      # The built library travels back so a later call can reuse it (profiling/README.md, "GPU session").
+      cp "$(so_path)" "$OUT/" 2>/dev/null
+      grep -E "ptxas info|spill|Used [0-9]+ registers|stack frame" "$OUT/build.log" | sort -u | tail -n 60 ;;
+    tests)
+      # From a directory outside the checkout, so the installed package (with _C) is the one imported.
+      (cd /tmp && stage tests 240 tests.log python3 -m pytest "$REPO/python_tests" -m gpu -q -rfE \
+          -p no:cacheprovider --timeout 120)
+      grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 3 ;;
+    sass)
+      so=$(so_path)
+      { cuobjdump --list-elf "$so"
+        for k in block_attn unmask lm_head group_normalize kv_cache; do
+          echo "--- $k: instruction mix"
+          cuobjdump --dump-sass "$so" | awk -v k="$k" '/Function :/ {on = index($0, k) > 0} on' \
+            | grep -oE '^\s+/\*[0-9a-f]{4}\*/\s+[A-Z][A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' \
+            | sort | uniq -c | sort -rn | head -n 25
+        done
+      } >"$OUT/sass.log" 2>&1
+      grep -cE "HMMA|HGMMA" "$OUT/sass.log" ;;
+    kernels)
+      for b in bench_unmask.py bench_kv_cache.py "bench_block_attn.py --quick" bench_grpo_loss.py; do
+        stage "$b" 150 bench.log python3 profiling/$b
+      done
+      grep -E '^\{' "$OUT/bench.log" | cut -c1-400 ;;
+    attn_full)
+      stage bench_block_attn 420 bench_attn_full.log python3 profiling/bench_block_attn.py ;;
+    decode)
+      stage bench_decode 540 bench_decode.log python3 profiling/bench_decode.py --config sdar-8b \
+        --batches 1,8,64 --blocks 4,32 --repeats 3 ;;
+    ncu)
+      stage ncu 300 ncu.log bash profiling/ncu_kernels.sh ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
