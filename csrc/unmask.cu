@@ -5,9 +5,12 @@
 // device), and launches once on the current stream. No host synchronization: seed, offset, step, quota and
 // the mask are read on the device only, so the call is CUDA-graph capturable (bump `offset` between replays).
 //
-// Allocation per call: the two [B] bool outputs only. The cross-CTA workspace (per-sequence arrival counters
-// + per-chunk partials, ~32 bytes per chunk) is persistent per device and grows geometrically; it is
-// zeroed when allocated and the kernel leaves its counters at zero. Growing it while the stream is being
+// Allocation per call: the two [B] bool outputs only. The cross-CTA workspace is two persistent buffers per
+// device that grow geometrically: the per-sequence arrival counters (int32, zeroed when allocated; the kernel
+// leaves them at zero) and the per-chunk partials (~32 bytes per chunk, never read before written). They are
+// separate so that a launch with a larger batch never reads an earlier launch's partials as counters (found
+// on an H100: a counter that is not zero on entry means no CTA is last and the rows stay masked). Growing a
+// buffer while the stream is being
 // captured is refused (run the op once eagerly first, as torch's graph recipe does), and a replaced
 // workspace is never freed, because a captured graph may still point at it. Calls on one device must be
 // stream-ordered (the workspace is shared); concurrent launches on different streams are not supported.
@@ -52,8 +55,9 @@ KernelFn pick_kernel(at::ScalarType dtype, bool greedy) {
 struct DeviceInfo {
   int sms = 0;
   std::map<std::pair<KernelFn, int64_t>, int> occupancy;  // (kernel, dynamic smem) -> resident CTAs per SM
-  at::Tensor workspace;                                    // uint8, zero-initialized
-  std::vector<at::Tensor> retired;                         // earlier workspaces, kept for captured graphs
+  at::Tensor counters;                                     // uint8, zero-initialized, zero between launches
+  at::Tensor partials;                                     // uint8, scratch
+  std::vector<at::Tensor> retired;                         // earlier buffers, kept for captured graphs
 };
 
 std::mutex g_mutex;
@@ -70,21 +74,22 @@ int resident_ctas(DeviceInfo& info, KernelFn fn, int64_t smem) {
   return blocks;
 }
 
-uint8_t* workspace(DeviceInfo& info, int64_t bytes, const at::Device& device, cudaStream_t stream) {
-  if (info.workspace.defined() && info.workspace.numel() >= bytes) return info.workspace.data_ptr<uint8_t>();
+// `buf` holds at least `bytes` bytes (zeroed when (re)allocated) on return.
+uint8_t* grow(DeviceInfo& info, at::Tensor& buf, int64_t bytes, const at::Device& device, cudaStream_t stream,
+              const char* what) {
+  if (buf.defined() && buf.numel() >= bytes) return buf.data_ptr<uint8_t>();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
-              "threshold_unmask: its workspace must grow to ", bytes,
-              " bytes, which cannot happen while a CUDA graph is being captured; call the op once eagerly "
+  TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "threshold_unmask: its ", what, " workspace must grow to ",
+              bytes, " bytes, which cannot happen while a CUDA graph is being captured; call the op once eagerly "
               "with the same (or a larger) batch before capturing");
-  int64_t size = std::max<int64_t>(bytes, 1 << 16);
-  if (info.workspace.defined()) {
-    size = std::max(size, 2 * info.workspace.numel());
-    info.retired.push_back(info.workspace);
+  int64_t size = std::max<int64_t>(bytes, 1 << 12);
+  if (buf.defined()) {
+    size = std::max(size, 2 * buf.numel());
+    info.retired.push_back(buf);
   }
-  info.workspace = at::zeros({size}, at::TensorOptions().dtype(at::kByte).device(device));
-  return info.workspace.data_ptr<uint8_t>();
+  buf = at::zeros({size}, at::TensorOptions().dtype(at::kByte).device(device));
+  return buf.data_ptr<uint8_t>();
 }
 
 template <typename T>
@@ -176,10 +181,10 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
     }
     const int64_t slots = int64_t(info.sms) * resident_ctas(info, fn, smem);
     p.nsplit = kernels::unmask_choose_split(rows, V / per_vec, slots);
-    const int64_t bytes = kernels::unmask_workspace_bytes(B, rows, p.nsplit);
-    uint8_t* ws = workspace(info, bytes, logits.device(), stream);
-    p.counters = reinterpret_cast<int32_t*>(ws);
-    p.partials = reinterpret_cast<kernels::UnmaskPartial*>(ws + kernels::unmask_counter_bytes(B));
+    p.counters = reinterpret_cast<int32_t*>(
+        grow(info, info.counters, kernels::unmask_counter_bytes(B), logits.device(), stream, "counter"));
+    p.partials = reinterpret_cast<kernels::UnmaskPartial*>(
+        grow(info, info.partials, kernels::unmask_partial_bytes(rows, p.nsplit), logits.device(), stream, "partials"));
   }
   TORCH_CHECK(rows * p.nsplit <= std::numeric_limits<int32_t>::max(), "threshold_unmask: too many rows: ", rows);
 

@@ -449,7 +449,28 @@ def test_gpu_sampling_picks_equal_reference(cuda_kernels, dtype, temperature, vo
     assert same.float().mean().item() >= 0.99, f"{int((~same).sum())} of {same.numel()} picks differ"
     torch.testing.assert_close(got[4][same], ref[4][same], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got[5][same], ref[5][same], rtol=1e-4, atol=1e-5)
-    assert not got[2].any() and (got[3] == extra[0][:, None]).all()
+    # every masked position of a row with quota > 0 is written (tau 0); the quota-0 row keeps its mask
+    assert torch.equal(got[2], ref[2]) and torch.equal(got[3], ref[3])
+    assert not got[2][extra[1] > 0].any() and (got[3][extra[1] > 0] == extra[0][extra[1] > 0, None]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("greedy", [True, False])
+def test_gpu_workspace_survives_batch_growth(cuda_kernels, greedy):
+    """Calls with a small batch, then larger ones, then a small one again: the persistent workspace's arrival
+    counters must read zero on entry every time (an H100 run once found a larger batch reading the previous
+    launch's partials as counters, so no CTA was last and rows stayed masked)."""
+    for b, vocab in [(2, 4099), (3, 151936), (700, 97), (1500, 4099), (5, 151936)]:
+        state, extra = case(b, 4, vocab, torch.bfloat16, seed=b, frac_masked=1.0, device="cuda", quota=(1, 2, 3))
+        ref = clone(state)
+        want = threshold_unmask_reference(*ref, *extra, 0.5, 1.0, 0, 1.0, greedy)
+        got = clone(state)
+        flags = threshold_unmask(*got, *extra, threshold=0.5, greedy=greedy)
+        same = got[1] == ref[1]
+        assert same.float().mean().item() >= 0.99, (b, vocab, int((~same).sum()))
+        assert (~got[2]).sum(1).ge(1).all(), f"B={b}: a row with quota >= 1 unmasked nothing"
+        if greedy:
+            assert_same_step(got, flags, ref, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.gpu

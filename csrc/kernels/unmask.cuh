@@ -26,8 +26,8 @@
 // otherwise a few ulp from the reference, so a position whose conf is within ~1e-6 of the threshold or of
 // another position's conf may be selected differently (the picks themselves do not depend on it).
 //
-// Workspace (persistent, owned by the launcher): int32 counters[B] (zero between launches) followed by
-// UnmaskPartial partials[B * S * nsplit]. Positions that are not masked, and sequences with quota <= 0,
+// Workspace (persistent, owned by the launcher): int32 counters[B] (zero between launches) and, in a separate
+// buffer, UnmaskPartial partials[B * S * nsplit]. Positions that are not masked, and sequences with quota <= 0,
 // are not scanned at all (their logits are never read).
 #pragma once
 
@@ -412,10 +412,14 @@ inline int unmask_choose_split(int64_t rows, int64_t vectors_per_row, int64_t sl
   return best;
 }
 
-// Workspace layout: int32 counters[B] padded to 256 bytes, then the partials.
+// Workspace: int32 counters[B] (padded to 256 bytes) and, in a separate buffer, the partials. The counters
+// must never share bytes with partials of an earlier launch: they must read zero on entry.
 inline int64_t unmask_counter_bytes(int64_t batch) { return (batch * 4 + 255) / 256 * 256; }
+inline int64_t unmask_partial_bytes(int64_t rows, int64_t nsplit) {
+  return rows * nsplit * int64_t(sizeof(UnmaskPartial));
+}
 inline int64_t unmask_workspace_bytes(int64_t batch, int64_t rows, int64_t nsplit) {
-  return unmask_counter_bytes(batch) + rows * nsplit * int64_t(sizeof(UnmaskPartial));
+  return unmask_counter_bytes(batch) + unmask_partial_bytes(rows, nsplit);
 }
 
 // ------------------------------------------------------------------------------ the CTA that finishes b
