@@ -192,11 +192,14 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
     return row
 
 
-def child_reference_rows(argv: list[str]) -> tuple[list[dict], str | None]:
+def child_reference_rows(argv: list[str], timeout_s: float) -> tuple[list[dict], str | None]:
     """Run the reference combinations in a child process with LRF_DISABLE_KERNELS=1; (rows, error)."""
     env = dict(os.environ, **{DISABLE_ENV: "1"})
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--impl", "reference", "--child"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return [], f"reference child did not finish within --child-timeout {timeout_s:g} s"
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         return [], f"reference child failed (rc {proc.returncode}): {proc.stderr.strip()[-400:]}"
@@ -218,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--impl", choices=("both", "kernels", "reference"), default="both")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (tiny config, reference ops)")
     ap.add_argument("--torch-trace", default=None, help="Chrome trace of the first combination's timed call")
+    ap.add_argument("--child-timeout", type=float, default=900.0,
+                    help="seconds the reference child process may take (its rows are reported as unavailable after)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.tpf < 1:
@@ -282,6 +287,7 @@ def main(argv: list[str] | None = None) -> None:
             for block in args.blocks:
                 for g in graphs:
                     rows.append(run_combo(model, device, batch, block, g, impl, args, trace))
+                    print(f"done: {rows[-1]}", file=sys.stderr, flush=True)  # progress, in case a later one hangs
                     trace = None
     if args.child:
         emit_json("decode", rows=rows)
@@ -290,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
         del model  # free the device for the child's copy
         if on_gpu:
             torch.cuda.empty_cache()
-        ref_rows, ref_error = child_reference_rows(_strip_opt(_strip_opt(argv, "--impl"), "--torch-trace"))
+        ref_rows, ref_error = child_reference_rows(_strip_opt(_strip_opt(argv, "--impl"), "--torch-trace"),
+                                                   args.child_timeout)
         rows += ref_rows
         if ref_error:
             print(f"note: reference rows unavailable: {ref_error}")

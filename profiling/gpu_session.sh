@@ -5,8 +5,10 @@
 #   bash profiling/gpu_session.sh [stage ...]
 #
 # Stages (default: build tests sass kernels): build, tests, sass, kernels (unmask, kv_cache, block_attn
-# --quick, grpo_loss), decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32), attn_full (every
-# bench_block_attn shape), ncu (Nsight Compute of the unmask and block-attention kernels).
+# --quick, grpo_loss), decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32, the reference child capped
+# at 240 s), attn_full (every bench_block_attn shape), ncu (Nsight Compute of the unmask and block-attention
+# kernels). The build uses $CC / $CXX when set (RESULTS.md, 2026-11-22: launcher messages crashed in a build
+# made with the lent image's /opt/gcc; try CC=/usr/bin/gcc CXX=/usr/bin/g++).
 # Each stage has its own time limit so that one hung stage cannot eat the lease. The logs are plain text;
 # copy the figures into profiling/RESULTS.md with the device, date, commit and shapes.
 set -u
@@ -27,7 +29,7 @@ stage() {  # stage NAME LIMIT_S LOGFILE CMD...
   return $rc
 }
 
-so_path() { python3 -c 'import lightningrl_fast._C as c; print(c.__file__)' 2>/dev/null; }
+so_path() { (cd /tmp && python3 -c 'import lightningrl_fast._C as c; print(c.__file__)' 2>/dev/null); }
 
 for s in "${stages[@]}"; do
   case $s in
@@ -40,10 +42,14 @@ for s in "${stages[@]}"; do
       cp "$(so_path)" "$OUT/" 2>/dev/null
       grep -E "ptxas info|spill|Used [0-9]+ registers|stack frame" "$OUT/build.log" | sort -u | tail -n 60 ;;
     tests)
-      # From a directory outside the checkout, so the installed package (with _C) is the one imported.
-      (cd /tmp && stage tests 240 tests.log python3 -m pytest "$REPO/python_tests" -m gpu -q -rfE \
-          -p no:cacheprovider --timeout 120)
-      grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 3 ;;
+      # One pytest process per file, from a directory outside the checkout (so the installed package with _C is
+      # the one imported): a crash in one file loses only that file's results.
+      for f in "$REPO"/python_tests/test_*.py; do
+        grep -q "mark.gpu" "$f" || continue
+        (cd /tmp && stage "tests $(basename "$f")" 200 tests.log python3 -m pytest "$f" -m gpu -q -rfE \
+            -p no:cacheprovider --timeout 100)
+      done
+      grep -E "^=== tests|passed|failed|error" "$OUT/tests.log" | tail -n 30 ;;
     sass)
       so=$(so_path)
       { cuobjdump --list-elf "$so"
@@ -63,8 +69,9 @@ for s in "${stages[@]}"; do
     attn_full)
       stage bench_block_attn 420 bench_attn_full.log python3 profiling/bench_block_attn.py ;;
     decode)
+      # kernels first (their rows are printed as each finishes), then the reference ops in a child process
       stage bench_decode 540 bench_decode.log python3 profiling/bench_decode.py --config sdar-8b \
-        --batches 1,8,64 --blocks 4,32 --repeats 3 ;;
+        --batches 1,8,64 --blocks 4,32 --repeats 3 --new-tokens 256 --child-timeout 240 ;;
     ncu)
       stage ncu 300 ncu.log bash profiling/ncu_kernels.sh ;;
     *) echo "unknown stage $s"; exit 2 ;;
