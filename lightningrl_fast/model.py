@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops.block_attn import block_attention
+from .ops.block_attn import block_attention, check_cache_lengths
 from .ops.masked_attn import MaskLayout, masked_attention, prepare
 
 DEFAULT_MASK_TOKEN_ID = 151669
@@ -172,11 +172,13 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, n, self.hq * self.d))
 
     def forward_cached(self, x, cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size, packed=None) -> torch.Tensor:
+        """Lengths are checked once by SDARForCausalLM.hidden_cached, not here (a device sync per layer)."""
         q, k, v = self._qkv(x, cos, sin)
         if packed is not None:  # x holds only the valid tokens [1, N, H]: pad them to [B, C] for the attention op
             rows, cols, shape = packed
             q, k, v = (_unpack(t[0], rows, cols, shape) for t in (q, k, v))
-        o = block_attention(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size)  # [B, C, Hq, D]
+        o = block_attention(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size,
+                            check_lengths=False)  # [B, C, Hq, D]
         if packed is not None:
             o = o[rows, cols][None]  # [1, N, Hq, D]
         return self.o_proj(o.reshape(*o.shape[:2], self.hq * self.d))
@@ -321,17 +323,26 @@ class SDARForCausalLM(nn.Module):
 
     # -- incremental forward against the KV cache ----------------------------------------------------------
     def hidden_cached(self, input_ids: torch.Tensor, cache: KVCache, cache_lens: torch.Tensor,
-                      chunk_lens: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+                      chunk_lens: torch.Tensor, block_size: int | None = None,
+                      check_lengths: bool | None = None) -> torch.Tensor:
         """Hidden states [B, C, H] of a chunk per row at positions cache_lens + arange(C).
 
         Writes the chunk's K/V into `cache` (rows' first chunk_lens[b] tokens); lengths are not advanced.
         `block_size` overrides the config's (decoding a checkpoint with another block size).
+        `check_lengths`: validate the lengths once on the host (one device sync for CUDA lengths; None = unless
+        a CUDA graph is being captured or torch.compile traces). The sampler, which builds them, passes False.
         """
         block_size = block_size or self.config.block_size
         self._check_ids(input_ids)
         bsz, c = input_ids.shape
         if bsz != cache.batch:
             raise ValueError(f"input_ids batch {bsz} != KV cache batch {cache.batch}")
+        if check_lengths is None:
+            check_lengths = not torch.compiler.is_compiling() and not (
+                input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+            )
+        if check_lengths:
+            check_cache_lengths(cache_lens, chunk_lens, c, cache.capacity)
         position_ids = cache_lens.to(torch.int64)[:, None] + torch.arange(c, device=input_ids.device)  # [B, C]
         packed = None
         if not input_ids.is_cuda:

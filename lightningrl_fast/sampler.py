@@ -168,7 +168,7 @@ def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int
     idx = (start[:, None] + ar).clamp_max(ltot - 1)  # [n, 2B]
     chunk = st.seq.gather(1, idx)  # [n, 2B]
     chunk_lens = torch.where(st.done, 0, bs + st.pending.int() * bs).int()  # [n]
-    hidden = model.hidden_cached(chunk, cache, start.int(), chunk_lens, bs)  # [n, 2B, H]
+    hidden = model.hidden_cached(chunk, cache, start.int(), chunk_lens, bs, check_lengths=False)  # [n, 2B, H]
     off = st.pending.long()[:, None] * bs + ar[:bs]  # [n, B] the current block inside the chunk
     h = hidden.gather(1, off[..., None].expand(-1, -1, hidden.shape[-1]))  # [n, B, H]
     logits = model.lm_head(h)  # [n, B, V]
@@ -205,7 +205,7 @@ def _commit_step(model, st: _State, cache: KVCache, bs: int) -> None:
     start = (st.cur_block - 1).clamp_min(0) * bs
     idx = start[:, None] + torch.arange(bs, device=st.seq.device)
     chunk_lens = torch.where(st.pending, bs, 0).int()
-    model.hidden_cached(st.seq.gather(1, idx), cache, start.int(), chunk_lens, bs)
+    model.hidden_cached(st.seq.gather(1, idx), cache, start.int(), chunk_lens, bs, check_lengths=False)
     st.forwards.add_(st.pending.long())
     st.cache_len.add_(chunk_lens)
     st.pending.zero_()
@@ -280,7 +280,7 @@ def generate(model: SDARForCausalLM, prompts: list[list[int]], cfg: SamplerConfi
     if pmax > 0:
         with nvtx_range("prefill"):
             lens = full_blocks.int().to(dev)
-            model.hidden_cached(st.seq[:, :pmax], cache, st.cache_len, lens, bs)
+            model.hidden_cached(st.seq[:, :pmax], cache, st.cache_len, lens, bs, check_lengths=False)
             st.cache_len.copy_(lens)
             st.forwards.add_((lens > 0).long())
             total_forwards += 1

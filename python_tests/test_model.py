@@ -46,6 +46,24 @@ def test_full_forward_equals_incremental(dtype, tol, tied):
     torch.testing.assert_close(inc, full, rtol=tol, atol=tol)
 
 
+def test_cached_forward_checks_lengths_once():
+    """hidden_cached validates the lengths itself (one host check per forward, not one per layer) and names the
+    problem; the layers call the attention op with the check off."""
+    cfg = tiny_config()
+    model = build_model(cfg, dtype=torch.float64).eval()
+    ids = torch.randint(0, MASK, (2, 8))
+    cache = KVCache.allocate(cfg, 2, 16, dtype=torch.float64)
+    z = torch.zeros(2, dtype=torch.int32)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="row 1: cache_lens \\+ chunk_lens = 20 exceeds the KV cache capacity 16"):
+            model.hidden_cached(ids, cache, torch.tensor([0, 12], dtype=torch.int32), torch.tensor([8, 8], dtype=torch.int32))
+        with pytest.raises(ValueError, match="chunk_lens <= chunk length 8"):
+            model.hidden_cached(ids, cache, z, torch.tensor([9, 8], dtype=torch.int32))
+        with pytest.raises(ValueError, match="must be >= 0"):
+            model.hidden_cached(ids, cache, torch.tensor([-1, 0], dtype=torch.int32), z + 8)
+        model.hidden_cached(ids, cache, z, z + 8)
+
+
 def test_varlen_rows_in_one_cached_forward():
     """Rows at different cache lengths and chunk lengths in one call match their own full forwards."""
     torch.manual_seed(1)

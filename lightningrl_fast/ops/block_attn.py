@@ -15,7 +15,7 @@ On CUDA tensors in bf16/fp16 with head_dim 64 or 128 the op runs `_C.block_atten
 kernels/block_attn.cuh): one launch writes the chunk into the cache and attends with tensor cores, splitting
 the key range over CTAs (flash-decoding, plus a log-sum-exp merge launch) when batch x kv heads cannot fill
 the GPU. It reads no length on the host, so it can be captured in a CUDA graph; a row whose lengths are out
-of range writes nothing and outputs zeros (the host check below raises first whenever it may sync).
+of range writes nothing and outputs zeros (the host check, `check_lengths`, raises first unless turned off).
 Other dtypes / head dims and CPU tensors use the reference.
 """
 
@@ -100,6 +100,20 @@ def _(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, softmax_sca
     return torch.empty_like(q)
 
 
+def check_cache_lengths(cache_lens: torch.Tensor, chunk_lens: torch.Tensor, chunk: int, capacity: int) -> None:
+    """Raise ValueError unless 0 <= cache_lens, 0 <= chunk_lens <= chunk and cache_lens + chunk_lens <=
+    capacity for every row (reads the lengths on the host: a device sync for CUDA tensors)."""
+    if bool(((cache_lens < 0) | (chunk_lens < 0) | (chunk_lens > chunk)).any()):
+        raise ValueError(f"cache_lens/chunk_lens must be >= 0 and chunk_lens <= chunk length {chunk}")
+    over = cache_lens.to(torch.int64) + chunk_lens > capacity
+    if bool(over.any()):
+        row = int(over.nonzero()[0, 0])
+        raise ValueError(
+            f"row {row}: cache_lens + chunk_lens = {int(cache_lens[row]) + int(chunk_lens[row])} exceeds the KV cache "
+            f"capacity {capacity}"
+        )
+
+
 def block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -110,12 +124,16 @@ def block_attention(
     chunk_lens: torch.Tensor,
     block_size: int,
     softmax_scale: float | None = None,
+    check_lengths: bool | None = None,
 ) -> torch.Tensor:
     """Block-causal attention of a chunk against the KV cache; writes the chunk's K/V into the cache.
 
     q [B, C, Hq, D]; k, v [B, C, Hkv, D]; k_cache, v_cache [B, L, Hkv, D] (all one float dtype, one device);
     cache_lens, chunk_lens [B] int32 with cache_lens + chunk_lens <= L; Hq % Hkv == 0.
     Returns [B, C, Hq, D] in q's dtype (rows beyond chunk_lens are zero). softmax_scale defaults to D^-0.5.
+    check_lengths: validate the lengths on the host and raise ValueError (a device sync for CUDA lengths);
+    None = unless a CUDA graph is being captured or torch.compile traces. Hot loops that build the lengths
+    themselves (the sampler) pass False; the kernel then zeroes the output of an out-of-range row.
     """
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     bsz, c, hq, d = q.shape
@@ -132,15 +150,11 @@ def block_attention(
         raise ValueError(f"q heads ({hq}) must be a multiple of the cache's kv heads ({hkv})")
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        if bool(((cache_lens < 0) | (chunk_lens < 0) | (chunk_lens > c)).any()):
-            raise ValueError(f"cache_lens/chunk_lens must be >= 0 and chunk_lens <= chunk length {c}")
-        over = cache_lens.to(torch.int64) + chunk_lens > cap
-        if bool(over.any()):
-            row = int(over.nonzero()[0, 0])
-            raise ValueError(
-                f"row {row}: cache_lens + chunk_lens = {int(cache_lens[row]) + int(chunk_lens[row])} exceeds the KV cache "
-                f"capacity {cap}"
-            )
+    if check_lengths is None:
+        check_lengths = not torch.compiler.is_compiling() and not (
+            dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        )
+    if check_lengths:
+        check_cache_lengths(cache_lens, chunk_lens, c, cap)
     scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
     return _block_attention_op(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, scale)
