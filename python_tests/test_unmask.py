@@ -246,6 +246,8 @@ class Emulated:
         fn.argtypes = [i32, p, i64, i64, i32, i32, i32, p, p, p, p, p, p, p, p, i32, p, p, ctypes.c_double,
                        ctypes.c_double, i32, p, p, i64, i32, ctypes.c_uint64, p]
         self.fn = fn
+        self.take_draws = lib.emu_take_gumbel_draws
+        self.take_draws.restype = ctypes.c_uint64
 
     def __call__(self, logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
                  threshold=0.9, temperature=1.0, greedy=False, slots=528, split=0, order=1):
@@ -291,6 +293,31 @@ def test_emulated_kernel_matches_reference(emu, dtype, greedy, b, s, vocab, spli
     got, flags, ref, want = run_both(emu, state, extra, 0.3, 1.0, greedy, split=split, order=vocab)
     assert split == 0 or emu.nsplit == split
     assert_same_step(got, flags, ref, want)
+
+
+@pytest.mark.parametrize("order", [0, 7])
+def test_emulated_sampling_prunes_with_the_cta_threshold(emu, order):
+    """LLM-like rows (a few tokens 25-30 above N(0, 2) noise): the picks still equal the reference's exactly,
+    and the warps share the CTA's threshold (the best score so far, and s_max - 2.82 before any noise), so
+    most of the bulk is pruned without drawing noise. With per-warp thresholds only, the seven warps that never
+    meet a dominant token drew noise for nearly all of their tokens (> 80% of the row)."""
+    b, s, vocab = 2, 4, 20011
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(b, s, vocab, generator=g) * 2
+    top = torch.randint(0, vocab, (b, s, 4), generator=g)
+    logits.scatter_add_(-1, top, 25 + 5 * torch.rand(b, s, 4, generator=g))
+    state, extra = case(b, s, vocab, torch.float32, seed=3, frac_masked=1.0, quota=(1, 2))
+    state[0] = logits
+    emu.take_draws()
+    got, flags, ref, want = run_both(emu, state, extra, 0.5, 1.0, False, split=1, order=order)
+    assert_same_step(got, flags, ref, want)
+    draws = emu.take_draws()
+    assert 0 < draws < 0.5 * b * s * vocab, f"{draws} noise draws for {b * s * vocab} tokens"
+    # flat logits (all within 17 of each other): every token is a candidate, nothing may be skipped
+    state[0] = torch.randn(b, s, vocab, generator=g)
+    got, flags, ref, want = run_both(emu, state, extra, 0.5, 1.0, False, split=1, order=order)
+    assert_same_step(got, flags, ref, want)
+    assert emu.take_draws() > 0.9 * b * s * vocab
 
 
 def test_emulated_split_choice_fills_the_gpu(emu):

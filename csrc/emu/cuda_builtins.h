@@ -1,6 +1,6 @@
 // CUDA-builtins front-end of the CPU emulator (emu_core.h): the CUDA names that device code uses directly
 // (threadIdx / blockIdx / blockDim / gridDim, __syncthreads[_or], __syncwarp, __ballot_sync, __any_sync,
-// __reduce_or_sync, __shfl_xor_sync, atomicAdd, __ldcg, ...) for a kernel header compiled as host C++ with
+// __reduce_or_sync, __shfl_xor_sync, atomicAdd, atomicMax, __ldcg, ...) for a kernel header compiled as host C++ with
 // -DLRF_KERNEL_EMULATION. Used by unmask_emu.cpp (csrc/kernels/unmask.cuh); test support only.
 //
 // Kernels are 1-D (threadIdx.x, blockIdx.x); only full-warp masks (0xffffffff) are emulated. `__shared__`
@@ -126,11 +126,26 @@ inline int atomicAdd(int* p, int v) {  // no fiber switch inside: atomic by cons
   *p = old + v;
   return old;
 }
+inline int atomicMax(int* p, int v) {  // likewise
+  const int old = *p;
+  *p = old > v ? old : v;
+  return old;
+}
 inline float4 __ldcg(const float4* p) { return *p; }
 inline int4 __ldcg(const int4* p) { return *p; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return unsigned((uint64_t(a) * uint64_t(b)) >> 32); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline int __ffs(unsigned v) { return __builtin_ffs(int(v)); }
+inline int __float_as_int(float f) {
+  int i;
+  std::memcpy(&i, &f, 4);
+  return i;
+}
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
 inline float __uint_as_float(unsigned v) {
   float f;
   std::memcpy(&f, &v, 4);

@@ -11,6 +11,10 @@
 #include <numeric>
 #include <random>
 
+namespace lrf::emu {
+uint64_t gumbel_draws = 0;  // counted by the kernel's candidate flush (LRF_KERNEL_EMULATION only)
+}  // namespace lrf::emu
+
 #include "kernels/unmask.cuh"
 
 namespace {
@@ -25,6 +29,13 @@ void body() {
 }  // namespace
 
 extern "C" {
+
+// Gumbel draws (tokens whose noise was computed) since the last call; resets the count.
+uint64_t emu_take_gumbel_draws() {
+  const uint64_t n = lrf::emu::gumbel_draws;
+  lrf::emu::gumbel_draws = 0;
+  return n;
+}
 
 // dtype: 0 float32, 1 bfloat16, 2 float16. [B, S] arrays are contiguous; logits strides are in elements.
 // slots = SMs x resident CTAs per SM used for the split choice; order_seed 0 = blocks in launch order and

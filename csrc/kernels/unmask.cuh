@@ -16,7 +16,14 @@
 //             offset): u = ((w0 >> 9) + 0.5) * 2^-23. inv_t = 1.0f / float(T) and x * inv_t rounded on its
 //             own (no FMA contraction), as torch computes `logits / T` on CUDA (multiply by the reciprocal).
 //   Exact Gumbel pruning: u <= 1 - 2^-24, so g <= 16.64 < kGumbelBound = 17 and a token whose
-//   fl(s + 17) is below a score already reached cannot win (fl is monotone), nor tie. Only the other tokens
+//   fl(s + 17) is below a score already reached cannot win (fl is monotone), nor tie. "Reached" is CTA-wide:
+//   each warp publishes to a shared threshold (atomicMax on an order-preserving int encoding) its best score
+//   and, before any noise is drawn, fl(s_max - 2.82) for the largest scaled logit it has seen (that token's
+//   score will be at least this, g >= -2.8116: a valid lower bound of the row's best); every warp screens
+//   against the larger of its own and the shared value, so once any warp has met a dominant token, every warp
+//   prunes the bulk of the row. (Every published value is <= the final best: by induction, a token whose
+//   bound was published is either drawn, scoring >= it, or was pruned by an earlier, smaller-or-equal value.)
+//   Only the other tokens
 //   ("candidates") pay for Philox + two logf; they are compacted per warp (a group's scaled logits are staged
 //   in shared memory, candidates queued by ballot into a 64-entry ring, flushed 32 at a time from a single
 //   call site) so a warp runs the RNG converged and the RNG code exists once. Peaked LLM logits leave few
@@ -46,6 +53,7 @@ constexpr int kUnmaskMaxPositions = 1024;                 // S limit of the kern
 constexpr int kUnmaskRing = 64;                           // per-warp candidate ring (sampling)
 constexpr int kUnmaskStage = 32;                          // elements per group at most (4 x 8 bf16/fp16)
 constexpr float kGumbelBound = 17.0f;                     // > every Gumbel value the noise can produce (16.64)
+constexpr float kGumbelFloor = 2.82f;                     // -g < 2.82 for every noise value (g >= -2.8116)
 constexpr int32_t kNoIndex = 0x7fffffff;                  // "no token seen yet"
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -264,6 +272,14 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// float <-> int with the same order (for atomicMax on scores): non-negative floats keep their bits, negative
+// ones get their magnitude bits flipped. An involution.
+__device__ __forceinline__ int ordered_bits(float f) {
+  const int i = __float_as_int(f);
+  return i >= 0 ? i : i ^ 0x7fffffff;
+}
+__device__ __forceinline__ float ordered_float(int i) { return __int_as_float(i >= 0 ? i : i ^ 0x7fffffff); }
+
 // Per-warp candidate ring for Gumbel sampling: scaled logits and token ids waiting for their noise.
 struct CandRing {
   float s[kUnmaskRing];
@@ -277,12 +293,16 @@ struct Sampler {
   float* stage;      // [kUnmaskStage][32] scaled logits of the warp's current group
   int head, count;
   float thr;
+  int* cta_thr;      // the CTA's best score so far (ordered_bits), shared by the warps
   uint64_t row_ctr;  // r * V
   uint32_t k0, k1, o0, o1;
 
   // Lanes < n take one queued candidate each, draw its noise, keep the best; then refresh the threshold.
   __device__ __forceinline__ void flush(ScanState& st, int n, int lane) {
     __syncwarp();
+#ifdef LRF_KERNEL_EMULATION
+    if (lane == 0) lrf::emu::gumbel_draws += uint64_t(n);  // test support: how many tokens paid for noise
+#endif
     if (lane < n) {
       const int slot = (head + lane) & (kUnmaskRing - 1);
       const float s = ring->s[slot];
@@ -294,7 +314,24 @@ struct Sampler {
     __syncwarp();
     head = (head + n) & (kUnmaskRing - 1);
     count -= n;
-    thr = warp_max(st.score);
+    const float best = warp_max(st.score);
+    if (lane == 0 && best > thr) atomicMax(cta_thr, ordered_bits(best));
+    thr = fmaxf(thr, best);
+  }
+
+  // Raise this lane's threshold to the CTA's (a valid lower bound of the final best score whenever read; the
+  // lanes of a warp may see different values, which only changes how much is pruned).
+  __device__ __forceinline__ void refresh() {
+    thr = fmaxf(thr, ordered_float(*static_cast<volatile int*>(cta_thr)));
+  }
+
+  // A lower bound of the final best score that costs no noise: the token with scaled logit s scores >= s - 2.82.
+  __device__ __forceinline__ void bound_from(float smax) {
+    const float lb = __fsub_rn(smax, kGumbelFloor);
+    if (lb > thr) {
+      atomicMax(cta_thr, ordered_bits(lb));
+      thr = lb;
+    }
   }
 };
 
@@ -332,6 +369,8 @@ __device__ __forceinline__ void process_group(ScanState& st, Sampler& smp, const
     }
   } else {
     const float smax = __fmul_rn(gmax, inv_t);
+    smp.refresh();
+    if (valid != 0u) smp.bound_from(smax);
     const bool maybe = valid != 0u && __fadd_rn(smax, kGumbelBound) >= smp.thr;
     if (__any_sync(0xffffffffu, maybe)) {
       // stage the scaled logits (column `lane` of the warp's [N][32] block) and flag the candidates ...
@@ -381,6 +420,7 @@ struct UnmaskShared {
   float m[kUnmaskWarps], sum[kUnmaskWarps], score[kUnmaskWarps], pick[kUnmaskWarps];
   int32_t idx[kUnmaskWarps];
   int is_last;
+  int thr;  // sampling: the CTA's best score so far (ordered_bits)
 };
 
 // Bytes of dynamic shared memory the kernel needs for S positions.
@@ -570,6 +610,9 @@ __global__ void __launch_bounds__(kUnmaskThreads, kGreedy ? 4 : 3) threshold_unm
       smp.head = 0;
       smp.count = 0;
       smp.thr = -kInf;
+      smp.cta_thr = &sh.thr;
+      if (tid == 0) sh.thr = ordered_bits(-kInf);
+      __syncthreads();  // CTA-uniform branch (one row per CTA)
       smp.row_ctr = uint64_t(row) * uint64_t(V);
       const uint64_t seed = uint64_t(*p.seed), off = uint64_t(*p.offset);
       smp.k0 = uint32_t(seed);
