@@ -41,6 +41,10 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> linear_logprobs
 void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& cache_lens, const at::Tensor& chunk_lens,
                     const std::optional<at::Tensor>& maybe_error_flag);
+// rms_norm.cu
+at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos, const at::Tensor& sin,
+                        double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // unmask.cu
 std::tuple<at::Tensor, at::Tensor> threshold_unmask(
     const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& masked, const at::Tensor& step_map,
@@ -97,6 +101,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Backward of linear_logprobs from grad_logp and the saved lse -> (grad_hidden | None, grad_weight | None)",
         py::arg("hidden"), py::arg("weight"), py::arg("targets"), py::arg("lse"), py::arg("grad_logp"),
         py::arg("suppress_token"), py::arg("chunk"), py::arg("need_grad_hidden"), py::arg("need_grad_weight"));
+  m.def("qk_norm_rope", &lrf::qk_norm_rope,
+        "RMSNorm over the last dim of x [B, N, H, D] (D 64 or 128) then rotate-half RoPE with cos/sin [B, N, D], "
+        "fused (see ops/rms_norm.py)",
+        py::arg("x"), py::arg("weight"), py::arg("cos"), py::arg("sin"), py::arg("eps"));
+  m.def("rms_norm", &lrf::rms_norm, "RMSNorm over the last dim of x, Qwen3 rounding (see ops/rms_norm.py)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("threshold_unmask", &lrf::threshold_unmask,
         "Threshold unmasking step (in place; returns (block_done, eos_seen); see ARCHITECTURE.md)",
         py::arg("logits"), py::arg("tokens"), py::arg("masked"), py::arg("step_map"), py::arg("logp"),

@@ -6,6 +6,9 @@ One model, three ways to run it:
   * `forward_cached(input_ids, cache, cache_lens, chunk_lens)` — incremental: a chunk of new tokens per
     row against a preallocated static-shape `KVCache` (prefill, one denoising block, or a finished block
     folded with the next). The chunk's K/V are written into the cache; the caller advances the lengths.
+    On CUDA its norms run as one fused op each (`ops.rms_norm`, and `ops.qk_norm_rope` for q/k-norm + RoPE)
+    instead of ~10 eager launches; elsewhere, and in the other forwards (which need autograd), the eager
+    modules run: the same formulas, so results agree up to the fp32 sum order (ops/rms_norm.py).
   * `hidden(...)` variants return the final normalized hidden states for fused losses.
 Parameter names are exactly those of SDAR safetensors checkpoints. There is no logit shift: the logit at
 position i predicts the token at position i.
@@ -24,6 +27,7 @@ from torch import nn
 
 from .ops.block_attn import block_attention, check_cache_lengths
 from .ops.masked_attn import MaskLayout, masked_attention, prepare
+from .ops.rms_norm import qk_norm_rope, rms_norm
 
 DEFAULT_MASK_TOKEN_ID = 151669
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -132,6 +136,11 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def _decode_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """The cached (decode) forward's norm: one fused launch on CUDA, the eager module elsewhere."""
+    return rms_norm(x, norm.weight, norm.eps) if x.is_cuda and norm.weight.dtype == x.dtype else norm(x)
+
+
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos, sin [B, N, head_dim] for half-split rotate_half RoPE, computed in float32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
@@ -173,7 +182,15 @@ class Attention(nn.Module):
 
     def forward_cached(self, x, cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size, packed=None) -> torch.Tensor:
         """Lengths are checked once by SDARForCausalLM.hidden_cached, not here (a device sync per layer)."""
-        q, k, v = self._qkv(x, cos, sin)
+        if x.is_cuda and self.q_norm.weight.dtype == x.dtype == cos.dtype:  # q/k-norm + RoPE: one launch each
+            b, n, _ = x.shape
+            q = qk_norm_rope(self.q_proj(x).view(b, n, self.hq, self.d), self.q_norm.weight, cos, sin,
+                             self.q_norm.eps)  # [B, N, Hq, D]
+            k = qk_norm_rope(self.k_proj(x).view(b, n, self.hkv, self.d), self.k_norm.weight, cos, sin,
+                             self.k_norm.eps)  # [B, N, Hkv, D]
+            v = self.v_proj(x).view(b, n, self.hkv, self.d)  # [B, N, Hkv, D]
+        else:
+            q, k, v = self._qkv(x, cos, sin)
         if packed is not None:  # x holds only the valid tokens [1, N, H]: pad them to [B, C] for the attention op
             rows, cols, shape = packed
             q, k, v = (_unpack(t[0], rows, cols, shape) for t in (q, k, v))
@@ -214,9 +231,9 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_cached(self, x, cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size, packed=None) -> torch.Tensor:
-        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, k_cache, v_cache, cache_lens,
-                                              chunk_lens, block_size, packed)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn.forward_cached(_decode_norm(self.input_layernorm, x), cos, sin, k_cache, v_cache,
+                                              cache_lens, chunk_lens, block_size, packed)
+        return x + self.mlp(_decode_norm(self.post_attention_layernorm, x))
 
 
 class SDARModel(nn.Module):
@@ -357,7 +374,7 @@ class SDARForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache_lens, chunk_lens, block_size, packed)
-        x = self.model.norm(x)
+        x = _decode_norm(self.model.norm, x)
         return _unpack(x[0], packed[0], packed[1], packed[2]) if packed is not None else x
 
     def forward_cached(self, input_ids: torch.Tensor, cache: KVCache, cache_lens: torch.Tensor,

@@ -146,6 +146,12 @@ inline float __int_as_float(int i) {
   std::memcpy(&f, &i, 4);
   return f;
 }
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }  // the device's is approximate (2 ulp)
 inline float __uint_as_float(unsigned v) {
   float f;
   std::memcpy(&f, &v, 4);

@@ -1,0 +1,205 @@
+// RMSNorm and the fused q/k-norm + RoPE of the decode path: device code only (no torch). The launcher is
+// csrc/rms_norm.cu; the contract and the pure-PyTorch references are lightningrl_fast/ops/rms_norm.py.
+//
+// Why: one SDAR layer's eager norms and rotary embedding are ~40 small elementwise launches (cast, square,
+// mean, add, rsqrt, mul, cast, mul per norm, four norms; slice, neg, cat, mul, mul, add per RoPE), which
+// dominate a batch-1 denoising step once the weights stream at full bandwidth. These two kernels do each
+// norm (and each q/k norm + RoPE) in one launch.
+//
+// Numerics follow the eager code (Qwen3's RMSNorm, rotate-half RoPE) step by step, rounding where it rounds:
+//   t = fl_T(x * rsqrt(sum(x^2) * (1 / N) + eps))   in fp32, rounded to the storage type T,
+//   y = fl_T(w * t)                                  (T x T products are computed in fp32 and rounded),
+//   rope: out_i = fl_T(fl_T(y_i * cos_i) + fl_T(r_i * sin_i)),  r = (-y[D/2:], y[:D/2]).
+// Products and sums are written __fmul_rn / __fadd_rn so that no FMA contraction changes a rounding. Only the
+// fp32 sum's order differs from torch's reduction, so a result can differ from eager by one unit of T's last
+// place where t lands on a rounding boundary.
+//
+//   rms_norm_kernel:      one CTA of kRmsThreads per row of N, 16-byte vectors held in registers (one read).
+//   qk_norm_rope_kernel:  one warp per head vector of D = 32 * E elements (E consecutive per lane); the RoPE
+//                         partner of element i (i +- D/2) lives in lane ^ 16.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace lrf {
+namespace kernels {
+
+constexpr int kRmsThreads = 128;    // rms_norm: threads per row
+constexpr int kRmsMaxVecs = 8;      // rms_norm: 16-byte vectors per thread at most (N <= 8192 bf16, 4096 fp32)
+constexpr int kRopeWarps = 4;       // qk_norm_rope: head vectors per CTA
+
+struct Bf16Bits {};  // bfloat16 as raw 16-bit words
+struct HalfBits {};
+
+// Storage type <-> fp32, round to nearest even.
+template <typename T>
+struct Conv;
+
+template <>
+struct Conv<float> {
+  using Storage = float;
+  __device__ __forceinline__ static float load(const float* p) { return *p; }
+  __device__ __forceinline__ static float round(float x) { return x; }
+  __device__ __forceinline__ static void store(float* p, float x) { *p = x; }
+};
+
+template <>
+struct Conv<Bf16Bits> {
+  using Storage = uint16_t;
+  __device__ __forceinline__ static float load(const uint16_t* p) { return __uint_as_float(uint32_t(*p) << 16); }
+  __device__ __forceinline__ static uint16_t bits(float x) {
+    const uint32_t u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // NaN stays a (quiet) NaN
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  __device__ __forceinline__ static float round(float x) { return __uint_as_float(uint32_t(bits(x)) << 16); }
+  __device__ __forceinline__ static void store(uint16_t* p, float x) { *p = bits(x); }
+};
+
+template <>
+struct Conv<HalfBits> {
+  using Storage = __half;
+  __device__ __forceinline__ static float load(const __half* p) { return __half2float(*p); }
+  __device__ __forceinline__ static float round(float x) { return __half2float(__float2half_rn(x)); }
+  __device__ __forceinline__ static void store(__half* p, float x) { *p = __float2half_rn(x); }
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
+  return v;
+}
+
+// ------------------------------------------------------------------------------------------------ rms_norm
+
+struct RmsNormParams {
+  const void* x;        // [rows, N], rows `x_stride` elements apart, each 16-byte aligned
+  const void* weight;   // [N]
+  void* y;              // [rows, N] dense
+  int64_t rows;
+  int64_t x_stride;     // elements
+  int32_t n;            // N, a multiple of the elements per 16-byte vector
+  float eps;
+  float inv_n;          // 1.0f / N
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kRmsThreads) rms_norm_kernel(const RmsNormParams p) {
+  using C = Conv<T>;
+  using S = typename C::Storage;
+  constexpr int kPer = 16 / int(sizeof(S));  // elements per 16-byte vector
+  __shared__ float partial[kRmsThreads / 32];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t row = blockIdx.x;
+  const S* xr = static_cast<const S*>(p.x) + row * p.x_stride;
+  const S* w = static_cast<const S*>(p.weight);
+  S* yr = static_cast<S*>(p.y) + row * int64_t(p.n);
+  const int nvec = p.n / kPer;
+
+  // one read: this thread's vectors v = tid + k * kRmsThreads stay in registers (nvec <= kRmsMaxVecs * threads)
+  float x[kRmsMaxVecs][kPer];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < kRmsMaxVecs; ++k) {
+    const int v = tid + k * kRmsThreads;
+    if (v < nvec) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(xr + int64_t(v) * kPer);
+      S e[kPer];
+      memcpy(e, &raw, 16);  // (not a pointer cast: strict aliasing, which the host-compiled emulator enforces)
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        x[k][j] = C::load(e + j);
+        ss += x[k][j] * x[k][j];
+      }
+    }
+  }
+  ss = warp_sum(ss);
+  if (lane == 0) partial[warp] = ss;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < kRmsThreads / 32; ++i) total += partial[i];
+  const float r = rsqrtf(total * p.inv_n + p.eps);
+
+#pragma unroll
+  for (int k = 0; k < kRmsMaxVecs; ++k) {
+    const int v = tid + k * kRmsThreads;
+    if (v < nvec) {
+      const uint4 wraw = *reinterpret_cast<const uint4*>(w + int64_t(v) * kPer);
+      S we[kPer], oe[kPer];
+      memcpy(we, &wraw, 16);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) C::store(oe + j, __fmul_rn(C::load(we + j), C::round(__fmul_rn(x[k][j], r))));
+      uint4 out;
+      memcpy(&out, oe, 16);
+      *reinterpret_cast<uint4*>(yr + int64_t(v) * kPer) = out;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------- qk_norm_rope
+
+struct QkNormRopeParams {
+  const void* x;        // [B, N, H, D]: element strides sb, sn, sh; the last dim dense
+  const void* weight;   // [D]
+  const void* cos;      // [B, N, D] dense
+  const void* sin;      // [B, N, D] dense
+  void* y;              // [B, N, H, D] dense
+  int64_t sb, sn, sh;
+  int32_t batch, tokens, heads;
+  float eps;
+  float inv_d;          // 1.0f / D
+};
+
+// E = D / 32 elements per lane (D = 32 * E).
+template <typename T, int E>
+__global__ void __launch_bounds__(kRopeWarps * 32) qk_norm_rope_kernel(const QkNormRopeParams p) {
+  using C = Conv<T>;
+  using S = typename C::Storage;
+  constexpr int D = 32 * E;
+  const int lane = threadIdx.x & 31;
+  const int64_t vec = int64_t(blockIdx.x) * kRopeWarps + (threadIdx.x >> 5);  // (b, n, h) flattened
+  const int64_t total = int64_t(p.batch) * p.tokens * p.heads;
+  if (vec >= total) return;  // warp-uniform: whole warps leave together
+  const int64_t h = vec % p.heads;
+  const int64_t bn = vec / p.heads;  // b * N + n
+  const int64_t n = bn % p.tokens, b = bn / p.tokens;
+
+  const S* xv = static_cast<const S*>(p.x) + b * p.sb + n * p.sn + h * p.sh;
+  const S* w = static_cast<const S*>(p.weight);
+  const S* cs = static_cast<const S*>(p.cos) + bn * D;
+  const S* sn = static_cast<const S*>(p.sin) + bn * D;
+  S* yv = static_cast<S*>(p.y) + vec * D;
+
+  float x[E];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    x[j] = C::load(xv + lane * E + j);
+    ss += x[j] * x[j];
+  }
+  ss = warp_sum(ss);
+  const float r = rsqrtf(ss * p.inv_d + p.eps);
+  float y[E];
+#pragma unroll
+  for (int j = 0; j < E; ++j) y[j] = C::round(__fmul_rn(C::load(w + lane * E + j), C::round(__fmul_rn(x[j], r))));
+  // rotate half: lanes 0..15 hold the first half, their partners (lane ^ 16) the second
+  const bool first = lane < 16;
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const float other = __shfl_xor_sync(0xffffffffu, y[j], 16);
+    const float rot = first ? -other : other;
+    const int i = lane * E + j;
+    const float a = C::round(__fmul_rn(y[j], C::load(cs + i)));
+    const float c = C::round(__fmul_rn(rot, C::load(sn + i)));
+    C::store(yv + i, __fadd_rn(a, c));
+  }
+}
+
+}  // namespace kernels
+}  // namespace lrf

@@ -1,0 +1,112 @@
+"""RMSNorm and the fused q/k-norm + rotary embedding of the decode path.
+
+  * `rms_norm(x, weight, eps)`: Qwen3's RMSNorm over the last dim, `weight * (x / rms(x)).to(x.dtype)` with the
+    norm in float32 (the model's `RMSNorm` module).
+  * `qk_norm_rope(x, weight, cos, sin, eps)`: the per-head RMSNorm of q or k [B, N, H, D] followed by
+    rotate-half RoPE with cos/sin [B, N, D] (what `Attention._qkv` does with `q_norm`/`k_norm` and
+    `apply_rope`).
+
+Each has a pure-PyTorch reference (`*_reference`, the exact eager formulas: the test oracle and the CPU path)
+and a custom op that runs `_C.rms_norm` / `_C.qk_norm_rope` (csrc/rms_norm.cu) on CUDA tensors of bf16 / fp16 /
+fp32 when the layout allows (rms_norm: N a multiple of the 16-byte vector up to 8192 bf16 elements, 16-byte
+aligned rows; qk_norm_rope: head_dim 64 or 128), else the reference. One launch replaces the ~10 small eager
+launches of each norm (and RoPE): the decode step of an SDAR layer has four of them.
+
+The kernels round where the eager code rounds; only their fp32 sum of squares is accumulated in another order,
+so an element can differ from the reference by one unit in the last place of the storage type. The model uses
+these ops in its cached (decode) forward only; training forwards keep the eager modules, whose autograd they
+rely on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightningrl_fast.ops._common import check_tensor, cuda_kernel
+
+__all__ = ["rms_norm", "rms_norm_reference", "qk_norm_rope", "qk_norm_rope_reference"]
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), the norm in float32."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x [B, N, H, D], cos/sin [B, N, D]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, :, None] + rot * sin[:, :, None]
+
+
+def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           eps: float) -> torch.Tensor:
+    return rope_reference(rms_norm_reference(x, weight, eps), cos, sin)
+
+
+def _rms_kernel_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    per_vec = 16 // x.element_size()
+    n = x.shape[-1]
+    return (x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and weight.is_contiguous() and n % per_vec == 0
+            and 0 < n <= 8 * 128 * per_vec and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and weight.data_ptr() % 16 == 0)
+
+
+@torch.library.custom_op("lightningrl_fast::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    fn = cuda_kernel("rms_norm", x, weight)
+    if fn is not None and _rms_kernel_ok(x, weight):
+        return fn(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., N] with weight [N] (see the module docstring)."""
+    check_tensor("x", x, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64))
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension")
+    check_tensor("weight", weight, shape=(x.shape[-1],), device=x.device,
+                 dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64))
+    if not (eps >= 0.0 and eps < float("inf")):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    return _rms_norm_op(x, weight, float(eps))
+
+
+@torch.library.custom_op("lightningrl_fast::qk_norm_rope", mutates_args=())
+def _qk_norm_rope_op(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+    fn = cuda_kernel("qk_norm_rope", x, weight, cos, sin)
+    if (fn is not None and x.dtype in KERNEL_DTYPES and x.shape[-1] in (64, 128) and x.stride(-1) == 1
+            and all(t.dtype == x.dtype and t.is_contiguous() for t in (weight, cos, sin))):
+        return fn(x, weight, cos, sin, eps)
+    return qk_norm_rope_reference(x, weight, cos, sin, eps)
+
+
+@_qk_norm_rope_op.register_fake
+def _(x, weight, cos, sin, eps):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """RMSNorm of each head vector of x [B, N, H, D] (weight [D]) then RoPE with cos/sin [B, N, D]."""
+    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    check_tensor("x", x, ndim=4, dtypes=floats)
+    b, n, _, d = x.shape
+    if d % 2:
+        raise ValueError(f"head_dim must be even for rotate-half RoPE, got {d}")
+    check_tensor("weight", weight, shape=(d,), dtypes=(x.dtype,), device=x.device)
+    check_tensor("cos", cos, shape=(b, n, d), dtypes=(x.dtype,), device=x.device)
+    check_tensor("sin", sin, shape=(b, n, d), dtypes=(x.dtype,), device=x.device)
+    if not (eps >= 0.0 and eps < float("inf")):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    return _qk_norm_rope_op(x, weight, cos, sin, float(eps))

@@ -1,0 +1,126 @@
+"""Benchmark the fused RMSNorm and q/k-norm + RoPE kernels against the eager formulas they replace.
+
+    python profiling/bench_rms_norm.py            # GPU: SDAR-8B shapes (hidden 4096, 32 q / 8 kv heads, D 128)
+    python profiling/bench_rms_norm.py --cpu      # no GPU: the references on one small shape
+
+What matters in decoding is not one call but the norm work of a whole denoising step inside its CUDA graph:
+per layer two hidden-size norms plus the q and k head norms with RoPE, 36 layers for SDAR-8B. So two tables'
+worth of rows in one:
+  * `op` rows: one call of each op (`kernel_us` the bare `_C` call, `ref_us` the eager reference,
+    `compiled_us` the reference under torch.compile), GB/s and % of the device copy bandwidth for the kernel
+    (bytes: x read + y written, + cos/sin for RoPE);
+  * `step` rows: the norm work of all layers of one step (4 x 36 ops) captured in one CUDA graph and replayed,
+    fused ops vs the eager formulas (`graph_us`), for tokens per step = batch x chunk in {8, 256, 2048}.
+Prints one table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import copy_bandwidth_gbs, device_name, emit_json, print_table, time_fn  # noqa: E402
+
+from lightningrl_fast import _ext  # noqa: E402
+from lightningrl_fast.model import rope_cos_sin  # noqa: E402
+from lightningrl_fast.ops.rms_norm import qk_norm_rope_reference, rms_norm_reference  # noqa: E402
+
+EPS = 1e-6
+
+
+def inputs(tokens: int, hidden: int, hq: int, hkv: int, d: int, dtype, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1, tokens, hidden, generator=g, device=device).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g, device=device)).to(dtype)
+    q = torch.randn(1, tokens, hq, d, generator=g, device=device).to(dtype)
+    k = torch.randn(1, tokens, hkv, d, generator=g, device=device).to(dtype)
+    wd = (1 + 0.1 * torch.randn(d, generator=g, device=device)).to(dtype)
+    cos, sin = rope_cos_sin(torch.arange(tokens, device=device)[None] + 100, d, 1e6, dtype)
+    return x, w, q, k, wd, cos, sin
+
+
+def graph_time(fn, device) -> float:
+    """Microseconds of one replay of `fn` captured in a CUDA graph."""
+    fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return 1e3 * time_fn(graph.replay, device=device, warmup=5, iters=20)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (references only)")
+    ap.add_argument("--layers", type=int, default=36, help="layers per step in the `step` rows (SDAR-8B: 36)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    on_gpu = device.type == "cuda"
+    mod = _ext.ext()
+    kernels = on_gpu and _ext.has_cuda_kernels() and hasattr(mod, "rms_norm")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    hidden, hq, hkv, d = (4096, 32, 8, 128) if on_gpu else (256, 4, 2, 64)
+    bw = copy_bandwidth_gbs(device)
+    print(f"device: {device_name(device)}; copy bandwidth {bw:.0f} GB/s; hidden {hidden}, heads {hq}/{hkv}, "
+          f"D {d}, {str(dtype)[6:]}; kernels {'yes' if kernels else 'no (references only)'}")
+    compiled_rms = compiled_rope = None
+    if not args.no_compile and on_gpu:
+        compiled_rms = torch.compile(rms_norm_reference)
+        compiled_rope = torch.compile(qk_norm_rope_reference)
+
+    rows = []
+    for tokens in (8, 256, 2048) if on_gpu else (8,):
+        x, w, q, k, wd, cos, sin = inputs(tokens, hidden, hq, hkv, d, dtype, device)
+        for name, ref, comp, kern, args_, nbytes in [
+            ("rms_norm", rms_norm_reference, compiled_rms, getattr(mod, "rms_norm", None), (x, w, EPS),
+             2 * x.numel() * x.element_size()),
+            ("qk_norm_rope q", qk_norm_rope_reference, compiled_rope, getattr(mod, "qk_norm_rope", None),
+             (q, wd, cos, sin, EPS), 2 * q.numel() * q.element_size() + 2 * cos.numel() * cos.element_size()),
+        ]:
+            row = {"kind": "op", "what": name, "tokens": tokens}
+            row["ref_us"] = 1e3 * time_fn(lambda: ref(*args_), device=device)
+            if comp is not None:
+                try:
+                    row["compiled_us"] = 1e3 * time_fn(lambda: comp(*args_), device=device)
+                except Exception as e:  # an Inductor failure is reported, not fatal
+                    row["compiled_us"] = f"failed: {type(e).__name__}"
+            if kernels:
+                row["kernel_us"] = 1e3 * time_fn(lambda: kern(*args_), device=device)
+                row["GB/s"] = nbytes / (row["kernel_us"] * 1e-6) / 1e9
+                row["%copy"] = 100 * row["GB/s"] / bw
+                row["x_ref"] = row["ref_us"] / row["kernel_us"]
+            rows.append(row)
+        if on_gpu:
+            def eager_step():
+                for _ in range(args.layers):
+                    rms_norm_reference(x, w, EPS)
+                    qk_norm_rope_reference(q, wd, cos, sin, EPS)
+                    qk_norm_rope_reference(k, wd, cos, sin, EPS)
+                    rms_norm_reference(x, w, EPS)
+
+            row = {"kind": "step", "what": f"{args.layers} layers x 4 norms", "tokens": tokens,
+                   "ref_us": graph_time(eager_step, device)}
+            if kernels:
+                def fused_step():
+                    for _ in range(args.layers):
+                        mod.rms_norm(x, w, EPS)
+                        mod.qk_norm_rope(q, wd, cos, sin, EPS)
+                        mod.qk_norm_rope(k, wd, cos, sin, EPS)
+                        mod.rms_norm(x, w, EPS)
+
+                row["kernel_us"] = graph_time(fused_step, device)
+                row["x_ref"] = row["ref_us"] / row["kernel_us"]
+            rows.append(row)
+    print_table(rows)
+    emit_json("rms_norm", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:], hidden=hidden,
+              heads=[hq, hkv], head_dim=d, copy_gbs=round(bw, 1),
+              rows=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
+
+
+if __name__ == "__main__":
+    main()

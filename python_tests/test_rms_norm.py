@@ -1,0 +1,281 @@
+"""RMSNorm and fused q/k-norm + RoPE: the references against the model's eager modules, the kernels' device code
+on the CPU emulator against float64 and the same-dtype PyTorch computation, the public ops' checks and
+dispatch, and on a GPU (skipped without) the CUDA kernels themselves."""
+
+import ctypes
+import os
+
+import pytest
+import torch
+
+from lightningrl_fast import _ext
+from lightningrl_fast.model import RMSNorm, apply_rope, rope_cos_sin
+from lightningrl_fast.ops.rms_norm import (
+    qk_norm_rope,
+    qk_norm_rope_reference,
+    rms_norm,
+    rms_norm_reference,
+)
+
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+EPS = 1e-6
+
+
+def rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + 0.1).to(dtype)
+
+
+def rope_inputs(b, n, h, d, dtype, seed=0):
+    x = rand(b, n, h, d, dtype=dtype, seed=seed, scale=3.0)
+    w = rand(d, dtype=dtype, seed=seed + 1) * 0.5 + 1.0
+    pos = torch.randint(0, 4000, (b, n), generator=torch.Generator().manual_seed(seed + 2))
+    cos, sin = rope_cos_sin(pos, d, 1e6, dtype)
+    return x, w.to(dtype), cos, sin
+
+
+def assert_as_good_as_torch(got, x_dtype_result, ref64, what):
+    """Every element within 2x the worst error of the same-dtype PyTorch computation against float64, plus two
+    units in the last place of the dtype: the fp32 sum of squares is accumulated in another order, which moves
+    the scale 1/rms by an ulp (a whole row then shifts by an ulp in fp32, or flips a rounding in bf16/fp16)."""
+    assert not got.isnan().any(), f"{what}: NaN (an element not written?)"
+    err_t = (x_dtype_result.double() - ref64).abs()
+    err_k = (got.double() - ref64).abs()
+    ulp = 2 * torch.finfo(got.dtype).eps * ref64.abs().clamp_min(1e-3)
+    assert (err_k <= 2 * err_t.max() + ulp).all(), f"{what}: max error {err_k.max():.3e} vs torch {err_t.max():.3e}"
+
+
+# --------------------------------------------------------------------------------- references vs the model
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_references_are_the_models_eager_code(dtype):
+    x = rand(3, 5, 64, dtype=dtype, scale=2.0)
+    norm = RMSNorm(64, EPS).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(rand(64, dtype=dtype, seed=3))
+    assert torch.equal(rms_norm_reference(x, norm.weight, EPS), norm(x))
+    q, w, cos, sin = rope_inputs(2, 3, 4, 64, dtype)
+    qn = RMSNorm(64, EPS).to(dtype)
+    with torch.no_grad():
+        qn.weight.copy_(w)
+    assert torch.equal(qk_norm_rope_reference(q, w, cos, sin, EPS), apply_rope(qn(q), cos, sin))
+
+
+def test_public_ops_on_cpu_run_the_reference_and_check_inputs():
+    x = rand(4, 6, 32, dtype=torch.bfloat16)
+    w = rand(32, dtype=torch.bfloat16, seed=1)
+    assert torch.equal(rms_norm(x, w, EPS), rms_norm_reference(x, w, EPS))
+    q, wq, cos, sin = rope_inputs(2, 3, 4, 64, torch.float32)
+    assert torch.equal(qk_norm_rope(q, wq, cos, sin, EPS), qk_norm_rope_reference(q, wq, cos, sin, EPS))
+    with pytest.raises(ValueError, match=r"weight must have shape \[32\], got \[31\]"):
+        rms_norm(x, w[:31], EPS)
+    with pytest.raises(TypeError, match="x must have dtype in"):
+        rms_norm(x.int(), w, EPS)
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+        rms_norm(x, w, -1.0)
+    with pytest.raises(ValueError, match="x must have 4 dimensions"):
+        qk_norm_rope(q[0], wq, cos, sin, EPS)
+    with pytest.raises(ValueError, match=r"cos must have shape \[2, 3, 64\]"):
+        qk_norm_rope(q, wq, cos[:, :2], sin, EPS)
+    with pytest.raises(TypeError, match="sin must have dtype in"):
+        qk_norm_rope(q, wq, cos, sin.double(), EPS)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        qk_norm_rope(q[..., :63], wq[:63], cos[..., :63], sin[..., :63], EPS)
+    torch.library.opcheck(torch.ops.lightningrl_fast.rms_norm.default, (x, w, EPS))
+    torch.library.opcheck(torch.ops.lightningrl_fast.qk_norm_rope.default, (q, wq, cos, sin, EPS))
+
+
+# ------------------------------------------------------------------- the device code on the CPU emulator
+
+
+class Emulated:
+    def __init__(self, lib):
+        p, i32, i64, f32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64
+        lib.emu_rms_norm.argtypes = [i32, p, p, p, i64, i64, i32, f32, u64]
+        lib.emu_qk_norm_rope.argtypes = [i32, p, p, p, p, p, i32, i32, i32, i32, i64, i64, i64, f32, u64]
+        self.lib = lib
+
+    def rms_norm(self, x2, w, order=0):
+        y = torch.full(x2.shape, float("nan"), dtype=x2.dtype)  # poisoned: every element must be written
+        self.lib.emu_rms_norm(_DT[x2.dtype], x2.data_ptr(), w.data_ptr(), y.data_ptr(), x2.shape[0], x2.stride(0),
+                              x2.shape[1], EPS, order)
+        return y
+
+    def qk_norm_rope(self, x, w, cos, sin, order=0):
+        b, n, h, d = x.shape
+        y = torch.full((b, n, h, d), float("nan"), dtype=x.dtype)
+        self.lib.emu_qk_norm_rope(_DT[x.dtype], x.data_ptr(), w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                  y.data_ptr(), b, n, h, d, x.stride(0), x.stride(1), x.stride(2), EPS, order)
+        return y
+
+
+@pytest.fixture(scope="module")
+def emu(emu_build):
+    return Emulated(ctypes.CDLL(str(emu_build("rms_norm_emu.cpp", shared=True, cuda_headers=True))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,n", [(1, 4096), (97, 136), (5, 2560), (3, 8192 // 2), (123, 64)])
+def test_emulated_rms_norm(emu, dtype, rows, n):
+    if dtype == torch.float32 and n > 4096:
+        n = 4096
+    x = rand(rows, n, dtype=dtype, seed=rows, scale=4.0)
+    w = rand(n, dtype=dtype, seed=rows + 1)
+    got = emu.rms_norm(x, w, order=rows)
+    ref64 = rms_norm_reference(x.double(), w.double(), EPS)
+    assert_as_good_as_torch(got, rms_norm_reference(x, w, EPS), ref64, f"{dtype} {rows}x{n}")
+    if dtype != torch.float32:  # 16-bit results equal eager's but where a rounding boundary is crossed
+        same = (got == rms_norm_reference(x, w, EPS)).float().mean().item()
+        assert same >= 0.98, same
+
+
+def test_emulated_rms_norm_strided_rows_and_extremes(emu):
+    big = rand(7, 2 * 512, dtype=torch.bfloat16, scale=3.0)
+    x = big[:, 512:]  # rows 1024 elements apart
+    w = rand(512, dtype=torch.bfloat16, seed=2)
+    got = emu.rms_norm(x, w)
+    assert torch.equal(got, emu.rms_norm(x.contiguous(), w))
+    assert_as_good_as_torch(got, rms_norm_reference(x, w, EPS), rms_norm_reference(x.double(), w.double(), EPS),
+                            "strided")
+    # huge and tiny magnitudes: the fp32 sum of squares does not overflow for bf16 inputs of 1e18
+    for scale in (1e18, 1e-18):
+        xs = (rand(3, 512, dtype=torch.float64, seed=4) * scale).to(torch.bfloat16)
+        got = emu.rms_norm(xs, w)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), rms_norm_reference(xs.double(), w.double(), EPS), rtol=2e-2,
+                                   atol=1e-2 if scale > 1 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,n,h,d", [(1, 1, 1, 128), (3, 5, 7, 128), (2, 9, 3, 64), (1, 97, 2, 64)])
+def test_emulated_qk_norm_rope(emu, dtype, b, n, h, d):
+    x, w, cos, sin = rope_inputs(b, n, h, d, dtype, seed=b * n + h)
+    got = emu.qk_norm_rope(x, w, cos, sin, order=n)
+    ref = qk_norm_rope_reference(x, w, cos, sin, EPS)
+    ref64 = qk_norm_rope_reference(x.double(), w.double(), cos.double(), sin.double(), EPS)
+    assert_as_good_as_torch(got, ref, ref64, f"{dtype} {b}x{n}x{h}x{d}")
+    if dtype != torch.float32:
+        same = (got == ref).float().mean().item()
+        assert same >= 0.97, same
+
+
+def test_emulated_qk_norm_rope_strided_heads(emu):
+    """x is a slice of a wider [B, N, H + 2, D] tensor (the layout of a q/k view): same result as contiguous."""
+    x, w, cos, sin = rope_inputs(2, 4, 5, 128, torch.bfloat16, seed=9)
+    wide = torch.zeros(2, 4, 7, 128, dtype=torch.bfloat16)
+    wide[:, :, 1:6] = x
+    view = wide[:, :, 1:6]
+    assert not view.is_contiguous()
+    assert torch.equal(emu.qk_norm_rope(view, w, cos, sin), emu.qk_norm_rope(x, w, cos, sin))
+
+
+# ------------------------------------------------------------------------- the C++ launchers' own checks
+
+
+def _cuda_ext():
+    mod = _ext.ext()
+    if mod is None or not hasattr(mod, "rms_norm"):
+        if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
+            pytest.fail("LRF_EXPECT_CUDA_BUILD=1 but lightningrl_fast._C has no rms_norm")
+        pytest.skip("lightningrl_fast._C is not built with CUDA")
+    return mod
+
+
+def test_launcher_checks_inputs():
+    """CPU tensors: the device check comes last, so every other check runs without a GPU."""
+    C = _cuda_ext()
+    x, w = rand(3, 64, dtype=torch.bfloat16), rand(64, dtype=torch.bfloat16)
+    for args, match in [
+        ((x.int(), w, EPS), "x must have dtype in"),
+        ((x, w.half(), EPS), "x and weight must have the same dtype"),
+        ((x, w[:32], EPS), r"weight must have shape \[N\]"),
+        ((x[:, :60], w[:60], EPS), "multiple of 8"),
+        ((x, w, float("nan")), "eps must be finite"),
+        ((x, w, EPS), "x must be a CUDA tensor"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            C.rms_norm(*args)
+    q, wq, cos, sin = rope_inputs(2, 3, 4, 64, torch.bfloat16)
+    for args, match in [
+        ((q[0], wq, cos, sin, EPS), "x must have 4 dimensions"),
+        ((q, wq, cos[:, :2], sin, EPS), r"cos must have shape \[B, N, D\]"),
+        ((q, wq, cos, sin.float(), EPS), "x and sin must have the same dtype"),
+        ((q[..., :32], wq[:32], cos[..., :32].contiguous(), sin[..., :32].contiguous(), EPS),
+         "head_dim must be 64 or 128"),
+        ((q, wq, cos.transpose(0, 1), sin, EPS), r"cos must have shape"),
+        ((q, wq, cos, sin, EPS), "x must be a CUDA tensor"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            C.qk_norm_rope(*args)
+
+
+# ------------------------------------------------------------------------------------------------ on a GPU
+
+
+@pytest.fixture
+def cuda_ext():
+    return _cuda_ext()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_kernels_match_the_reference(cuda_ext, dtype):
+    for rows, n in [(1, 4096), (97, 2560), (123, 136)]:
+        x = rand(rows, n, dtype=dtype, seed=rows, scale=4.0).cuda()
+        w = rand(n, dtype=dtype, seed=1).cuda()
+        got = cuda_ext.rms_norm(x, w, EPS)
+        assert_as_good_as_torch(got.cpu(), rms_norm_reference(x, w, EPS).cpu(),
+                                rms_norm_reference(x.cpu().double(), w.cpu().double(), EPS), f"rms {rows}x{n}")
+        assert torch.equal(rms_norm(x, w, EPS), got)  # the public op runs the kernel
+    for b, n, h, d in [(3, 5, 7, 128), (1, 97, 2, 64), (64, 8, 32, 128)]:
+        x, w, cos, sin = (t.cuda() for t in rope_inputs(b, n, h, d, dtype, seed=h))
+        got = cuda_ext.qk_norm_rope(x, w, cos, sin, EPS)
+        ref64 = qk_norm_rope_reference(*(t.cpu().double() for t in (x, w, cos, sin)), EPS)
+        assert_as_good_as_torch(got.cpu(), qk_norm_rope_reference(x, w, cos, sin, EPS).cpu(), ref64,
+                                f"rope {b}x{n}x{h}x{d}")
+        assert torch.equal(qk_norm_rope(x, w, cos, sin, EPS), got)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_and_opcheck(cuda_ext):
+    x = rand(8, 4096, dtype=torch.bfloat16).cuda()
+    w = rand(4096, dtype=torch.bfloat16, seed=1).cuda()
+    q, wq, cos, sin = (t.cuda() for t in rope_inputs(2, 4, 32, 128, torch.bfloat16))
+    want = (rms_norm(x, w, EPS), qk_norm_rope(q, wq, cos, sin, EPS))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = (rms_norm(x, w, EPS), qk_norm_rope(q, wq, cos, sin, EPS))
+    x.mul_(2.0)
+    q.mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], rms_norm(x, w, EPS)) and torch.equal(outs[1], qk_norm_rope(q, wq, cos, sin, EPS))
+    assert not torch.equal(outs[0], want[0])
+    torch.library.opcheck(torch.ops.lightningrl_fast.rms_norm.default, (x, w, EPS))
+    torch.library.opcheck(torch.ops.lightningrl_fast.qk_norm_rope.default, (q, wq, cos, sin, EPS))
+
+
+@pytest.mark.gpu
+def test_gpu_cached_forward_with_fused_norms_matches_the_eager_model(cuda_ext, monkeypatch):
+    """The model's decode forward (fused norms + q/k-norm/RoPE) against the same weights with every kernel off
+    (eager modules, reference ops): bf16 logits within bf16 tolerance."""
+    from lightningrl_fast.model import KVCache, SDARConfig, build_model
+
+    cfg = SDARConfig(vocab_size=111, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=128, block_size=4, mask_token_id=110,
+                     torch_dtype="bfloat16", max_position_embeddings=256)
+    model = build_model(cfg, dtype=torch.bfloat16, seed=0).eval().cuda()
+    ids = torch.randint(0, 110, (3, 8), device="cuda")
+    lens = torch.tensor([0, 4, 8], dtype=torch.int32, device="cuda")
+
+    def run():
+        cache = KVCache.allocate(cfg, 3, 16, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            return model.forward_cached(ids, cache, torch.zeros(3, dtype=torch.int32, device="cuda"), lens).float()
+
+    fused = run()
+    monkeypatch.setenv("LRF_DISABLE_KERNELS", "1")
+    eager = run()
+    for b, n in enumerate([0, 4, 8]):
+        torch.testing.assert_close(fused[b, :n], eager[b, :n], rtol=3e-2, atol=3e-2)
