@@ -22,7 +22,10 @@ forwards / s, `GB/fwd` bytes one forward must read at least = weights (every mat
 only when tied to the LM head) + the KV cache of the batch at the mean context (prompt + new/2 tokens), `bound`
 the physical bound forwards/s <= copy bandwidth / (GB/fwd) with the copy bandwidth measured by
 profiling/common.py, `%bw` = fwd/s / bound (the memory-bandwidth utilization; large batches become
-compute-bound, so the ratio falls there by design), `peakGB` peak allocated device memory.
+compute-bound, so the ratio falls there by design), `steady fwd/s` the steady-state rate: the same call is
+also timed with half the new tokens, and (forwards difference) / (time difference) leaves out the prefill, the
+first (eager) step and the graph captures, which both calls pay alike (`--no-steady` skips it); `steady %bw`
+against the same bound; `peakGB` peak allocated device memory.
 
 Reference vs kernels: kernel rows run in this process. Reference rows run in a child process started with
 LRF_DISABLE_KERNELS=1, which the ops must honour (the child checks that `ops._common.cuda_kernel` then returns
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -171,6 +175,14 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
                 if torch_trace and r == 0:
                     p.export_chrome_trace(torch_trace)
                 secs.append(t.seconds)
+            # the same call with half the new tokens: the difference is pure steady-state decoding (prefill,
+            # the first eager step and the graph captures cost the same in both)
+            half_secs, ro_half = [], None
+            half_cfg = dataclasses.replace(cfg, max_new_tokens=max(block, args.new_tokens // 2))
+            for _ in range(args.repeats if args.steady else 0):
+                with nvtx_range("bench_half"), Timer(device) as t:
+                    ro_half = generate(model, prompts, half_cfg)
+                half_secs.append(t.seconds)
         capture_failed = any("CUDA graph capture" in str(w.message) for w in caught)
     except torch.cuda.OutOfMemoryError:
         row.update(error="out of memory")
@@ -185,6 +197,11 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
     fwd_s = ro.total_forwards / s
     row.update({"tpf": round(float(ro.tpf.mean()), 3), "fwd": ro.total_forwards, "s": s, "tok/s": toks / s,
                 "fwd/s": fwd_s, "GB/fwd": gb, "bound": bound, "%bw": 100 * fwd_s / bound})
+    if ro_half is not None:
+        ds = s - statistics.median(half_secs)
+        dfwd = ro.total_forwards - ro_half.total_forwards
+        steady = dfwd / ds if ds > 0 and dfwd > 0 else float("nan")
+        row.update({"steady fwd/s": steady, "steady %bw": 100 * steady / bound})
     if device.type == "cuda":
         row["peakGB"] = torch.cuda.max_memory_allocated(device) / 1e9
     if graphs and capture_failed:
@@ -221,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--impl", choices=("both", "kernels", "reference"), default="both")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (tiny config, reference ops)")
     ap.add_argument("--torch-trace", default=None, help="Chrome trace of the first combination's timed call")
+    ap.add_argument("--no-steady", dest="steady", action="store_false",
+                    help="skip the half-length calls that give the steady-state rate (steady fwd/s)")
     ap.add_argument("--child-timeout", type=float, default=900.0,
                     help="seconds the reference child process may take (its rows are reported as unavailable after)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
