@@ -199,9 +199,10 @@ def test_sampler_block_size_overrides_the_model_config(model):
 
 
 def _on_cuda(model, dtype):
-    import copy
-
-    return copy.deepcopy(model).to(device="cuda", dtype=dtype)
+    """A model for the GPU tests: the CPU fixture's shape but head_dim 64, so that the block-attention and
+    q/k-norm kernels run (they take head_dim 64 or 128); `model` is unused beyond its config."""
+    cfg = dataclasses.replace(model.config, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    return build_model(cfg, dtype=torch.float64, seed=0).eval().to(device="cuda", dtype=dtype)
 
 
 @pytest.mark.gpu
