@@ -45,6 +45,20 @@ inline Idx3 block_dim() { return {unsigned(nthreads()), 1u, 1u}; }
 inline Idx3 grid_dim() { return {grid(), 1u, 1u}; }
 inline char* dynamic_smem() { return smem(); }
 
+// Runs block `blk` of a 1-D grid of `grid` blocks: `nthreads` fibers, `smem` bytes of dynamic shared memory;
+// order_seed 0 runs the threads in launch order, any other value in random interleavings seeded per block.
+inline void run_block(unsigned blk, unsigned grid, int nthreads, size_t smem, uint64_t order_seed,
+                      const std::function<void()>& body) {
+  Launch launch;
+  launch.nthreads = nthreads;
+  launch.smem_bytes = smem;
+  launch.block = int(blk);
+  launch.grid = grid;
+  launch.random_order = order_seed != 0;
+  launch.seed = order_seed + blk;
+  run_cta(launch, body);
+}
+
 inline void check_full_mask(unsigned mask) {
   if (mask != 0xffffffffu) fail("only full-warp masks are emulated");
 }

@@ -27,15 +27,7 @@ void rope_body() {
 }
 
 void run(unsigned grid, int threads, uint64_t order_seed, const std::function<void()>& body) {
-  for (unsigned blk = 0; blk < grid; ++blk) {
-    lrf::emu::Launch launch;
-    launch.nthreads = threads;
-    launch.block = int(blk);
-    launch.grid = grid;
-    launch.random_order = order_seed != 0;
-    launch.seed = order_seed + blk;
-    lrf::emu::run_cta(launch, body);
-  }
+  for (unsigned blk = 0; blk < grid; ++blk) lrf::emu::run_block(blk, grid, threads, 0, order_seed, body);
 }
 
 }  // namespace

@@ -93,16 +93,7 @@ int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64
   if (order_seed != 0) std::shuffle(order.begin(), order.end(), std::mt19937_64(order_seed));
   const size_t smem = size_t(unmask_dynamic_smem(S, is_greedy));
   const std::function<void()> thread = fn;
-  for (unsigned blk : order) {
-    lrf::emu::Launch launch;
-    launch.nthreads = kUnmaskThreads;
-    launch.smem_bytes = smem;
-    launch.block = int(blk);
-    launch.grid = grid;
-    launch.random_order = order_seed != 0;
-    launch.seed = order_seed + blk;
-    lrf::emu::run_cta(launch, thread);
-  }
+  for (unsigned blk : order) lrf::emu::run_block(blk, grid, kUnmaskThreads, smem, order_seed, thread);
   for (int b = 0; b < B; ++b) {
     if (p.counters[b] != 0) return 1;
   }
