@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops._common import host_checks_allowed
 from .ops.block_attn import block_attention, check_cache_lengths
 from .ops.masked_attn import MaskLayout, masked_attention, prepare
 from .ops.rms_norm import qk_norm_rope, rms_norm
@@ -355,9 +356,7 @@ class SDARForCausalLM(nn.Module):
         if bsz != cache.batch:
             raise ValueError(f"input_ids batch {bsz} != KV cache batch {cache.batch}")
         if check_lengths is None:
-            check_lengths = not torch.compiler.is_compiling() and not (
-                input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
-            )
+            check_lengths = host_checks_allowed(input_ids.device)
         if check_lengths:
             check_cache_lengths(cache_lens, chunk_lens, c, cache.capacity)
         position_ids = cache_lens.to(torch.int64)[:, None] + torch.arange(c, device=input_ids.device)  # [B, C]

@@ -42,6 +42,14 @@ def check_tensor(
     return t
 
 
+def host_checks_allowed(device: torch.device) -> bool:
+    """False while torch.compile traces or a CUDA graph is being captured on `device` (a host read of device
+    values would break either); the ops' default for their optional host-side checks."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
 def same_device(*named: tuple[str, torch.Tensor]) -> torch.device:
     """Return the common device of the named tensors or raise naming the first one that differs."""
     dev = named[0][1].device

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import FLOAT_DTYPES, check_tensor, cuda_kernel
+from ._common import FLOAT_DTYPES, check_tensor, cuda_kernel, host_checks_allowed
 from .kv_cache import kv_cache_write, kv_cache_write_reference
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -151,9 +151,7 @@ def block_attention(
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if check_lengths is None:
-        check_lengths = not torch.compiler.is_compiling() and not (
-            dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        )
+        check_lengths = host_checks_allowed(dev)
     if check_lengths:
         check_cache_lengths(cache_lens, chunk_lens, c, cap)
     scale = float(softmax_scale) if softmax_scale is not None else d**-0.5

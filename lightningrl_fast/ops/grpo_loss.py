@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-from ._common import FLOAT_DTYPES, check_tensor, cuda_kernel
+from ._common import FLOAT_DTYPES, check_tensor, cuda_kernel, host_checks_allowed
 
 __all__ = [
     "fused_linear_grpo_loss",
@@ -110,13 +110,6 @@ def _(rewards, group_ids, weights, mode):
     return rewards.new_empty((rewards.shape[0],), dtype=torch.float64 if rewards.dtype == torch.float64 else torch.float32)
 
 
-def _host_checks_allowed(device: torch.device) -> bool:
-    """False while torch.compile traces or a CUDA graph is being captured (a host read would break either)."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-
-
 def group_normalize(rewards: torch.Tensor, group_ids: torch.Tensor, weights: torch.Tensor | None = None,
                     mode: str = "decoupled") -> torch.Tensor:
     """Advantages [S] from rewards [S, R] (float), group_ids [S] (int), weights [R] (default all ones).
@@ -135,7 +128,7 @@ def group_normalize(rewards: torch.Tensor, group_ids: torch.Tensor, weights: tor
         raise ValueError(f"mode must be 'decoupled' or 'sum', got {mode!r}")
     if s == 0:
         raise ValueError("rewards has no samples")
-    if _host_checks_allowed(rewards.device) and not bool(torch.isfinite(rewards).all()):
+    if host_checks_allowed(rewards.device) and not bool(torch.isfinite(rewards).all()):
         raise ValueError("rewards contain NaN or inf")
     return _group_normalize_op(rewards, group_ids.to(torch.int64), weights, mode)
 
@@ -165,7 +158,7 @@ def _check_loss_inputs(t: int, dev: torch.device, old_logp, ref_logp, advantages
     if totals is not None and len(totals) != 4:
         raise ValueError(f"totals must be (sequences, tokens, correct sequences, correct tokens), got {totals!r}")
     parts = _parse_reduction(reduction)
-    if t and _host_checks_allowed(dev) and (int(seq_idx.min()) < 0 or int(seq_idx.max()) >= num_seqs):
+    if t and host_checks_allowed(dev) and (int(seq_idx.min()) < 0 or int(seq_idx.max()) >= num_seqs):
         raise ValueError(f"seq_idx values must lie in [0, {num_seqs})")
     return parts
 
@@ -269,7 +262,7 @@ def _check_lm_head(hidden, weight, targets, chunk: int, suppress_token: int | No
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
     vocab = weight.shape[0]
-    if targets.numel() and _host_checks_allowed(hidden.device) and not (
+    if targets.numel() and host_checks_allowed(hidden.device) and not (
             0 <= int(targets.min()) and int(targets.max()) < vocab):
         raise ValueError(f"targets must lie in [0, {vocab})")
     suppress = -1 if suppress_token is None else int(suppress_token)

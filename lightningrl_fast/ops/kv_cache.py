@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from lightningrl_fast.ops._common import FLOAT_DTYPES, check_tensor, cuda_kernel, same_device
+from lightningrl_fast.ops._common import FLOAT_DTYPES, check_tensor, cuda_kernel, host_checks_allowed, same_device
 
 __all__ = ["kv_cache_write", "kv_cache_write_reference"]
 
@@ -121,9 +121,7 @@ def kv_cache_write(
     cache_lens, chunk_lens = cache_lens.contiguous(), chunk_lens.contiguous()
 
     if check_lengths is None:
-        check_lengths = not torch.compiler.is_compiling() and not (
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        )
+        check_lengths = host_checks_allowed(device)
     if check_lengths:
         _check_lengths(cache_lens, chunk_lens, C, L)
     torch.ops.lightningrl_fast.kv_cache_write(k_cache, v_cache, k, v, cache_lens, chunk_lens, error_flag)
