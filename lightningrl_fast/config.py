@@ -245,9 +245,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         eval_thresholds=[0.5, 0.7, 0.9, 0.95], eval_batch_size=256,
         rft_lr=2e-4, rft_batch_size=64, rft_steps=1000,
     ),
-    # One H100: larger model, more steps, the default's RL recipe (not yet run on a GPU).
+    # One H100: larger model, more steps, the default's RL recipe (not yet run on a GPU). head_dim 64, so that
+    # the block-attention and q/k-norm kernels run (they take head_dim 64 or 128; the projections have the
+    # shapes 8 heads of 32 would give).
     "gpu": dict(
-        hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+        hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
         model_block_size=8, num_operands=3, max_operand=9, test_fraction=0.2,
         sft_steps=8000, sft_batch_size=256, sft_lr=1e-3, sft_warmup=100, sft_time_budget=900.0,
         steps=400, prompts_per_step=64, group_size=16, lr=1e-4, warmup_steps=10, kl_beta=0.01, nll_weight=1.0,
