@@ -1,8 +1,8 @@
 // CPU driver of the threshold-unmask kernel source (kernels/unmask.cuh) under emulation (emu_core.h with the
 // CUDA-builtins front-end cuda_builtins.h), a shared library for python_tests/test_unmask.py (ctypes); not
-// part of the extension. It mirrors the launcher csrc/unmask.cu: the same split choice and workspace layout
-// (both from the header), a zeroed workspace, one "launch" of rows * nsplit blocks — run in a caller-chosen
-// order — and it reports whether the kernel left every counter at zero. Build:
+// part of the extension. It mirrors the launcher csrc/unmask.cu: the same split choice and workspace sizes
+// (both from the header: zeroed counters and a separate partials buffer), one "launch" of rows * nsplit
+// blocks — run in a caller-chosen order — and it reports whether the kernel left every counter at zero. Build:
 //   g++ -std=c++20 -O2 -ffp-contract=off -DLRF_KERNEL_EMULATION -shared -fPIC -Icsrc -I<cuda>/include
 //       csrc/emu/unmask_emu.cpp -o unmask_emu.so
 #include "emu/cuda_builtins.h"
@@ -54,10 +54,11 @@ int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64
   UnmaskParams p{};
   p.nsplit = force_split > 0 ? force_split : unmask_choose_split(rows, V / per_vec, slots);
   *nsplit_out = p.nsplit;
-  std::vector<uint8_t> ws(size_t(unmask_workspace_bytes(B, rows, p.nsplit)) + 16, 0);
-  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(ws.data()) + 15) / 16 * 16);
-  p.counters = reinterpret_cast<int32_t*>(base);
-  p.partials = reinterpret_cast<UnmaskPartial*>(base + unmask_counter_bytes(B));
+  // two buffers, as the launcher keeps them: zeroed counters, and partials the kernel writes before reading
+  std::vector<int32_t> counters(size_t(unmask_counter_bytes(B)) / 4, 0);
+  std::vector<UnmaskPartial> partials(size_t(unmask_partial_bytes(rows, p.nsplit)) / sizeof(UnmaskPartial));
+  p.counters = counters.data();
+  p.partials = partials.data();
   p.logits = logits;
   p.logits_sb = logits_sb;
   p.logits_ss = logits_ss;

@@ -458,9 +458,6 @@ inline int64_t unmask_counter_bytes(int64_t batch) { return (batch * 4 + 255) / 
 inline int64_t unmask_partial_bytes(int64_t rows, int64_t nsplit) {
   return rows * nsplit * int64_t(sizeof(UnmaskPartial));
 }
-inline int64_t unmask_workspace_bytes(int64_t batch, int64_t rows, int64_t nsplit) {
-  return unmask_counter_bytes(batch) + unmask_partial_bytes(rows, nsplit);
-}
 
 // ------------------------------------------------------------------------------ the CTA that finishes b
 
