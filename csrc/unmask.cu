@@ -6,8 +6,8 @@
 // the mask are read on the device only, so the call is CUDA-graph capturable (bump `offset` between replays).
 //
 // Allocation per call: the two [B] bool outputs only. The cross-CTA workspace is two persistent buffers per
-// device that grow geometrically: the per-sequence arrival counters (int32, zeroed when allocated; the kernel
-// leaves them at zero) and the per-chunk partials (~32 bytes per chunk, never read before written). They are
+// device that grow geometrically: the per-sequence and per-row arrival counters (int32, zeroed when
+// allocated; the kernel leaves them at zero) and the per-chunk partials (~32 bytes per chunk, never read before written). They are
 // separate so that a launch with a larger batch never reads an earlier launch's partials as counters (found
 // on an H100: a counter that is not zero on entry means no CTA is last and the rows stay masked). Growing a
 // buffer while the stream is being
@@ -40,15 +40,21 @@ namespace {
 using kernels::UnmaskParams;
 using KernelFn = void (*)(UnmaskParams);
 
-KernelFn pick_kernel(at::ScalarType dtype, bool greedy) {
+template <typename Tag>
+KernelFn pick_mode(int mode) {
   using namespace kernels;
+  switch (mode) {
+    case kPickGreedy: return threshold_unmask_kernel<Tag, kPickGreedy>;
+    case kPickToken: return threshold_unmask_kernel<Tag, kPickToken>;
+    default: return threshold_unmask_kernel<Tag, kPickBucket>;
+  }
+}
+
+KernelFn pick_kernel(at::ScalarType dtype, int mode) {
   switch (dtype) {
-    case at::kBFloat16:
-      return greedy ? threshold_unmask_kernel<Bf16Tag, true> : threshold_unmask_kernel<Bf16Tag, false>;
-    case at::kHalf:
-      return greedy ? threshold_unmask_kernel<HalfTag, true> : threshold_unmask_kernel<HalfTag, false>;
-    default:
-      return greedy ? threshold_unmask_kernel<float, true> : threshold_unmask_kernel<float, false>;
+    case at::kBFloat16: return pick_mode<kernels::Bf16Tag>(mode);
+    case at::kHalf: return pick_mode<kernels::HalfTag>(mode);
+    default: return pick_mode<float>(mode);
   }
 }
 
@@ -108,7 +114,7 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
     const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& masked, const at::Tensor& step_map,
     const at::Tensor& logp, const at::Tensor& conf, const at::Tensor& step, const at::Tensor& quota,
     const at::Tensor& eos_ids, const at::Tensor& seed, const at::Tensor& offset, double threshold,
-    double temperature, int64_t top_k, double top_p, bool greedy) {
+    double temperature, int64_t top_k, double top_p, bool greedy, bool two_level) {
   CHECK_CUDA(logits);
   CHECK_DIM(logits, 3);
   const int64_t B = logits.size(0), S = logits.size(1), V = logits.size(2);
@@ -167,8 +173,9 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
 
   const c10::cuda::CUDAGuard guard(logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const KernelFn fn = pick_kernel(logits.scalar_type(), is_greedy);
-  const int64_t smem = kernels::unmask_dynamic_smem(S, is_greedy);
+  const int mode = is_greedy ? kernels::kPickGreedy : (two_level ? kernels::kPickBucket : kernels::kPickToken);
+  const KernelFn fn = pick_kernel(logits.scalar_type(), mode);
+  const int64_t smem = kernels::unmask_dynamic_smem(S, mode);
   const int64_t per_vec = 16 / logits.element_size();
   const int64_t rows = B * S;
 
@@ -180,9 +187,11 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
       C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, logits.device().index()));
     }
     const int64_t slots = int64_t(info.sms) * resident_ctas(info, fn, smem);
-    p.nsplit = kernels::unmask_choose_split(rows, V / per_vec, slots);
-    p.counters = reinterpret_cast<int32_t*>(
-        grow(info, info.counters, kernels::unmask_counter_bytes(B), logits.device(), stream, "counter"));
+    p.nsplit = kernels::unmask_choose_split(rows, kernels::unmask_max_split(V, per_vec, mode), slots);
+    uint8_t* counters =
+        grow(info, info.counters, kernels::unmask_counter_bytes(B, rows), logits.device(), stream, "counter");
+    p.counters = reinterpret_cast<int32_t*>(counters);
+    p.row_counters = reinterpret_cast<int32_t*>(counters + kernels::unmask_seq_counter_bytes(B));
     p.partials = reinterpret_cast<kernels::UnmaskPartial*>(
         grow(info, info.partials, kernels::unmask_partial_bytes(rows, p.nsplit), logits.device(), stream, "partials"));
   }
@@ -207,6 +216,7 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
   p.batch = static_cast<int32_t>(B);
   p.positions = static_cast<int32_t>(S);
   p.vocab = static_cast<int32_t>(V);
+  p.nbuckets = static_cast<int32_t>((V + kernels::kBucket - 1) / kernels::kBucket);
   p.inv_temp = inv_t;
   p.threshold = static_cast<float>(threshold);
 

@@ -212,6 +212,8 @@ EXTERNAL_HELP: dict[str, str] = {
     "temperature": "rollout sampling temperature (0 = greedy); evaluation is always greedy",
     "top_k": "rollout top-k (0 = off)",
     "top_p": "rollout top-p (1 = off)",
+    "noise": "how sampling draws its Gumbel noise: 'two_level' (a bucket of 1024 ids by its mass, then a token "
+             "in it; one pass over the logits) or 'per_token' (one value per token); both sample exactly",
     "max_new_tokens": "response length cap (responses hitting it count as wrong); default: synthetic: its "
                       "longest answer rounded up to blocks + one block, other tasks: 256",
     "max_length": "cap on prompt + response positions (default: max_position_embeddings)",
@@ -380,6 +382,8 @@ def _build_options() -> dict[str, Option]:
                 choices = ("block_proxy", "trace")
             elif f.name == "rule":
                 choices = ("threshold", "quota")
+            elif f.name == "noise":
+                choices = ("two_level", "per_token")
             if f.name in opts:
                 raise RuntimeError(f"config field {f.name!r} appears in sections {opts[f.name].section!r} and "
                                    f"{sec!r}: flag names must be unique")

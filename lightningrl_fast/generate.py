@@ -259,7 +259,7 @@ def sampler_config_from_args(args, eos_ids: tuple[int, ...]):
 
     return SamplerConfig(block_size=args.block_size, threshold=args.threshold, rule=args.rule,
                          steps_per_block=args.steps_per_block, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids,
+                         top_p=args.top_p, noise=args.noise, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids,
                          cuda_graphs=not args.no_cuda_graphs, seed=args.seed)
 
 
@@ -275,6 +275,8 @@ def add_decoding_args(ap: argparse.ArgumentParser, temperature: float = 0.0, max
     g.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--noise", choices=("two_level", "per_token"), default="two_level",
+                   help="sampling noise: two_level (default; one pass over the logits) or per_token; both exact")
     g.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     g.add_argument("--batch-size", type=int, default=batch_size, help="prompts per sampler call")
     g.add_argument("--seed", type=int, default=0)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .model import KVCache, SDARForCausalLM
-from .ops.unmask import threshold_unmask
+from .ops.unmask import NOISE_MODES, threshold_unmask
 from .profiling import nvtx_range
 
 
@@ -52,6 +52,7 @@ class SamplerConfig:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    noise: str = "two_level"  # sampling noise: "two_level" (one pass, default) or "per_token"; both exact
     max_new_tokens: int = 256
     max_length: int | None = None  # cap on prompt + response positions (default: max_position_embeddings)
     eos_ids: tuple[int, ...] = (151645, 151643)
@@ -132,6 +133,8 @@ def _validate(model: SDARForCausalLM, prompts, cfg: SamplerConfig, bs: int) -> i
         raise ValueError(f"eos_ids {cfg.eos_ids} must be non-empty and inside the vocabulary [0, {vocab})")
     if cfg.top_k < 0 or not 0 < cfg.top_p <= 1:
         raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {cfg.top_k}, {cfg.top_p}")
+    if cfg.noise not in NOISE_MODES:
+        raise ValueError(f"noise must be one of {NOISE_MODES}, got {cfg.noise!r}")
     max_len = cfg.max_length or model.config.max_position_embeddings
     for i, p in enumerate(prompts):
         if len(p) == 0:
@@ -182,6 +185,7 @@ def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int
     block_done, eos_seen = threshold_unmask(
         logits, tok, msk, smap, lp, cf, st.steps, _quota(st, cfg, bs), eos_ids, st.seed, st.offset,
         threshold=cfg.threshold, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, greedy=cfg.greedy,
+        noise=cfg.noise,
     )
     for full, part in ((st.seq, tok), (st.masked, msk), (st.step_map, smap), (st.logp, lp), (st.conf, cf)):
         full.scatter_(1, bidx, part)

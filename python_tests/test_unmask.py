@@ -93,7 +93,8 @@ def test_reference_matches_naive(greedy, b, s, vocab, tau, temp):
     want = naive_step(*state, step, quota, eos, seed, offset, tau, temp, greedy)
     got_state = [x.clone() for x in state]
     done, eos_seen = threshold_unmask(*got_state, step, quota, torch.tensor(eos), torch.tensor([seed]),
-                                      torch.tensor([offset]), threshold=tau, temperature=temp, greedy=greedy)
+                                      torch.tensor([offset]), threshold=tau, temperature=temp, greedy=greedy,
+                                      noise="per_token")
     names = ["tokens", "masked", "step_map", "logp", "conf"]
     for name, g, w in zip(names, got_state[1:], want[:5]):
         if g.dtype.is_floating_point:
@@ -135,7 +136,85 @@ def test_tau_one_unmasks_exactly_one_and_special_logits():
     torch.testing.assert_close(conf[:, 0], torch.tensor([1 / 111, 1 / 50]))
 
 
-def test_sampling_matches_softmax_statistically():
+def naive_two_level_pick(row, seed, offset, r, bucket=1024):
+    """The two-level contract in plain Python (float64): bucket by Gumbel-max over the buckets' log-masses
+    (counter 2^62 + r * n_buckets + j), then token by Gumbel-max inside it (counter r * V + t)."""
+    vocab = len(row)
+    nb = -(-vocab // bucket)
+
+    def gumbel(ctr):
+        return -math.log(-math.log(((philox_py(seed, offset, ctr) >> 9) + 0.5) * 2**-23))
+
+    def mass(j):
+        xs = row[j * bucket:(j + 1) * bucket]
+        m = max(xs)
+        return m + math.log(sum(math.exp(x - m) for x in xs)) if m > -math.inf else -math.inf
+
+    j = max(range(nb), key=lambda j: (mass(j) + gumbel(2**62 + r * nb + j), -j))
+    ts = range(j * bucket, min(vocab, (j + 1) * bucket))
+    return max(ts, key=lambda t: (row[t] + gumbel(r * vocab + t), -t))
+
+
+@pytest.mark.parametrize("vocab,temp", [(111, 1.0), (2500, 0.7), (3072, 1.3)])
+def test_reference_two_level_matches_naive(vocab, temp):
+    """The reference's two-level picks are the contract's (plain-Python Philox and float64 masses)."""
+    b, s = 2, 3
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(b, s, vocab, generator=g, dtype=torch.float64) * 2
+    if vocab > 2048:
+        logits[0, 0, 1024:2048] = float("-inf")  # an empty bucket
+    seed, offset = 2**34 + 11, 5
+    tok, conf, logp = pick_tokens_reference(logits, torch.tensor([seed]), torch.tensor([offset]), temp, 0, 1.0,
+                                            False, "two_level")
+    for r in range(b * s):
+        row = [float(x) / temp for x in logits.view(b * s, vocab)[r]]
+        assert int(tok.view(-1)[r]) == naive_two_level_pick(row, seed, offset, r), r
+    # conf is the pick's untruncated probability, as in every mode
+    want = torch.softmax(logits / temp, -1).gather(-1, tok[..., None]).squeeze(-1)
+    torch.testing.assert_close(conf.double(), want, rtol=1e-5, atol=1e-7)
+
+
+def bucket_chi2(noise, device="cpu", dtype=torch.float32):
+    """3 buckets (vocab 3000): 8 heavy tokens across them (two on each side of a bucket edge) plus each
+    bucket's bulk as one category; 20000 draws. Returns the chi-square statistic against softmax(logits / T)
+    (10 degrees of freedom)."""
+    vocab, n, b, temp = 3000, 20000, 1000, 0.9
+    heavy = [5, 900, 1023, 1024, 1500, 2047, 2100, 2999]
+    logits = torch.full((vocab,), -1.0)
+    logits[heavy] = torch.tensor([4.0, 3.0, 5.0, 4.5, 2.0, 5.5, 3.5, 4.0])
+    probs = torch.softmax(logits / temp, 0)
+    cat = torch.full((vocab,), -1)
+    cat[heavy] = torch.arange(8)
+    for j in range(3):
+        bulk = torch.zeros(vocab, dtype=torch.bool)
+        bulk[j * 1024:(j + 1) * 1024] = True
+        bulk[heavy] = False
+        cat[bulk] = 8 + j
+    want = torch.zeros(11).index_add_(0, cat, probs)
+    counts = torch.zeros(11)
+    dev = torch.device(device)
+    rows = logits.to(device=dev, dtype=dtype).expand(b, 1, vocab).contiguous()
+    ones = torch.ones(b, dtype=torch.int32, device=dev)
+    for off in range(n // b):
+        tokens = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        masked = torch.ones(b, 1, dtype=torch.bool, device=dev)
+        zeros = torch.zeros(b, 1, device=dev)
+        threshold_unmask(rows, tokens, masked, torch.zeros(b, 1, dtype=torch.int32, device=dev), zeros, zeros.clone(),
+                         ones, ones, torch.tensor([0], device=dev), torch.tensor([42], device=dev),
+                         torch.tensor([off], device=dev), temperature=temp, noise=noise)
+        assert not masked.any()
+        counts += torch.bincount(cat[tokens.view(-1).cpu()], minlength=11).float()
+    return (((counts - n * want) ** 2) / (n * want)).sum().item()
+
+
+@pytest.mark.parametrize("noise", ["two_level", "per_token"])
+def test_sampling_over_buckets_matches_softmax_statistically(noise):
+    chi2 = bucket_chi2(noise)
+    assert chi2 < 29.6, chi2  # 10 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize("noise", ["two_level", "per_token"])
+def test_sampling_matches_softmax_statistically(noise):
     vocab, n = 7, 4000
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5])
     probs = torch.softmax(logits / 0.8, 0)
@@ -148,7 +227,7 @@ def test_sampling_matches_softmax_statistically():
         lp, cf = torch.zeros(b, 1), torch.zeros(b, 1)
         ones = torch.ones(b, dtype=torch.int32)
         threshold_unmask(logits.expand(b, 1, vocab).contiguous(), tokens, masked, sm, lp, cf, ones, ones,
-                         torch.tensor([0]), torch.tensor([42]), torch.tensor([off]), temperature=0.8)
+                         torch.tensor([0]), torch.tensor([42]), torch.tensor([off]), temperature=0.8, noise=noise)
         counts += torch.bincount(tokens.view(-1), minlength=vocab)
     chi2 = (((counts - n * probs) ** 2) / (n * probs)).sum().item()
     assert chi2 < 22.5, chi2  # 6 degrees of freedom, p = 0.001
@@ -178,7 +257,7 @@ def test_determinism_and_opcheck():
     threshold_unmask(*b, *extra)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     torch.library.opcheck(torch.ops.lightningrl_fast.threshold_unmask.default,
-                          (*[x.clone() for x in state], *extra, 0.9, 1.0, 0, 1.0, False))
+                          (*[x.clone() for x in state], *extra, 0.9, 1.0, 0, 1.0, False, "two_level"))
 
 
 def test_bad_inputs():
@@ -191,6 +270,8 @@ def test_bad_inputs():
         threshold_unmask(state[0], state[1], state[2].int(), *state[3:], *extra)
     with pytest.raises(ValueError, match="top_p must be in"):
         threshold_unmask(*state, *extra, top_p=0.0)
+    with pytest.raises(ValueError, match="noise must be one of"):
+        threshold_unmask(*state, *extra, noise="per_bucket")
 
 
 def test_kernel_supported_routing():
@@ -244,13 +325,13 @@ class Emulated:
         fn = lib.emu_threshold_unmask
         fn.restype = i32
         fn.argtypes = [i32, p, i64, i64, i32, i32, i32, p, p, p, p, p, p, p, p, i32, p, p, ctypes.c_double,
-                       ctypes.c_double, i32, p, p, i64, i32, ctypes.c_uint64, p]
+                       ctypes.c_double, i32, i32, p, p, i64, i32, ctypes.c_uint64, p]
         self.fn = fn
         self.take_draws = lib.emu_take_gumbel_draws
         self.take_draws.restype = ctypes.c_uint64
 
     def __call__(self, logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-                 threshold=0.9, temperature=1.0, greedy=False, slots=528, split=0, order=1):
+                 threshold=0.9, temperature=1.0, greedy=False, noise="two_level", slots=528, split=0, order=1):
         b, s, vocab = logits.shape
         assert logits.stride(-1) == 1 or vocab == 1
         for t in (tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset):
@@ -260,9 +341,10 @@ class Emulated:
         rc = self.fn(_EMU_DTYPES[logits.dtype], logits.data_ptr(), logits.stride(0), logits.stride(1), b, s, vocab,
                      tokens.data_ptr(), masked.data_ptr(), step_map.data_ptr(), logp.data_ptr(), conf.data_ptr(),
                      step.data_ptr(), quota.data_ptr(), eos_ids.data_ptr(), eos_ids.numel(), seed.data_ptr(),
-                     offset.data_ptr(), threshold, temperature, int(greedy), done.data_ptr(), eos_seen.data_ptr(),
+                     offset.data_ptr(), threshold, temperature, int(greedy), int(noise == "two_level"),
+                     done.data_ptr(), eos_seen.data_ptr(),
                      slots, split, order, ctypes.byref(nsplit))
-        assert rc == 0, "the kernel left a sequence counter non-zero"
+        assert rc == 0, "the kernel left a sequence or row counter non-zero"
         self.nsplit = nsplit.value
         return done, eos_seen
 
@@ -273,24 +355,30 @@ def emu(emu_build):
     return Emulated(ctypes.CDLL(str(emu_build("unmask_emu.cpp", shared=True, cuda_headers=True))))
 
 
-def run_both(emu, state, extra, threshold, temperature, greedy, **emu_kw):
+def run_both(emu, state, extra, threshold, temperature, greedy, noise="two_level", **emu_kw):
     ref = clone(state)
-    want = threshold_unmask_reference(*ref, *extra, threshold, temperature, 0, 1.0, greedy)
+    want = threshold_unmask_reference(*ref, *extra, threshold, temperature, 0, 1.0, greedy, noise)
     got = clone(state)
-    flags = emu(*got, *extra, threshold=threshold, temperature=temperature, greedy=greedy, **emu_kw)
+    flags = emu(*got, *extra, threshold=threshold, temperature=temperature, greedy=greedy, noise=noise, **emu_kw)
     return got, flags, ref, want
 
 
+# the kernel's three pick modes: (greedy, noise)
+MODES = {"greedy": (True, "two_level"), "per_token": (False, "per_token"), "two_level": (False, "two_level")}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("b,s,vocab,split", [(3, 4, 111, 0), (2, 8, 1000, 3), (1, 32, 5003, 0), (2, 3, 4099, 5),
-                                              (1, 3, 20011, 40), (2, 2, 111, 40)])
-def test_emulated_kernel_matches_reference(emu, dtype, greedy, b, s, vocab, split):
+                                              (1, 3, 20011, 40), (2, 2, 111, 40), (2, 3, 9216, 0)])
+def test_emulated_kernel_matches_reference(emu, dtype, mode, b, s, vocab, split):
     """Picks, selection, in-place writes and flags equal the reference's (same Philox stream when sampling);
     `split` forces chunks per row (0 = the launcher's choice; 40 > 32 lanes per merge group; with vocab 111
-    most chunks are empty), blocks run in a shuffled order, their threads interleaved at random."""
+    most chunks are empty; two-level: more chunks than buckets), blocks run in a shuffled order, their threads
+    interleaved at random."""
+    greedy, noise = MODES[mode]
     state, extra = case(b, s, vocab, dtype, seed=vocab + s)
-    got, flags, ref, want = run_both(emu, state, extra, 0.3, 1.0, greedy, split=split, order=vocab)
+    got, flags, ref, want = run_both(emu, state, extra, 0.3, 1.0, greedy, noise, split=split, order=vocab)
     assert split == 0 or emu.nsplit == split
     assert_same_step(got, flags, ref, want)
 
@@ -309,15 +397,37 @@ def test_emulated_sampling_prunes_with_the_cta_threshold(emu, order):
     state, extra = case(b, s, vocab, torch.float32, seed=3, frac_masked=1.0, quota=(1, 2))
     state[0] = logits
     emu.take_draws()
-    got, flags, ref, want = run_both(emu, state, extra, 0.5, 1.0, False, split=1, order=order)
+    got, flags, ref, want = run_both(emu, state, extra, 0.5, 1.0, False, "per_token", split=1, order=order)
     assert_same_step(got, flags, ref, want)
     draws = emu.take_draws()
     assert 0 < draws < 0.5 * b * s * vocab, f"{draws} noise draws for {b * s * vocab} tokens"
     # flat logits (all within 17 of each other): every token is a candidate, nothing may be skipped
     state[0] = torch.randn(b, s, vocab, generator=g)
-    got, flags, ref, want = run_both(emu, state, extra, 0.5, 1.0, False, split=1, order=order)
+    got, flags, ref, want = run_both(emu, state, extra, 0.5, 1.0, False, "per_token", split=1, order=order)
     assert_same_step(got, flags, ref, want)
     assert emu.take_draws() > 0.9 * b * s * vocab
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_emulated_two_level_draws_one_value_per_bucket_and_per_token_of_one(emu, split):
+    """Two-level sampling draws exactly n_buckets + (the chosen bucket's size) noise values per scanned row,
+    on flat and on peaked logits alike (per-token sampling drew > 90% of the row on flat logits)."""
+    b, s, vocab = 2, 4, 20011  # 20 buckets, the last one of 555 tokens
+    g = torch.Generator().manual_seed(8)
+    for peaked in (False, True):
+        state, extra = case(b, s, vocab, torch.float32, seed=3, frac_masked=0.75, quota=(1, 2))
+        state[0] = torch.randn(b, s, vocab, generator=g)
+        if peaked:
+            state[0][..., 19500] += 30.0  # the pick is in the short last bucket
+        emu.take_draws()
+        got, flags, ref, want = run_both(emu, state, extra, 0.5, 1.0, False, split=split, order=5)
+        assert_same_step(got, flags, ref, want)
+        rows = int(state[2].sum())
+        draws = emu.take_draws()
+        if peaked:
+            assert draws == rows * (20 + 555)
+        else:
+            assert rows * (20 + 555) <= draws <= rows * (20 + 1024)
 
 
 def test_emulated_split_choice_fills_the_gpu(emu):
@@ -325,14 +435,17 @@ def test_emulated_split_choice_fills_the_gpu(emu):
     state, extra = case(1, 32, 151936, torch.bfloat16, seed=0, frac_masked=0.0)  # nothing masked: no scan
     emu(*state, *extra, greedy=True, slots=132 * 4)
     assert emu.nsplit * 32 >= 0.95 * 528 and emu.nsplit <= 64
+    emu(*state, *extra, greedy=False, noise="two_level", slots=132 * 4)  # whole buckets: <= 149 / 8 chunks
+    assert emu.nsplit * 32 >= 0.95 * 528 and emu.nsplit <= 18
 
 
+@pytest.mark.parametrize("noise", ["two_level", "per_token"])
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
-def test_emulated_sampling_temperature(emu, temperature):
+def test_emulated_sampling_temperature(emu, temperature, noise):
     """T != 1: the kernel multiplies by 1/T (as torch does on CUDA); the CPU reference divides, so a pick may
     differ only where two perturbed scores are within an ulp: tau 0 writes every pick, compare them."""
     state, extra = case(2, 16, 3001, torch.float32, seed=5, frac_masked=1.0)
-    got, flags, ref, want = run_both(emu, state, extra, 0.0, temperature, False)
+    got, flags, ref, want = run_both(emu, state, extra, 0.0, temperature, False, noise)
     same = (got[1] == ref[1]).float().mean().item()
     assert same >= 0.97, same
     agree = got[1] == ref[1]
@@ -340,28 +453,31 @@ def test_emulated_sampling_temperature(emu, temperature):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("greedy", [True, False])
-def test_emulated_misaligned_strided_rows(emu, dtype, greedy):
-    """Rows that start off a 16-byte boundary (scalar head + vectors + scalar tail) and padded row strides."""
-    state, extra = case(2, 5, 1000, dtype, seed=11)
-    buf = torch.full((2, 5, 1003), 77.0, dtype=dtype)  # 77 is never read
-    buf[:, :, 1:1001] = state[0]
-    strided = buf[:, :, 1:1001]
+@pytest.mark.parametrize("mode", list(MODES))
+def test_emulated_misaligned_strided_rows(emu, dtype, mode):
+    """Rows that start off a 16-byte boundary (scalar head + vectors + scalar tail; two-level: scalar reads)
+    and padded row strides."""
+    greedy, noise = MODES[mode]
+    state, extra = case(2, 5, 2100, dtype, seed=11)
+    buf = torch.full((2, 5, 2103), 77.0, dtype=dtype)  # 77 is never read
+    buf[:, :, 1:2101] = state[0]
+    strided = buf[:, :, 1:2101]
     assert strided.data_ptr() % 16 != 0
     ref = clone(state)
-    want = threshold_unmask_reference(*ref, *extra, 0.5, 1.0, 0, 1.0, greedy)
+    want = threshold_unmask_reference(*ref, *extra, 0.5, 1.0, 0, 1.0, greedy, noise)
     got = [strided] + clone(state[1:])
-    flags = emu(*got, *extra, threshold=0.5, greedy=greedy, split=3)
+    flags = emu(*got, *extra, threshold=0.5, greedy=greedy, noise=noise, split=3)
     assert_same_step(got, flags, ref, want)
 
 
-@pytest.mark.parametrize("greedy", [True, False])
-def test_emulated_edge_cases(emu, greedy):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_emulated_edge_cases(emu, mode):
+    greedy, noise = MODES[mode]
     # nothing masked: a no-op; flags from the current state (prompt EOS at step_map < 0 does not count)
     state, extra = case(3, 4, 111, torch.float32, seed=1, frac_masked=0.0)
     state[1][0, 1], state[3][0, 1] = 3, -1  # a prompt token that is an EOS id
     state[1][1, 2], state[3][1, 2] = 7, 4  # a generated EOS
-    got, flags, ref, want = run_both(emu, state, extra, 0.9, 1.0, greedy)
+    got, flags, ref, want = run_both(emu, state, extra, 0.9, 1.0, greedy, noise)
     assert_same_step(got, flags, ref, want)
     assert all(torch.equal(a, b) for a, b in zip(got, state)) and flags[0].all()
     assert flags[1].tolist() == [False, True, False]
@@ -369,7 +485,7 @@ def test_emulated_edge_cases(emu, greedy):
     # tau 0 unmasks every masked position of active rows; tau 1 exactly quota of them
     state, extra = case(4, 8, 257, torch.bfloat16, seed=2, frac_masked=1.0)
     for tau in (0.0, 1.0):
-        got, flags, ref, want = run_both(emu, state, extra, tau, 1.0, greedy)
+        got, flags, ref, want = run_both(emu, state, extra, tau, 1.0, greedy, noise)
         assert_same_step(got, flags, ref, want)
         left = got[2].sum(1).tolist()
         assert left == ([0, 0, 8, 0] if tau == 0.0 else [7, 6, 8, 5])
@@ -386,7 +502,7 @@ def test_emulated_edge_cases(emu, greedy):
              torch.full((b, s), -1, dtype=torch.int32), torch.zeros(b, s), torch.zeros(b, s)]
     extra = [torch.ones(b, dtype=torch.int32), torch.ones(b, dtype=torch.int32), torch.tensor([42]),
              torch.tensor([9]), torch.tensor([1])]
-    got, flags, ref, want = run_both(emu, state, extra, 0.0, 1.0, greedy)
+    got, flags, ref, want = run_both(emu, state, extra, 0.0, 1.0, greedy, noise)
     assert_same_step(got, flags, ref, want)
     assert (got[1][1] == 42).all() and torch.equal(got[5][1], torch.ones(s))  # exactly 1, as the reference
     if greedy:
@@ -397,7 +513,7 @@ def test_emulated_edge_cases(emu, greedy):
     # tiny vocabularies (shorter than one 16-byte vector)
     for vocab, dtype in ((1, torch.float32), (3, torch.float32), (7, torch.bfloat16), (9, torch.float16)):
         state, extra = case(2, 3, vocab, dtype, seed=vocab)
-        got, flags, ref, want = run_both(emu, state, extra, 0.5, 1.0, greedy, split=1)
+        got, flags, ref, want = run_both(emu, state, extra, 0.5, 1.0, greedy, noise, split=1)
         assert_same_step(got, flags, ref, want)
 
 
@@ -423,8 +539,8 @@ def test_emulated_full_vocabulary(emu):
     """vocab 151936 (Qwen2/SDAR), bf16, the launcher's split for a 132-SM GPU, masked and unmasked rows."""
     state, extra = case(1, 4, 151936, torch.bfloat16, seed=4, frac_masked=0.75, quota=(2,))
     state[0][..., 151669] = float("-inf")
-    for greedy in (True, False):
-        got, flags, ref, want = run_both(emu, state, extra, 0.9, 1.0, greedy, slots=132 * 4, order=7)
+    for greedy, noise in MODES.values():
+        got, flags, ref, want = run_both(emu, state, extra, 0.9, 1.0, greedy, noise, slots=132 * 4, order=7)
         assert emu.nsplit > 1
         assert_same_step(got, flags, ref, want)
 
@@ -461,17 +577,19 @@ def test_gpu_greedy_matches_reference(cuda_kernels, dtype, b, s, vocab):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("noise", ["two_level", "per_token"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("vocab", [111, 151936])
-def test_gpu_sampling_picks_equal_reference(cuda_kernels, dtype, temperature, vocab):
+@pytest.mark.parametrize("b,vocab", [(4, 111), (4, 151936), (1, 151936), (3, 5003)])
+def test_gpu_sampling_picks_equal_reference(cuda_kernels, noise, dtype, temperature, b, vocab):
     """Same Philox stream and fp32 arithmetic as the reference on the GPU: tau 0 writes every pick; at most a
-    rare near-tie (perturbed scores within an ulp) may differ."""
-    state, extra = case(4, 32, vocab, dtype, seed=8, frac_masked=1.0, device="cuda")
+    rare near-tie (perturbed scores within an ulp; two-level: bucket scores within a logsumexp's fp32 error)
+    may differ. B 1 x 32 rows over 151936 tokens: several CTAs per row (two-level: the row counters)."""
+    state, extra = case(b, 32, vocab, dtype, seed=8, frac_masked=1.0, device="cuda")
     ref = clone(state)
-    threshold_unmask_reference(*ref, *extra, 0.0, temperature, 0, 1.0, False)
+    threshold_unmask_reference(*ref, *extra, 0.0, temperature, 0, 1.0, False, noise)
     got = clone(state)
-    threshold_unmask(*got, *extra, threshold=0.0, temperature=temperature)
+    threshold_unmask(*got, *extra, threshold=0.0, temperature=temperature, noise=noise)
     same = got[1] == ref[1]
     assert same.float().mean().item() >= 0.99, f"{int((~same).sum())} of {same.numel()} picks differ"
     torch.testing.assert_close(got[4][same], ref[4][same], rtol=1e-4, atol=1e-5)
@@ -482,17 +600,18 @@ def test_gpu_sampling_picks_equal_reference(cuda_kernels, dtype, temperature, vo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("greedy", [True, False])
-def test_gpu_workspace_survives_batch_growth(cuda_kernels, greedy):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gpu_workspace_survives_batch_growth(cuda_kernels, mode):
     """Calls with a small batch, then larger ones, then a small one again: the persistent workspace's arrival
     counters must read zero on entry every time (an H100 run once found a larger batch reading the previous
     launch's partials as counters, so no CTA was last and rows stayed masked)."""
+    greedy, noise = MODES[mode]
     for b, vocab in [(2, 4099), (3, 151936), (700, 97), (1500, 4099), (5, 151936)]:
         state, extra = case(b, 4, vocab, torch.bfloat16, seed=b, frac_masked=1.0, device="cuda", quota=(1, 2, 3))
         ref = clone(state)
-        want = threshold_unmask_reference(*ref, *extra, 0.5, 1.0, 0, 1.0, greedy)
+        want = threshold_unmask_reference(*ref, *extra, 0.5, 1.0, 0, 1.0, greedy, noise)
         got = clone(state)
-        flags = threshold_unmask(*got, *extra, threshold=0.5, greedy=greedy)
+        flags = threshold_unmask(*got, *extra, threshold=0.5, greedy=greedy, noise=noise)
         same = got[1] == ref[1]
         assert same.float().mean().item() >= 0.99, (b, vocab, int((~same).sum()))
         assert (~got[2]).sum(1).ge(1).all(), f"B={b}: a row with quota >= 1 unmasked nothing"
@@ -518,6 +637,14 @@ def test_gpu_sampling_matches_softmax_statistically(cuda_kernels):
         torch.testing.assert_close(st[5].view(-1).cpu(), probs[st[1].view(-1).cpu()], rtol=1e-5, atol=1e-6)
     chi2 = (((counts - n * probs) ** 2) / (n * probs)).sum().item()
     assert chi2 < 22.5, chi2  # 6 degrees of freedom, p = 0.001
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("noise", ["two_level", "per_token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_sampling_over_buckets_matches_softmax_statistically(cuda_kernels, noise, dtype):
+    chi2 = bucket_chi2(noise, "cuda", dtype)
+    assert chi2 < 29.6, chi2  # 10 degrees of freedom, p = 0.001
 
 
 @pytest.mark.gpu
@@ -553,8 +680,9 @@ def test_gpu_deterministic_for_fixed_seed_and_offset(cuda_kernels):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("greedy", [True, False])
-def test_gpu_cuda_graph_replay_with_offset_bumps(cuda_kernels, greedy):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gpu_cuda_graph_replay_with_offset_bumps(cuda_kernels, mode):
+    greedy, noise = MODES[mode]
     state, extra = case(4, 32, 151936, torch.bfloat16, seed=31, device="cuda")
     init = clone(state)
     live = clone(state)
@@ -562,20 +690,20 @@ def test_gpu_cuda_graph_replay_with_offset_bumps(cuda_kernels, greedy):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture (sizes the kernel's workspace)
-        threshold_unmask(*live, *extra, threshold=0.8, greedy=greedy)
+        threshold_unmask(*live, *extra, threshold=0.8, greedy=greedy, noise=noise)
     torch.cuda.current_stream().wait_stream(side)
     for dst, src in zip(live, init):
         dst.copy_(src)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        flags = threshold_unmask(*live, *extra, threshold=0.8, greedy=greedy)
+        flags = threshold_unmask(*live, *extra, threshold=0.8, greedy=greedy, noise=noise)
     for k in range(3):
         for dst, src in zip(live, init):
             dst.copy_(src)
         offset.fill_(100 + k)
         graph.replay()
         ref = clone(init)
-        want = threshold_unmask_reference(*ref, *extra, 0.8, 1.0, 0, 1.0, greedy)
+        want = threshold_unmask_reference(*ref, *extra, 0.8, 1.0, 0, 1.0, greedy, noise)
         torch.cuda.synchronize()
         if greedy:
             assert_same_step(live, flags, ref, want, rtol=1e-4, atol=1e-5)
@@ -592,18 +720,19 @@ def test_gpu_cuda_graph_replay_with_offset_bumps(cuda_kernels, greedy):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("greedy", [True, False])
-def test_gpu_edge_cases(cuda_kernels, greedy):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gpu_edge_cases(cuda_kernels, mode):
+    greedy, noise = MODES[mode]
     # nothing masked: no-op
     state, extra = case(3, 8, 111, torch.float32, seed=1, frac_masked=0.0, device="cuda")
     got = clone(state)
-    done, _ = threshold_unmask(*got, *extra, threshold=0.5, greedy=greedy)
+    done, _ = threshold_unmask(*got, *extra, threshold=0.5, greedy=greedy, noise=noise)
     assert done.all() and all(torch.equal(a, b) for a, b in zip(got, state))
     # tau 0 and 1
     state, extra = case(4, 32, 151936, torch.bfloat16, seed=2, frac_masked=1.0, device="cuda")
     for tau, left in ((0.0, [0, 0, 32, 0]), (1.0, [31, 30, 32, 29])):
         got = clone(state)
-        threshold_unmask(*got, *extra, threshold=tau, greedy=greedy)
+        threshold_unmask(*got, *extra, threshold=tau, greedy=greedy, noise=noise)
         assert got[2].sum(1).tolist() == left
     # -inf logits, a single finite token, all-equal logits; vocab 111 and 151936
     for vocab in (111, 151936):
@@ -620,9 +749,9 @@ def test_gpu_edge_cases(cuda_kernels, greedy):
         ex = [torch.ones(b, dtype=torch.int32, device="cuda"), torch.ones(b, dtype=torch.int32, device="cuda"),
               torch.tensor([42], device="cuda"), torch.tensor([9], device="cuda"), torch.tensor([1], device="cuda")]
         ref = clone(st)
-        want = threshold_unmask_reference(*ref, *ex, 0.0, 1.0, 0, 1.0, greedy)
+        want = threshold_unmask_reference(*ref, *ex, 0.0, 1.0, 0, 1.0, greedy, noise)
         got = clone(st)
-        flags = threshold_unmask(*got, *ex, threshold=0.0, greedy=greedy)
+        flags = threshold_unmask(*got, *ex, threshold=0.0, greedy=greedy, noise=noise)
         assert_same_step(got, flags, ref, want, rtol=1e-4, atol=1e-6)
         assert (got[1][1] == 42).all() and (got[5][1] == 1.0).all() and bool(flags[1][1])
         assert (got[1][0] % 2 == 1).all()

@@ -21,16 +21,24 @@ namespace {
 
 lrf::kernels::UnmaskParams g_params;
 
-template <typename Tag, bool kGreedy>
+template <typename Tag, int kMode>
 void body() {
-  lrf::kernels::threshold_unmask_kernel<Tag, kGreedy>(g_params);
+  lrf::kernels::threshold_unmask_kernel<Tag, kMode>(g_params);
+}
+
+template <typename Tag>
+void (*body_for(int mode))() {
+  using namespace lrf::kernels;
+  return mode == kPickGreedy ? body<Tag, kPickGreedy> : mode == kPickToken ? body<Tag, kPickToken>
+                                                                           : body<Tag, kPickBucket>;
 }
 
 }  // namespace
 
 extern "C" {
 
-// Gumbel draws (tokens whose noise was computed) since the last call; resets the count.
+// Gumbel draws (noise values computed: tokens, and buckets of two-level sampling) since the last call; resets
+// the count.
 uint64_t emu_take_gumbel_draws() {
   const uint64_t n = lrf::emu::gumbel_draws;
   lrf::emu::gumbel_draws = 0;
@@ -40,24 +48,27 @@ uint64_t emu_take_gumbel_draws() {
 // dtype: 0 float32, 1 bfloat16, 2 float16. [B, S] arrays are contiguous; logits strides are in elements.
 // slots = SMs x resident CTAs per SM used for the split choice; order_seed 0 = blocks in launch order and
 // each block's threads in launch order, else a random permutation of the blocks and seeded random thread
-// interleavings. Returns 0, or 1 when a counter was left non-zero. *nsplit_out = chunks per row.
+// interleavings. two_level: the two-level sampler (else per-token noise). Returns 0, or 1 when a counter was
+// left non-zero. *nsplit_out = chunks per row.
 int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64_t logits_ss, int B, int S, int V,
                          int64_t* tokens, bool* masked, int32_t* step_map, float* logp, float* conf,
                          const int32_t* step, const int32_t* quota, const int64_t* eos_ids, int num_eos,
                          const int64_t* seed, const int64_t* offset, double threshold, double temperature,
-                         int greedy, bool* block_done, bool* eos_seen, int64_t slots, int force_split,
+                         int greedy, int two_level, bool* block_done, bool* eos_seen, int64_t slots, int force_split,
                          uint64_t order_seed, int* nsplit_out) {
   using namespace lrf::kernels;
   const bool is_greedy = greedy || temperature <= 0.0;
   const int64_t per_vec = dtype == 0 ? 4 : 8;
   const int64_t rows = int64_t(B) * S;
   UnmaskParams p{};
-  p.nsplit = force_split > 0 ? force_split : unmask_choose_split(rows, V / per_vec, slots);
+  const int mode = is_greedy ? kPickGreedy : (two_level ? kPickBucket : kPickToken);
+  p.nsplit = force_split > 0 ? force_split : unmask_choose_split(rows, unmask_max_split(V, per_vec, mode), slots);
   *nsplit_out = p.nsplit;
   // two buffers, as the launcher keeps them: zeroed counters, and partials the kernel writes before reading
-  std::vector<int32_t> counters(size_t(unmask_counter_bytes(B)) / 4, 0);
+  std::vector<int32_t> counters(size_t(unmask_counter_bytes(B, rows)) / 4, 0);
   std::vector<UnmaskPartial> partials(size_t(unmask_partial_bytes(rows, p.nsplit)) / sizeof(UnmaskPartial));
   p.counters = counters.data();
+  p.row_counters = counters.data() + unmask_seq_counter_bytes(B) / 4;
   p.partials = partials.data();
   p.logits = logits;
   p.logits_sb = logits_sb;
@@ -78,25 +89,21 @@ int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64
   p.batch = B;
   p.positions = S;
   p.vocab = V;
+  p.nbuckets = (V + kBucket - 1) / kBucket;
   p.inv_temp = temperature > 0.0 ? 1.0f / static_cast<float>(temperature) : 1.0f;
   p.threshold = static_cast<float>(threshold);
   g_params = p;
 
-  void (*fn)() = nullptr;
-  switch (dtype) {
-    case 1: fn = is_greedy ? body<Bf16Tag, true> : body<Bf16Tag, false>; break;
-    case 2: fn = is_greedy ? body<HalfTag, true> : body<HalfTag, false>; break;
-    default: fn = is_greedy ? body<float, true> : body<float, false>; break;
-  }
+  void (*fn)() = dtype == 1 ? body_for<Bf16Tag>(mode) : dtype == 2 ? body_for<HalfTag>(mode) : body_for<float>(mode);
   const unsigned grid = unsigned(rows * p.nsplit);
   std::vector<unsigned> order(grid);
   std::iota(order.begin(), order.end(), 0u);
   if (order_seed != 0) std::shuffle(order.begin(), order.end(), std::mt19937_64(order_seed));
-  const size_t smem = size_t(unmask_dynamic_smem(S, is_greedy));
+  const size_t smem = size_t(unmask_dynamic_smem(S, mode));
   const std::function<void()> thread = fn;
   for (unsigned blk : order) lrf::emu::run_block(blk, grid, kUnmaskThreads, smem, order_seed, thread);
-  for (int b = 0; b < B; ++b) {
-    if (p.counters[b] != 0) return 1;
+  for (int32_t c : counters) {  // sequence and row counters
+    if (c != 0) return 1;
   }
   return 0;
 }

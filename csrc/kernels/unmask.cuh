@@ -11,7 +11,7 @@
 //
 // Picks (identical to the reference's, see ops/unmask.py):
 //   greedy:   argmax of the raw logits, ties to the lowest token id.
-//   sampling: argmax over t of fl(fl(x_t * inv_t) + g_t) with g_t = -logf(-logf(u_t)) (full-precision logf,
+//   per-token sampling (noise "per_token"): argmax over t of fl(fl(x_t * inv_t) + g_t) with g_t = -logf(-logf(u_t)) (full-precision logf,
 //             the one torch.log uses on CUDA) and u_t from Philox4x32-10 keyed by seed, counter (r * V + t,
 //             offset): u = ((w0 >> 9) + 0.5) * 2^-23. inv_t = 1.0f / float(T) and x * inv_t rounded on its
 //             own (no FMA contraction), as torch computes `logits / T` on CUDA (multiply by the reciprocal).
@@ -28,13 +28,23 @@
 //   in shared memory, candidates queued by ballot into a 64-entry ring, flushed 32 at a time from a single
 //   call site) so a warp runs the RNG converged and the RNG code exists once. Peaked LLM logits leave few
 //   candidates; flat logits (all within ~20/T of the max) make every token one: then sampling is RNG-bound.
+//   two-level sampling (noise "two_level", the default): the vocabulary is cut into buckets of kBucket = 1024
+//   token ids; the row's bucket is the argmax over j of fl(L_j + G_j), L_j = log sum_{t in j} exp(s_t) (fp32) and
+//   G_j Gumbel noise from the same Philox stream at counter kBucketTag + r * nbuckets + j; the token is then
+//   the per-token Gumbel-max restricted to that bucket (the per-token counters above). Exact in distribution
+//   (P(j) = mass of j, P(t | j) = exp(s_t) / mass of j), and it costs one noise value per bucket plus one per
+//   token of the chosen bucket: the scan runs at the greedy scan's speed whatever the logits look like. The
+//   scan (scan_buckets) gives every chunk whole buckets; the CTA that completes a row (a per-row arrival
+//   counter when nsplit > 1) merges its partials, re-reads the chosen bucket and picks the token
+//   (finish_row), then alone arrives for the sequence. Its picks equal the reference's except where two
+//   buckets' scores are within the fp32 error of L_j (the reference's logsumexp sums in another order).
 // logp = (s_pick - s_max) - log(sum exp((x - m) / T)) in fp32 (the structure of torch.logsumexp; the terms
 // through ex2.approx), conf = exp(logp): a dominant token gets conf exactly 1.0 where the reference does,
 // otherwise a few ulp from the reference, so a position whose conf is within ~1e-6 of the threshold or of
 // another position's conf may be selected differently (the picks themselves do not depend on it).
 //
-// Workspace (persistent, owned by the launcher): int32 counters[B] (zero between launches) and, in a separate
-// buffer, UnmaskPartial partials[B * S * nsplit]. Positions that are not masked, and sequences with quota <= 0,
+// Workspace (persistent, owned by the launcher): int32 counters[B] and row counters[B * S] (zero between
+// launches) and, in a separate buffer, UnmaskPartial partials[B * S * nsplit]. Positions that are not masked, and sequences with quota <= 0,
 // are not scanned at all (their logits are never read).
 #pragma once
 
@@ -55,19 +65,28 @@ constexpr int kUnmaskStage = 32;                          // elements per group 
 constexpr float kGumbelBound = 17.0f;                     // > every Gumbel value the noise can produce (16.64)
 constexpr float kGumbelFloor = 2.82f;                     // -g < 2.82 for every noise value (g >= -2.8116)
 constexpr int32_t kNoIndex = 0x7fffffff;                  // "no token seen yet"
+constexpr int kBucket = 1024;                             // two-level sampling: tokens per bucket (ops/unmask.py)
+constexpr uint64_t kBucketTag = uint64_t(1) << 62;        // two-level sampling: Philox counters of bucket noise
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Philox4x32-10 constants (Random123).
 constexpr uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u;
 constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
 
+// How a position's token is picked (template argument of the kernel).
+enum PickMode : int {
+  kPickGreedy = 0,  // argmax of the logits
+  kPickToken = 1,   // Gumbel-max with one noise value per token ("per_token")
+  kPickBucket = 2,  // two-level Gumbel-max: a bucket of kBucket tokens by its mass, then a token in it ("two_level")
+};
+
 // One chunk's summary, 32 bytes (two 16-byte stores / loads).
 struct alignas(16) UnmaskPartial {
   float m;       // max raw logit of the chunk (-inf when empty)
   float sum;     // sum of exp((x - m) / T), computed as 2^((x - m) * c2), c2 = log2(e) / T
-  float score;   // greedy: best raw logit; sampling: best fl(s + g)
-  float pick;    // the best token's scaled logit s = fl(x * inv_t)
-  int32_t idx;   // the best token (kNoIndex when the chunk is empty)
+  float score;   // greedy: best raw logit; per-token sampling: best fl(s + g); two-level: best bucket score
+  float pick;    // the best token's scaled logit s = fl(x * inv_t) (two-level: set by finish_row)
+  int32_t idx;   // the best token (kNoIndex when the chunk is empty); two-level: the best bucket, then the token
   int32_t pad[3];
 };
 
@@ -104,8 +123,10 @@ struct UnmaskParams {
   bool* block_done;            // [B] out
   bool* eos_seen;              // [B] out
   int32_t* counters;           // [B] workspace, zero on entry, reset to zero on exit
+  int32_t* row_counters;       // [B * S] workspace (two-level sampling with nsplit > 1), zero on entry and exit
   UnmaskPartial* partials;     // [B * S * nsplit] workspace
   int32_t batch, positions, vocab, nsplit;
+  int32_t nbuckets;            // ceil(V / kBucket)
   float inv_temp;              // 1.0f / float(T) (1 when greedy with T <= 0)
   float threshold;             // fp32, as `conf >= threshold` compares in the reference
 };
@@ -159,6 +180,22 @@ __device__ __forceinline__ uint32_t philox_word0(uint32_t c0, uint32_t c1, uint3
 __device__ __forceinline__ float gumbel_from_word(uint32_t w) {
   const float u = __fmul_rn(__fadd_rn(static_cast<float>(w >> 9), 0.5f), 0x1p-23f);
   return -logf(-logf(u));
+}
+
+// Philox key and offset words of a launch (sampling).
+struct NoiseKey {
+  uint32_t k0, k1, o0, o1;
+  __device__ __forceinline__ float gumbel(uint64_t ctr) const {
+#ifdef LRF_KERNEL_EMULATION
+    ++lrf::emu::gumbel_draws;  // test support: how many noise values were drawn
+#endif
+    return gumbel_from_word(philox_word0(uint32_t(ctr), uint32_t(ctr >> 32), o0, o1, k0, k1));
+  }
+};
+
+__device__ __forceinline__ NoiseKey noise_key(const UnmaskParams& p) {
+  const uint64_t seed = uint64_t(*p.seed), off = uint64_t(*p.offset);
+  return {uint32_t(seed), uint32_t(seed >> 32), uint32_t(off), uint32_t(off >> 32)};
 }
 
 // Logit element types: 16-byte vector -> floats.
@@ -295,21 +332,16 @@ struct Sampler {
   float thr;
   int* cta_thr;      // the CTA's best score so far (ordered_bits), shared by the warps
   uint64_t row_ctr;  // r * V
-  uint32_t k0, k1, o0, o1;
+  NoiseKey key;
 
   // Lanes < n take one queued candidate each, draw its noise, keep the best; then refresh the threshold.
   __device__ __forceinline__ void flush(ScanState& st, int n, int lane) {
     __syncwarp();
-#ifdef LRF_KERNEL_EMULATION
-    if (lane == 0) lrf::emu::gumbel_draws += uint64_t(n);  // test support: how many tokens paid for noise
-#endif
     if (lane < n) {
       const int slot = (head + lane) & (kUnmaskRing - 1);
       const float s = ring->s[slot];
       const int32_t t = ring->idx[slot];
-      const uint64_t ctr = row_ctr + uint64_t(t);
-      const float g = gumbel_from_word(philox_word0(uint32_t(ctr), uint32_t(ctr >> 32), o0, o1, k0, k1));
-      merge_best(st.score, st.pick, st.idx, __fadd_rn(s, g), s, t);
+      merge_best(st.score, st.pick, st.idx, __fadd_rn(s, key.gumbel(row_ctr + uint64_t(t))), s, t);
     }
     __syncwarp();
     head = (head + n) & (kUnmaskRing - 1);
@@ -414,6 +446,96 @@ __device__ __forceinline__ void process_one(ScanState& st, Sampler& smp, float v
   process_group<kGreedy, 1, 1>(st, smp, x, valid ? 1u : 0u, t, 0, inv_t, c2, lane);
 }
 
+// Two-level sampling, pass 1 (in the scan): warp `warp` of the CTA takes buckets jbeg + warp, jbeg + warp + 8,
+// ... < jend of the row. For each bucket the lanes' (max, sum) are merged across the warp into the bucket's
+// log-mass L_j = fl(m_j * inv_t) + logf(sum_j) (the same value in every lane), and each lane folds its own
+// (max, sum) into its share of the row's softmax sum. Lane k mod 32 holds the warp's k-th bucket until 32 are
+// pending; then every lane draws the noise of its bucket at once (a converged Philox call per 32 buckets) and
+// keeps the best fl(L_j + g_j) in (score, idx) (idx = bucket). `aligned`: the row starts on 16 bytes, so a
+// bucket is whole 16-byte vectors (kBucket is a multiple of every vector width), else it is read by scalars.
+template <typename Tag>
+__device__ __forceinline__ void scan_buckets(ScanState& st, const char* rowp, bool aligned, int V, int jbeg,
+                                             int jend, uint64_t bucket_ctr0, const NoiseKey& key, float inv_t,
+                                             float c2, int lane, int warp) {
+  using E = Elem<Tag>;
+  constexpr int kPerVec = E::kPerVec;
+  constexpr int kVecs = kBucket / kPerVec / 32;  // vectors per lane per bucket: 4 (bf16 / fp16), 8 (fp32)
+  constexpr int kPerLane = kBucket / 32;         // 32 tokens per lane per bucket
+  constexpr int64_t kElemBytes = 16 / kPerVec;
+  static_assert(kVecs * kPerVec == kPerLane, "a bucket is whole vectors per lane");
+
+  float pend_l = -INFINITY;  // this lane's pending bucket: log-mass and index (-1: none)
+  int32_t pend_j = -1;
+  int npend = 0;             // warp-uniform
+  auto draw = [&]() {
+    if (pend_j >= 0) {
+      const float g = key.gumbel(bucket_ctr0 + uint64_t(pend_j));
+      merge_best(st.score, st.pick, st.idx, __fadd_rn(pend_l, g), -INFINITY, pend_j);
+      pend_j = -1;
+    }
+    npend = 0;
+  };
+
+  for (int j = jbeg + warp; j < jend; j += kUnmaskWarps) {  // warp-uniform
+    const int t0 = j * kBucket;
+    const int len = V - t0 < kBucket ? V - t0 : kBucket;
+    float x[kPerLane];
+    float extra = -INFINITY;  // aligned rows: the < kPerVec tokens after the last whole vector (last bucket)
+    if (aligned) {
+      const int nv = len / kPerVec;
+      if (nv > 0) {
+        const uint4* vecs = reinterpret_cast<const uint4*>(rowp + int64_t(t0) * kElemBytes);
+        uint4 raw[kVecs];
+#pragma unroll
+        for (int u = 0; u < kVecs; ++u) {  // unpredicated: lanes past the end re-read the last vector
+          const int v = lane + 32 * u;
+          raw[u] = load_stream16(vecs + (v < nv ? v : nv - 1));
+        }
+#pragma unroll
+        for (int u = 0; u < kVecs; ++u) {
+          E::unpack(raw[u], x + u * kPerVec);
+          const bool ok = lane + 32 * u < nv;
+#pragma unroll
+          for (int e = 0; e < kPerVec; ++e) x[u * kPerVec + e] = ok ? x[u * kPerVec + e] : -INFINITY;
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) x[e] = -INFINITY;
+      }
+      const int t = nv * kPerVec + lane;
+      if (t < len) extra = E::load1(rowp, t0 + t);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
+        const int t = lane + 32 * e;
+        x[e] = t < len ? E::load1(rowp, t0 + t) : -INFINITY;
+      }
+    }
+    // this lane's (max, sum) over its tokens of the bucket
+    float lm = extra;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) lm = fmaxf(lm, x[e]);
+    const float mu = lm == -INFINITY ? 0.f : lm;
+    float acc[4] = {ex2_approx((extra - mu) * c2), 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) acc[e & 3] += ex2_approx((x[e] - mu) * c2);
+    const float ls = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    merge_sum(st.m, st.sum, lm, ls, c2);
+    // the bucket's (max, sum) in every lane (a butterfly: both partners compute the same commutative merge)
+    float bm = lm, bs = ls;
+#pragma unroll
+    for (int mask = 16; mask >= 1; mask >>= 1) {
+      merge_sum(bm, bs, __shfl_xor_sync(0xffffffffu, bm, mask), __shfl_xor_sync(0xffffffffu, bs, mask), c2);
+    }
+    if (lane == npend) {
+      pend_l = __fadd_rn(__fmul_rn(bm, inv_t), logf(bs));
+      pend_j = j;
+    }
+    if (++npend == 32) draw();
+  }
+  if (npend > 0) draw();
+}
+
 // Shared memory of a CTA: the block reduction (static); dynamic: the candidate rings and staging blocks
 // (sampling) or, in the CTA that finishes a sequence, its per-position arrays (the same bytes, reused).
 struct UnmaskShared {
@@ -421,22 +543,29 @@ struct UnmaskShared {
   int32_t idx[kUnmaskWarps];
   int is_last;
   int thr;  // sampling: the CTA's best score so far (ordered_bits)
+  float row_m, row_sum;  // two-level sampling: the row's merged softmax sum (finish_row)
+  int32_t bucket;        // two-level sampling: the row's bucket (finish_row)
 };
 
 // Bytes of dynamic shared memory the kernel needs for S positions.
-__host__ __device__ constexpr int64_t unmask_dynamic_smem(int64_t positions, bool greedy) {
-  const int64_t rings =
-      greedy ? 0 : int64_t(kUnmaskWarps) * (int64_t(sizeof(CandRing)) + int64_t(kUnmaskStage) * 32 * 4);
+__host__ __device__ constexpr int64_t unmask_dynamic_smem(int64_t positions, int mode) {
+  const int64_t rings = mode != kPickToken
+      ? 0 : int64_t(kUnmaskWarps) * (int64_t(sizeof(CandRing)) + int64_t(kUnmaskStage) * 32 * 4);
   const int64_t finish = positions * 13 + 16;  // conf, logp (fp32), token (int32), masked (u8)
   return rings > finish ? rings : finish;
 }
 
-// Chunks per row: the smallest split whose rows x split CTAs fill whole waves of the resident CTA slots
-// (SMs x CTAs per SM) to >= 95%, else the best filling one; each chunk keeps >= 2 vectors per thread and
-// there are at most 64 chunks.
-inline int unmask_choose_split(int64_t rows, int64_t vectors_per_row, int64_t slots) {
-  int64_t max_split = vectors_per_row / (2 * kUnmaskThreads);
-  max_split = max_split < 1 ? 1 : (max_split > 64 ? 64 : max_split);
+// The most chunks a row of V logits is cut into: each chunk keeps >= 2 vectors per thread, or, for two-level
+// sampling (chunks of whole buckets), >= 1 bucket per warp; at most 64.
+inline int64_t unmask_max_split(int64_t vocab, int64_t per_vec, int mode) {
+  const int64_t n = mode == kPickBucket ? (vocab + kBucket - 1) / kBucket / kUnmaskWarps
+                                        : vocab / per_vec / (2 * kUnmaskThreads);
+  return n < 1 ? 1 : (n > 64 ? 64 : n);
+}
+
+// Chunks per row: the smallest split (<= max_split) whose rows x split CTAs fill whole waves of the resident
+// CTA slots (SMs x CTAs per SM) to >= 95%, else the best filling one.
+inline int unmask_choose_split(int64_t rows, int64_t max_split, int64_t slots) {
   int best = 1;
   double best_eff = -1.0;
   for (int64_t n = 1; n <= max_split; ++n) {
@@ -452,9 +581,13 @@ inline int unmask_choose_split(int64_t rows, int64_t vectors_per_row, int64_t sl
   return best;
 }
 
-// Workspace: int32 counters[B] (padded to 256 bytes) and, in a separate buffer, the partials. The counters
-// must never share bytes with partials of an earlier launch: they must read zero on entry.
-inline int64_t unmask_counter_bytes(int64_t batch) { return (batch * 4 + 255) / 256 * 256; }
+// Workspace: int32 counters[B] (padded to 256 bytes) followed by the row counters [B * S], and, in a separate
+// buffer, the partials. The counters must never share bytes with partials of an earlier launch: they must
+// read zero on entry.
+inline int64_t unmask_seq_counter_bytes(int64_t batch) { return (batch * 4 + 255) / 256 * 256; }
+inline int64_t unmask_counter_bytes(int64_t batch, int64_t rows) {
+  return unmask_seq_counter_bytes(batch) + (rows * 4 + 255) / 256 * 256;
+}
 inline int64_t unmask_partial_bytes(int64_t rows, int64_t nsplit) {
   return rows * nsplit * int64_t(sizeof(UnmaskPartial));
 }
@@ -468,7 +601,76 @@ __device__ __forceinline__ bool conf_before(float a, int ia, float c, int ic) {
   return a > c || (a == c && ia < ic);
 }
 
-__device__ void finish_sequence(const UnmaskParams& p, int b, char* dyn) {
+// Two-level sampling, pass 2, in the CTA that completes row `row` (the last of its nsplit CTAs to arrive):
+// merge the row's partials into (m, sum) and its bucket j*, re-read bucket j*'s <= kBucket logits (streamed
+// moments ago: mostly L2 hits), give each token its own noise (the per-token stream, counter row * V + t) and
+// keep the Gumbel-max token, ties to the lower id. The row's result replaces its partial 0, which is all that
+// finish_sequence reads of it in this mode.
+template <typename Tag>
+__device__ void finish_row(const UnmaskParams& p, int64_t row, const char* rowp, UnmaskShared& sh) {
+  using E = Elem<Tag>;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float inv_t = p.inv_temp, c2 = inv_t * kLog2e;
+  UnmaskPartial* part = p.partials + row * p.nsplit;
+  if (warp == 0) {
+    ScanState st;
+    for (int k = lane; k < p.nsplit; k += 32) {
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(part + k));
+      const int4 c = __ldcg(reinterpret_cast<const int4*>(part + k) + 1);
+      ScanState o;
+      o.m = a.x;
+      o.sum = a.y;
+      o.score = a.z;
+      o.pick = a.w;
+      o.idx = c.x;
+      merge_state(st, o, c2);
+    }
+    warp_merge(st, c2);
+    if (lane == 0) {
+      sh.row_m = st.m;
+      sh.row_sum = st.sum;
+      sh.bucket = st.idx == kNoIndex ? 0 : st.idx;  // kNoIndex only with NaN logits (unsupported)
+    }
+  }
+  __syncthreads();
+  const int t0 = sh.bucket * kBucket;
+  const int len = p.vocab - t0 < kBucket ? p.vocab - t0 : kBucket;
+  const uint64_t row_ctr = uint64_t(row) * uint64_t(p.vocab) + uint64_t(t0);
+  const NoiseKey key = noise_key(p);
+  float score = -INFINITY, pick = -INFINITY;
+  int32_t idx = kNoIndex;
+  for (int e = tid; e < len; e += kUnmaskThreads) {  // increasing ids per thread
+    const float sc = __fmul_rn(E::load1(rowp, t0 + e), inv_t);
+    merge_best(score, pick, idx, __fadd_rn(sc, key.gumbel(row_ctr + uint64_t(e))), sc, t0 + e);
+  }
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask >>= 1) {
+    merge_best(score, pick, idx, __shfl_xor_sync(0xffffffffu, score, mask), __shfl_xor_sync(0xffffffffu, pick, mask),
+               __shfl_xor_sync(0xffffffffu, idx, mask));
+  }
+  if (lane == 0) {
+    sh.score[warp] = score;
+    sh.pick[warp] = pick;
+    sh.idx[warp] = idx;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    score = lane < kUnmaskWarps ? sh.score[lane] : -INFINITY;
+    pick = lane < kUnmaskWarps ? sh.pick[lane] : -INFINITY;
+    idx = lane < kUnmaskWarps ? sh.idx[lane] : kNoIndex;
+#pragma unroll
+    for (int mask = 16; mask >= 1; mask >>= 1) {
+      merge_best(score, pick, idx, __shfl_xor_sync(0xffffffffu, score, mask),
+                 __shfl_xor_sync(0xffffffffu, pick, mask), __shfl_xor_sync(0xffffffffu, idx, mask));
+    }
+    if (lane == 0) {
+      reinterpret_cast<float4*>(part)[0] = make_float4(sh.row_m, sh.row_sum, score, pick);
+      reinterpret_cast<int4*>(part)[1] = make_int4(idx, 0, 0, 0);
+    }
+  }
+}
+
+__device__ void finish_sequence(const UnmaskParams& p, int b, char* dyn, int nmerge) {
   const int S = p.positions;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float* cf = reinterpret_cast<float*>(dyn);
@@ -481,10 +683,11 @@ __device__ void finish_sequence(const UnmaskParams& p, int b, char* dyn) {
   for (int i = tid; i < S; i += kUnmaskThreads) ms[i] = (q > 0 && p.masked(b, i)) ? 1 : 0;
   __syncthreads();
 
-  // 1. merge each masked position's nsplit partials: lane groups of G (a power of two >= nsplit, at most 32)
+  // 1. merge each masked position's first `nmerge` partials (nsplit; 1 for two-level sampling, where
+  //    finish_row left the row's result in partial 0): lane groups of G (a power of two >= nmerge, at most 32)
   //    take one position each, so a warp merges 32 / G positions at once (their loads in flight together)
   int G = 1;
-  while (G < p.nsplit && G < 32) G <<= 1;
+  while (G < nmerge && G < 32) G <<= 1;
   const int per_warp = 32 / G, sub = lane % G, slot = lane / G;
   for (int first = warp * per_warp; first < S; first += kUnmaskWarps * per_warp) {  // warp-uniform
     const int i = first + slot;
@@ -492,7 +695,7 @@ __device__ void finish_sequence(const UnmaskParams& p, int b, char* dyn) {
     ScanState st;
     if (act) {
       const UnmaskPartial* part = p.partials + (int64_t(b) * S + i) * p.nsplit;
-      for (int k = sub; k < p.nsplit; k += G) {
+      for (int k = sub; k < nmerge; k += G) {
         const float4 a = __ldcg(reinterpret_cast<const float4*>(part + k));
         const int4 c = __ldcg(reinterpret_cast<const int4*>(part + k) + 1);
         ScanState o;
@@ -560,10 +763,13 @@ __device__ void finish_sequence(const UnmaskParams& p, int b, char* dyn) {
 
 // ---------------------------------------------------------------------------------------------- kernel
 
-// 4 resident CTAs per SM (at most 64 registers) when greedy, 3 (80) when sampling (the RNG path).
-template <typename Tag, bool kGreedy>
-__global__ void __launch_bounds__(kUnmaskThreads, kGreedy ? 4 : 3) threshold_unmask_kernel(const UnmaskParams p) {
+// 4 resident CTAs per SM (at most 64 registers) when greedy or two-level, 3 (80) for per-token sampling (the
+// RNG path).
+template <typename Tag, int kMode>
+__global__ void __launch_bounds__(kUnmaskThreads, kMode == kPickToken ? 3 : 4)
+    threshold_unmask_kernel(const UnmaskParams p) {
   using E = Elem<Tag>;
+  constexpr bool kGreedy = kMode == kPickGreedy;
   constexpr int kPerVec = E::kPerVec;
   constexpr int N = kUnmaskUnroll * kPerVec;
   constexpr int64_t kElemBytes = 16 / kPerVec;
@@ -585,9 +791,10 @@ __global__ void __launch_bounds__(kUnmaskThreads, kGreedy ? 4 : 3) threshold_unm
   const int b = int(row / S);
   const int s = int(row - int64_t(b) * S);
   const int V = p.vocab;
+  const char* rowp = static_cast<const char*>(p.logits) + (b * p.logits_sb + s * p.logits_ss) * kElemBytes;
+  const bool scanned = p.quota[b] > 0 && p.masked(b, s);
 
-  if (p.quota[b] > 0 && p.masked(b, s)) {
-    const char* rowp = static_cast<const char*>(p.logits) + (b * p.logits_sb + s * p.logits_ss) * kElemBytes;
+  if (scanned) {
     // row = [head scalars | nvec 16-byte vectors | tail scalars]
     const int mis = int(((16 - (reinterpret_cast<uintptr_t>(rowp) & 15)) & 15) / kElemBytes);
     const int head = mis < V ? mis : V;
@@ -601,7 +808,14 @@ __global__ void __launch_bounds__(kUnmaskThreads, kGreedy ? 4 : 3) threshold_unm
 
     ScanState st;
     Sampler smp;
-    if constexpr (!kGreedy) {
+    if constexpr (kMode == kPickBucket) {
+      const int per = (p.nbuckets + p.nsplit - 1) / p.nsplit;
+      const int jbeg = chunk * per < p.nbuckets ? chunk * per : p.nbuckets;
+      const int jend = jbeg + per < p.nbuckets ? jbeg + per : p.nbuckets;
+      scan_buckets<Tag>(st, rowp, mis == 0, V, jbeg, jend, kBucketTag + uint64_t(row) * uint64_t(p.nbuckets),
+                        noise_key(p), inv_t, c2, lane, warp);
+    }
+    if constexpr (kMode == kPickToken) {
       smp.ring = reinterpret_cast<CandRing*>(dyn) + warp;
       smp.stage = reinterpret_cast<float*>(reinterpret_cast<CandRing*>(dyn) + kUnmaskWarps) + warp * kUnmaskStage * 32;
       smp.head = 0;
@@ -611,19 +825,15 @@ __global__ void __launch_bounds__(kUnmaskThreads, kGreedy ? 4 : 3) threshold_unm
       if (tid == 0) sh.thr = ordered_bits(-kInf);
       __syncthreads();  // CTA-uniform branch (one row per CTA)
       smp.row_ctr = uint64_t(row) * uint64_t(V);
-      const uint64_t seed = uint64_t(*p.seed), off = uint64_t(*p.offset);
-      smp.k0 = uint32_t(seed);
-      smp.k1 = uint32_t(seed >> 32);
-      smp.o0 = uint32_t(off);
-      smp.o1 = uint32_t(off >> 32);
+      smp.key = noise_key(p);
     }
 
-    if (chunk == 0 && head > 0) {
+    if (kMode != kPickBucket && chunk == 0 && head > 0) {
       const bool ok = tid < head;
       process_one<kGreedy>(st, smp, ok ? E::load1(rowp, tid) : -kInf, ok, tid, inv_t, c2, lane);
     }
     const uint4* vecs = reinterpret_cast<const uint4*>(rowp + int64_t(head) * kElemBytes);
-    for (int g = vbeg; g < vend; g += kUnmaskUnroll * kUnmaskThreads) {  // CTA-uniform trip count
+    for (int g = vbeg; kMode != kPickBucket && g < vend; g += kUnmaskUnroll * kUnmaskThreads) {  // CTA-uniform
       uint4 raw[kUnmaskUnroll];
 #pragma unroll
       for (int u = 0; u < kUnmaskUnroll; ++u) {  // unpredicated: lanes past the end re-read the last vector
@@ -643,14 +853,14 @@ __global__ void __launch_bounds__(kUnmaskThreads, kGreedy ? 4 : 3) threshold_unm
       process_group<kGreedy, N, kPerVec>(st, smp, x, valid, head + (g + tid) * kPerVec, kUnmaskThreads * kPerVec,
                                          inv_t, c2, lane);
     }
-    if (chunk == p.nsplit - 1 && tail0 < V) {
+    if (kMode != kPickBucket && chunk == p.nsplit - 1 && tail0 < V) {
       const int t = tail0 + tid;
       const bool ok = t < V;
       process_one<kGreedy>(st, smp, ok ? E::load1(rowp, t) : -kInf, ok, t, inv_t, c2, lane);
     }
-    if constexpr (!kGreedy) {
+    if constexpr (kMode == kPickToken) {
       if (smp.count > 0) smp.flush(st, smp.count, lane);
-    } else {
+    } else if constexpr (kGreedy) {
       st.pick = st.idx == kNoIndex ? -kInf : __fmul_rn(st.score, inv_t);
     }
 
@@ -682,16 +892,33 @@ __global__ void __launch_bounds__(kUnmaskThreads, kGreedy ? 4 : 3) threshold_unm
     }
   }
 
+  if constexpr (kMode == kPickBucket) {
+    // row arrival: the last CTA of the row picks its token (finish_row), then alone arrives for the sequence
+    if (p.nsplit > 1) {
+      if (tid == 0) {
+        __threadfence();
+        const int arrived = atomicAdd(p.row_counters + row, 1);
+        sh.is_last = arrived == p.nsplit - 1;
+        if (sh.is_last) p.row_counters[row] = 0;  // every CTA of the row has arrived
+      }
+      __syncthreads();
+      if (!sh.is_last) return;
+      __threadfence();
+    }
+    if (scanned) finish_row<Tag>(p, row, rowp, sh);  // CTA-uniform
+    __syncthreads();  // every thread has read sh.is_last before it is reused below
+  }
+
   // arrival: the last CTA of sequence b finishes it
   if (tid == 0) {
     __threadfence();  // this CTA's partial is visible device-wide before it is counted
     const int arrived = atomicAdd(p.counters + b, 1);
-    sh.is_last = arrived == S * p.nsplit - 1;
+    sh.is_last = arrived == (kMode == kPickBucket ? S : S * p.nsplit) - 1;
   }
   __syncthreads();
   if (!sh.is_last) return;
   __threadfence();  // acquire: the other CTAs' partials (read with ld.cg, L2)
-  finish_sequence(p, b, dyn);
+  finish_sequence(p, b, dyn, kMode == kPickBucket ? 1 : p.nsplit);
 }
 
 }  // namespace kernels

@@ -4,8 +4,16 @@ For every row (one sequence's current block of S positions) and every still-mask
   * the tempered distribution softmax(logits / T) over the vocabulary;
   * the pick: argmax of the logits when greedy (ties go to the lowest token id), otherwise a Gumbel-max
     sample from the top-k / top-p truncated tempered distribution, the Gumbel noise drawn from
-    Philox4x32-10 keyed by (seed, offset) with counter row * V + token — a counter-based stream that a
-    CUDA kernel reproduces exactly and that stays valid under CUDA-graph replay (bump `offset` per step);
+    Philox4x32-10 keyed by (seed, offset) — a counter-based stream that a CUDA kernel reproduces exactly and
+    that stays valid under CUDA-graph replay (bump `offset` per step). Two ways to spend the noise, both
+    exact samples of the same distribution (they give different tokens for the same seed):
+      - noise="two_level" (default): the vocabulary is cut into buckets of BUCKET = 1024 token ids; a bucket
+        is drawn by Gumbel-max over the buckets' log-masses logsumexp(s_bucket) (noise counter
+        BUCKET_TAG + row * n_buckets + bucket), then a token by Gumbel-max inside that bucket (noise counter
+        row * V + token). P(bucket) = its mass, P(token | bucket) = its share of it: one noise value per
+        bucket and per token of one bucket, so the CUDA kernel reads the logits once at the greedy scan's speed;
+      - noise="per_token": Gumbel-max over the whole row with one noise value per token (counter row * V +
+        token); the kernel prunes tokens that cannot win, but on flat logits it is bound by the RNG;
   * conf = probability of the pick under the UNtruncated tempered distribution, logp = log(conf).
 Then per row: unmask the `quota[b]` most confident masked positions (ties to the lowest position) plus
 every masked position with conf >= threshold. "Top-1 + threshold" (LightningRL, Fast-dLLM) is quota 1;
@@ -20,7 +28,8 @@ and without allocating anything per call but the two [B] bool outputs (a persist
 holds its cross-CTA partials; it must not grow during a graph capture, so run the op once eagerly first).
 Its picks equal the reference's: greedy exactly; sampling uses the same Philox stream and the same fp32
 arithmetic (x * (1/T) then + Gumbel, torch's logf), so a pick can only differ where two tokens' perturbed
-scores are within an ulp and the two sides' logf differ (the reference on the CPU). conf / logp match to
+scores are within an ulp and the two sides' logf differ (the reference on the CPU), and, two-level, where two
+buckets' perturbed scores are within the fp32 error of a bucket's logsumexp (summed in another order). conf / logp match to
 ~1e-6 relative, so a position exactly at the threshold or tied in conf with another may select differently.
 Used when `kernel_supported(...)` holds; otherwise (float64 logits, top-k/top-p truncation while sampling,
 more than 1024 positions per row) the op runs the reference on the GPU — correct, but several passes over
@@ -34,6 +43,8 @@ import torch
 
 from ._common import FLOAT_DTYPES, check_tensor, cuda_kernel
 
+BUCKET = 1024  # two-level sampling: token ids per bucket (csrc/kernels/unmask.cuh kBucket)
+BUCKET_TAG = 1 << 62  # two-level sampling: Philox counters of the bucket noise start here (kBucketTag)
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
 _U32 = 0xFFFFFFFF
@@ -78,7 +89,29 @@ def _truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return scaled
 
 
-def pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy):
+def _gumbel(seed, offset, counter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return -torch.log(-torch.log(philox_uniform(seed, offset, counter).to(dtype)))
+
+
+def _two_level_pick(scaled: torch.Tensor, seed, offset) -> torch.Tensor:
+    """Two-level Gumbel-max over the last dim of `scaled` [B, S, V] (module docstring): token ids [B, S]."""
+    bsz, s, vocab = scaled.shape
+    nb = -(-vocab // BUCKET)
+    dev = scaled.device
+    rows = torch.arange(bsz * s, device=dev, dtype=torch.int64).view(bsz, s, 1)
+    padded = torch.nn.functional.pad(scaled, (0, nb * BUCKET - vocab), value=float("-inf"))
+    mass = torch.logsumexp(padded.view(bsz, s, nb, BUCKET), dim=-1)  # [B, S, nb]
+    bucket_ctr = BUCKET_TAG + rows * nb + torch.arange(nb, device=dev)  # [B, S, nb]
+    bucket = (mass + _gumbel(seed, offset, bucket_ctr, scaled.dtype)).argmax(-1, keepdim=True)  # [B, S, 1]
+    t = bucket * BUCKET + torch.arange(BUCKET, device=dev)  # [B, S, BUCKET] the bucket's token ids
+    inside = t < vocab
+    t = t.clamp_max(vocab - 1)
+    score = scaled.gather(-1, t) + _gumbel(seed, offset, rows * vocab + t, scaled.dtype)
+    score = score.masked_fill(~inside, float("-inf"))
+    return t.gather(-1, score.argmax(-1, keepdim=True)).squeeze(-1)
+
+
+def pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy, noise="two_level"):
     """Per position: (token [B, S] int64, conf [B, S] fp32, logp [B, S] fp32) — see the module docstring."""
     bsz, s, vocab = logits.shape
     lf = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
@@ -87,11 +120,11 @@ def pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greed
     logz = torch.logsumexp(scaled, dim=-1, keepdim=True)
     if greedy or temperature <= 0:
         tok = lf.argmax(-1)  # first maximal index
+    elif noise == "two_level":
+        tok = _two_level_pick(_truncate(scaled, top_k, top_p), seed, offset)
     else:
         counter = torch.arange(bsz * s * vocab, device=logits.device, dtype=torch.int64).view(bsz, s, vocab)
-        u = philox_uniform(seed, offset, counter).to(lf.dtype)
-        gumbel = -torch.log(-torch.log(u))
-        tok = (_truncate(scaled, top_k, top_p) + gumbel).argmax(-1)
+        tok = (_truncate(scaled, top_k, top_p) + _gumbel(seed, offset, counter, lf.dtype)).argmax(-1)
     logp = (scaled.gather(-1, tok[..., None]) - logz).squeeze(-1)
     return tok, logp.exp().float(), logp.float()
 
@@ -106,9 +139,9 @@ def select_unmask_reference(conf, masked, quota, threshold):
 
 
 def threshold_unmask_reference(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-                               threshold, temperature, top_k, top_p, greedy):
+                               threshold, temperature, top_k, top_p, greedy, noise="two_level"):
     """Pure-PyTorch threshold_unmask (in place). Returns (block_done [B] bool, eos_seen [B] bool)."""
-    tok, c, lp = pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy)
+    tok, c, lp = pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy, noise)
     sel = select_unmask_reference(c, masked, quota, threshold)  # [B, S]
     tokens.copy_(torch.where(sel, tok, tokens))
     step_map.copy_(torch.where(sel, step.to(step_map.dtype)[:, None], step_map))
@@ -120,6 +153,7 @@ def threshold_unmask_reference(logits, tokens, masked, step_map, logp, conf, ste
 
 
 KERNEL_MAX_POSITIONS = 1024  # csrc/kernels/unmask.cuh kUnmaskMaxPositions
+NOISE_MODES = ("two_level", "per_token")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -138,20 +172,21 @@ def _threshold_unmask_op(
     logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, step_map: torch.Tensor, logp: torch.Tensor,
     conf: torch.Tensor, step: torch.Tensor, quota: torch.Tensor, eos_ids: torch.Tensor, seed: torch.Tensor,
     offset: torch.Tensor, threshold: float, temperature: float, top_k: int, top_p: float, greedy: bool,
+    noise: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kernel = cuda_kernel("threshold_unmask", logits)
     if kernel is not None and kernel_supported(logits, temperature, top_k, top_p, greedy):
         if logits.shape[-1] > 1 and logits.stride(-1) != 1:
             logits = logits.contiguous()  # the kernel reads rows as dense vectors
         return kernel(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-                      threshold, temperature, top_k, top_p, greedy)
+                      threshold, temperature, top_k, top_p, greedy, noise == "two_level")
     return threshold_unmask_reference(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed,
-                                      offset, threshold, temperature, top_k, top_p, greedy)
+                                      offset, threshold, temperature, top_k, top_p, greedy, noise)
 
 
 @_threshold_unmask_op.register_fake
 def _(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-      threshold, temperature, top_k, top_p, greedy):
+      threshold, temperature, top_k, top_p, greedy, noise):
     b = logits.shape[0]
     return logits.new_empty((b,), dtype=torch.bool), logits.new_empty((b,), dtype=torch.bool)
 
@@ -173,12 +208,14 @@ def threshold_unmask(
     top_k: int = 0,
     top_p: float = 1.0,
     greedy: bool = False,
+    noise: str = "two_level",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One unmasking step for B blocks of S positions over a vocabulary of V (in place; see module docstring).
 
     logits [B, S, V] float16/bfloat16/float32/float64; tokens [B, S] int64; masked [B, S] bool;
     step_map [B, S] int32; logp, conf [B, S] float32; step, quota [B] int32; eos_ids [E] int64;
-    seed, offset [1] int64. temperature <= 0 means greedy. Returns (block_done [B], eos_seen [B]) bool.
+    seed, offset [1] int64. temperature <= 0 means greedy. noise: "two_level" or "per_token" (how sampling
+    spends its Gumbel noise; both exact). Returns (block_done [B], eos_seen [B]) bool.
     """
     check_tensor("logits", logits, ndim=3, dtypes=FLOAT_DTYPES)
     b, s, vocab = logits.shape
@@ -199,5 +236,8 @@ def threshold_unmask(
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if noise not in NOISE_MODES:
+        raise ValueError(f"noise must be one of {NOISE_MODES}, got {noise!r}")
     return _threshold_unmask_op(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-                                float(threshold), float(temperature), int(top_k), float(top_p), bool(greedy))
+                                float(threshold), float(temperature), int(top_k), float(top_p), bool(greedy),
+                                str(noise))
