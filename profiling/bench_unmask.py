@@ -16,11 +16,13 @@ are not, so this is its full workload); quota 1, tau 0.9. Columns:
   flashinfer_us  flashinfer.sampling.sampling_from_logits on the same logits (a sample per row only: no
               confidence, no selection) — a yardstick for one pass over the vocabulary
   x_ref       ref_us / kernel_us
-Modes: `greedy`; `sample` (temperature 1) on LLM-like logits (a few dominant tokens over N(0, 2) noise:
-a sizeable share of the bulk stays within 17 of the best Gumbel score: candidates); `sample-peaked` the same
-with the few tokens 25..30 above the noise (a confident position: the CTA-wide threshold prunes most of the
-bulk); `sample-flat` on N(0, 3) logits, where nearly every token is a candidate and the kernel runs Philox for
-each (its worst case, RNG-bound).
+Modes: `greedy`; `sample` (temperature 1, noise="two_level", the default) on LLM-like logits (a few dominant
+tokens over N(0, 2) noise) and `sample-flat` on N(0, 3) logits: one noise value per bucket of 1024 ids and per
+token of the chosen bucket, whatever the logits (the scan should run at the greedy scan's speed);
+`pertok*` the same with noise="per_token": `pertok` on the LLM-like logits (a sizeable share of the bulk stays
+within 17 of the best Gumbel score: candidates), `pertok-peaked` with the few tokens 25..30 above the noise (a
+confident position: the CTA-wide threshold prunes most of the bulk), `pertok-flat` where nearly every token is
+a candidate and the kernel runs Philox for each (its worst case, RNG-bound).
 """
 
 from __future__ import annotations
@@ -84,10 +86,10 @@ def cycling(states):
     return nxt
 
 
-def graph_time_us(logits, states, extra, greedy, kernel, device) -> float:
+def graph_time_us(logits, states, extra, greedy, noise, kernel, device) -> float:
     """Device time per kernel call: a graph of COPIES (reset + call) minus a graph of the resets alone."""
     masked0 = torch.ones_like(states[0][1])
-    args = (0.9, 1.0, 0, 1.0, greedy)
+    args = (0.9, 1.0, 0, 1.0, greedy, noise == "two_level")
 
     def body(with_kernel):
         for st in states:
@@ -150,9 +152,9 @@ def main() -> None:
 
     plan = []
     for rows in ([int(r) for r in args.rows.split(",")] if on_gpu else [2 * BLOCK]):
-        plan += [(rows, "greedy"), (rows, "sample")]
+        plan += [(rows, "greedy"), (rows, "sample"), (rows, "pertok")]
         if rows in FLAT_ROWS or not on_gpu:
-            plan += [(rows, "sample-peaked"), (rows, "sample-flat")]
+            plan += [(rows, "sample-flat"), (rows, "pertok-peaked"), (rows, "pertok-flat")]
 
     rows_out = []
     compiled = None
@@ -164,7 +166,8 @@ def main() -> None:
     for rows, mode in plan:
         b = rows // BLOCK
         greedy = mode == "greedy"
-        kind = {"sample-flat": "flat", "sample-peaked": "peaked"}.get(mode, "llm")
+        noise = "per_token" if mode.startswith("pertok") else "two_level"
+        kind = "flat" if mode.endswith("-flat") else "peaked" if mode.endswith("-peaked") else "llm"
         logits = make_logits(rows, vocab, kind, dtype, device)
         extra = extras(b, device)
         states = make_states(b, COPIES, device)
@@ -173,14 +176,15 @@ def main() -> None:
         heavy = rows * vocab > (1 << 28)  # the reference and compile take seconds per call there
         warm, iters = (1, 3) if heavy or not on_gpu else (3, 10)
         if kernels:
-            row["kernel_us"] = graph_time_us(logits, states, extra, greedy, _ext.ext().threshold_unmask, device)
+            row["kernel_us"] = graph_time_us(logits, states, extra, greedy, noise, _ext.ext().threshold_unmask,
+                                             device)
             row["GB/s"] = nbytes / (row["kernel_us"] * 1e-6) / 1e9
             row["%copy"] = 100 * row["GB/s"] / bw
             nxt = cycling(states)
-            row["op_us"] = 1e3 * time_fn(lambda: threshold_unmask(logits, *nxt(), *extra, greedy=greedy),
+            row["op_us"] = 1e3 * time_fn(lambda: threshold_unmask(logits, *nxt(), *extra, greedy=greedy, noise=noise),
                                          device=device, warmup=5, iters=20)
         nxt = cycling(states)
-        ref_args = (0.9, 1.0, 0, 1.0, greedy)
+        ref_args = (0.9, 1.0, 0, 1.0, greedy, noise)
         row["ref_us"] = timed_or_none(lambda: threshold_unmask_reference(logits, *nxt(), *extra, *ref_args),
                                       device, warm, iters)
         if compiled is not None:

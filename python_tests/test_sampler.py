@@ -154,6 +154,10 @@ def test_sampling_is_deterministic_per_seed(model):
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logp, b.logp)
     c = generate(model, prompts, dataclasses.replace(cfg, seed=8))
     assert not torch.equal(a.tokens, c.tokens)
+    # per-token noise: with one bucket (vocab 111 <= 1024) two-level sampling draws the same per-token noise
+    # inside the only bucket, so the two samplers give the same tokens
+    d = generate(model, prompts, dataclasses.replace(cfg, noise="per_token"))
+    assert torch.equal(a.tokens, d.tokens) and torch.equal(a.logp, d.logp)
 
 
 def test_compaction_does_not_change_results(model):
@@ -178,6 +182,8 @@ def test_bad_requests(model):
         generate(model, [], cfg)
     with pytest.raises(ValueError, match="rule must be"):
         generate(model, [[5]], dataclasses.replace(cfg, rule="fast"))
+    with pytest.raises(ValueError, match="noise must be one of"):
+        generate(model, [[5]], dataclasses.replace(cfg, noise="bucket"))
 
 
 def test_sampler_block_size_overrides_the_model_config(model):

@@ -169,6 +169,10 @@ def test_reference_two_level_matches_naive(vocab, temp):
     for r in range(b * s):
         row = [float(x) / temp for x in logits.view(b * s, vocab)[r]]
         assert int(tok.view(-1)[r]) == naive_two_level_pick(row, seed, offset, r), r
+    if vocab <= 1024:  # one bucket: the same per-token noise decides, as with noise="per_token"
+        per_token = pick_tokens_reference(logits, torch.tensor([seed]), torch.tensor([offset]), temp, 0, 1.0, False,
+                                          "per_token")[0]
+        assert torch.equal(tok, per_token)
     # conf is the pick's untruncated probability, as in every mode
     want = torch.softmax(logits / temp, -1).gather(-1, tok[..., None]).squeeze(-1)
     torch.testing.assert_close(conf.double(), want, rtol=1e-5, atol=1e-7)
@@ -797,7 +801,7 @@ def test_gpu_launcher_checks_inputs(cuda_kernels):
     kernel = cuda_kernels
     state, extra = case(2, 4, 33, torch.float32, seed=9, device="cuda")
     args = state + extra
-    opts = (0.9, 1.0, 0, 1.0, False)
+    opts = (0.9, 1.0, 0, 1.0, False, True)
 
     def call(i, t, o=opts):
         a = list(args)
@@ -827,7 +831,7 @@ def test_gpu_launcher_checks_inputs(cuda_kernels):
     with pytest.raises(RuntimeError, match="logits must be a CUDA tensor"):
         kernel(*[t.cpu() for t in args], *opts)
     with pytest.raises(RuntimeError, match="top-k/top-p"):
-        kernel(*args, 0.9, 1.0, 5, 1.0, False)
+        kernel(*args, 0.9, 1.0, 5, 1.0, False, True)
     with pytest.raises(RuntimeError, match="at most 1024 positions"):
         big, big_extra = case(1, 1025, 8, torch.float32, seed=1, device="cuda")
         kernel(*big, *big_extra, *opts)
@@ -836,5 +840,6 @@ def test_gpu_launcher_checks_inputs(cuda_kernels):
 @pytest.mark.gpu
 def test_gpu_opcheck(cuda_kernels):
     state, extra = case(2, 4, 333, torch.bfloat16, seed=9, device="cuda")
-    torch.library.opcheck(torch.ops.lightningrl_fast.threshold_unmask.default,
-                          (*clone(state), *extra, 0.9, 1.0, 0, 1.0, False))
+    for noise in ("two_level", "per_token"):
+        torch.library.opcheck(torch.ops.lightningrl_fast.threshold_unmask.default,
+                              (*clone(state), *extra, 0.9, 1.0, 0, 1.0, False, noise))
