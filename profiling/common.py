@@ -1,6 +1,11 @@
 """Shared helpers for the benchmark scripts in profiling/ (scripts, not tests).
 
 * `time_fn(fn)`: median milliseconds per call: CUDA events on the GPU, perf_counter on the CPU, after warmup.
+  Events around ONE eager call also count the host's launch overhead (argument checks, allocation, launch)
+  whenever the GPU waits for it: fine for big kernels, not for ones of a few microseconds.
+* `graph_time_us(fns)`: device microseconds per call of short kernels: the calls captured back to back in
+  one CUDA graph, the replay timed (no host gaps); `rotation(bytes)` says how many distinct input sets to
+  cycle through so that a call does not find the previous call's inputs in L2.
 * `copy_bandwidth_gbs(device)`: measured device-to-device copy bandwidth (read + write bytes / s), the
   roofline for memory-bound kernels.
 * `print_table(rows)`: one aligned table; `emit_json(name, **fields)`: the ONE final JSON line a script ends
@@ -47,6 +52,50 @@ def time_fn(fn: Callable[[], object], *, device: torch.device, warmup: int = 10,
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
+
+
+def l2_bytes(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 50 << 20) or (50 << 20))
+
+
+def rotation(bytes_per_call: int, device: torch.device, max_sets: int = 16) -> int:
+    """Distinct input sets to rotate through so that the inputs of back-to-back calls span 2x the L2 cache
+    (a call then reads its inputs from DRAM, as in a real decode step between other kernels); 1 on the CPU."""
+    if device.type != "cuda":
+        return 1
+    need = -(-2 * l2_bytes(device) // max(1, int(bytes_per_call)))
+    return max(1, min(max_sets, need))
+
+
+def graph_time_us(fns: Sequence[Callable[[], object]], device: torch.device, min_calls: int = 8,
+                  warmup: int = 3, iters: int = 20) -> float | None:
+    """Device microseconds per call: the calls `fns` (one per input set), repeated to >= `min_calls`, captured
+    back to back in one CUDA graph after an eager warm-up pass on a side stream; the replay is timed with CUDA
+    events and divided by the number of calls. None when the capture fails (the caller falls back to
+    `time_fn`). The calls must be safe to repeat (idempotent writes)."""
+    if device.type != "cuda":
+        return None
+    calls = list(fns) * -(-min_calls // max(1, len(fns)))
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for fn in fns:
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in calls:
+                fn()
+        ms = time_fn(graph.replay, device=device, warmup=warmup, iters=iters)
+    except Exception as e:  # an op that syncs or allocates in a way capture refuses
+        print(f"  (graph capture failed, eager timing: {type(e).__name__}: {str(e).splitlines()[0][:100]})",
+              file=sys.stderr)
+        torch.cuda.synchronize(device)
+        return None
+    del graph
+    return 1e3 * ms / len(calls)
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
