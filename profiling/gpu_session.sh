@@ -66,7 +66,10 @@ for s in "${stages[@]}"; do
       } >"$OUT/sass.log" 2>&1
       grep -cE "HMMA|HGMMA" "$OUT/sass.log" ;;
     kernels)
-      for b in bench_unmask.py bench_kv_cache.py bench_rms_norm.py "bench_block_attn.py --quick" bench_grpo_loss.py; do
+      # bench_unmask times 3 modes per row count (greedy, two-level and per-token sampling) + 3 more at 32 / 1024
+      # rows, each with the reference and its torch.compile: the longest of the kernel benches
+      stage bench_unmask.py 300 bench.log python3 profiling/bench_unmask.py
+      for b in bench_kv_cache.py bench_rms_norm.py "bench_block_attn.py --quick" bench_grpo_loss.py; do
         stage "$b" 150 bench.log python3 profiling/$b
       done
       grep -E '^\{' "$OUT/bench.log" | cut -c1-400 ;;
