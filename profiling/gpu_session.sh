@@ -40,6 +40,12 @@ for s in "${stages[@]}"; do
       stage build 300 build.log python3 -m pip install --no-build-isolation --no-deps -v . || exit 1
       # The built library travels back so a later call can reuse it (profiling/README.md, "GPU session").
       cp "$(so_path)" "$OUT/" 2>/dev/null
+      # The launcher-message crash of the first lease (RESULTS.md): which libstdc++ the extension was linked
+      # against and which one the process actually loads (a newer compiler's headers over an older runtime
+      # would explain number formatting -- std::num_put -- crashing while string-only messages work).
+      { ${CXX:-c++} --version | head -n 1; ldd "$(so_path)" | grep -E "stdc\+\+|gcc_s"
+        (cd /tmp && python3 -c 'import lightningrl_fast._C, torch; print([l.split()[-1] for l in open("/proc/self/maps") if "stdc++" in l][:1])')
+      } >"$OUT/libstdcxx.log" 2>&1
       grep -E "ptxas info|spill|Used [0-9]+ registers|stack frame" "$OUT/build.log" | sort -u | tail -n 60 ;;
     tests)
       # One pytest process per file, from a directory outside the checkout (so the installed package with _C is
