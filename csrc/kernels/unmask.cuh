@@ -601,6 +601,19 @@ __device__ __forceinline__ bool conf_before(float a, int ia, float c, int ic) {
   return a > c || (a == c && ia < ic);
 }
 
+// A partial written by another CTA of this launch, read from L2 (ld.cg: after the arrival's threadfence).
+__device__ __forceinline__ ScanState load_partial(const UnmaskPartial* q) {
+  const float4 a = __ldcg(reinterpret_cast<const float4*>(q));
+  const int4 c = __ldcg(reinterpret_cast<const int4*>(q) + 1);
+  ScanState o;
+  o.m = a.x;
+  o.sum = a.y;
+  o.score = a.z;
+  o.pick = a.w;
+  o.idx = c.x;
+  return o;
+}
+
 // Two-level sampling, pass 2, in the CTA that completes row `row` (the last of its nsplit CTAs to arrive):
 // merge the row's partials into (m, sum) and its bucket j*, re-read bucket j*'s <= kBucket logits (streamed
 // moments ago: mostly L2 hits), give each token its own noise (the per-token stream, counter row * V + t) and
@@ -615,15 +628,7 @@ __device__ void finish_row(const UnmaskParams& p, int64_t row, const char* rowp,
   if (warp == 0) {
     ScanState st;
     for (int k = lane; k < p.nsplit; k += 32) {
-      const float4 a = __ldcg(reinterpret_cast<const float4*>(part + k));
-      const int4 c = __ldcg(reinterpret_cast<const int4*>(part + k) + 1);
-      ScanState o;
-      o.m = a.x;
-      o.sum = a.y;
-      o.score = a.z;
-      o.pick = a.w;
-      o.idx = c.x;
-      merge_state(st, o, c2);
+      merge_state(st, load_partial(part + k), c2);
     }
     warp_merge(st, c2);
     if (lane == 0) {
@@ -696,15 +701,7 @@ __device__ void finish_sequence(const UnmaskParams& p, int b, char* dyn, int nme
     if (act) {
       const UnmaskPartial* part = p.partials + (int64_t(b) * S + i) * p.nsplit;
       for (int k = sub; k < nmerge; k += G) {
-        const float4 a = __ldcg(reinterpret_cast<const float4*>(part + k));
-        const int4 c = __ldcg(reinterpret_cast<const int4*>(part + k) + 1);
-        ScanState o;
-        o.m = a.x;
-        o.sum = a.y;
-        o.score = a.z;
-        o.pick = a.w;
-        o.idx = c.x;
-        merge_state(st, o, c2);
+        merge_state(st, load_partial(part + k), c2);
       }
     }
     for (int mask = G >> 1; mask >= 1; mask >>= 1) merge_state(st, shfl_state(st, mask), c2);
