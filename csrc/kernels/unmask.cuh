@@ -547,6 +547,35 @@ struct UnmaskShared {
   int32_t bucket;        // two-level sampling: the row's bucket (finish_row)
 };
 
+// The CTA's states merged into one partial at `out` (written by thread 0). Every thread of the CTA calls it.
+__device__ __forceinline__ void cta_to_partial(ScanState st, UnmaskShared& sh, UnmaskPartial* out, float c2) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  warp_merge(st, c2);
+  if (lane == 0) {
+    sh.m[warp] = st.m;
+    sh.sum[warp] = st.sum;
+    sh.score[warp] = st.score;
+    sh.pick[warp] = st.pick;
+    sh.idx[warp] = st.idx;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    ScanState w;
+    if (lane < kUnmaskWarps) {
+      w.m = sh.m[lane];
+      w.sum = sh.sum[lane];
+      w.score = sh.score[lane];
+      w.pick = sh.pick[lane];
+      w.idx = sh.idx[lane];
+    }
+    warp_merge(w, c2);
+    if (lane == 0) {
+      reinterpret_cast<float4*>(out)[0] = make_float4(w.m, w.sum, w.score, w.pick);
+      reinterpret_cast<int4*>(out)[1] = make_int4(w.idx, 0, 0, 0);
+    }
+  }
+}
+
 // Bytes of dynamic shared memory the kernel needs for S positions.
 __host__ __device__ constexpr int64_t unmask_dynamic_smem(int64_t positions, int mode) {
   const int64_t rings = mode != kPickToken
@@ -642,37 +671,17 @@ __device__ void finish_row(const UnmaskParams& p, int64_t row, const char* rowp,
   const int len = p.vocab - t0 < kBucket ? p.vocab - t0 : kBucket;
   const uint64_t row_ctr = uint64_t(row) * uint64_t(p.vocab) + uint64_t(t0);
   const NoiseKey key = noise_key(p);
-  float score = -INFINITY, pick = -INFINITY;
-  int32_t idx = kNoIndex;
+  ScanState st;
   for (int e = tid; e < len; e += kUnmaskThreads) {  // increasing ids per thread
     const float sc = __fmul_rn(E::load1(rowp, t0 + e), inv_t);
-    merge_best(score, pick, idx, __fadd_rn(sc, key.gumbel(row_ctr + uint64_t(e))), sc, t0 + e);
+    merge_best(st.score, st.pick, st.idx, __fadd_rn(sc, key.gumbel(row_ctr + uint64_t(e))), sc, t0 + e);
   }
-#pragma unroll
-  for (int mask = 16; mask >= 1; mask >>= 1) {
-    merge_best(score, pick, idx, __shfl_xor_sync(0xffffffffu, score, mask), __shfl_xor_sync(0xffffffffu, pick, mask),
-               __shfl_xor_sync(0xffffffffu, idx, mask));
+  // the row's (m, sum) enter through thread 0 alone: merged with the others' empty sums they stay exact
+  if (tid == 0) {
+    st.m = sh.row_m;
+    st.sum = sh.row_sum;
   }
-  if (lane == 0) {
-    sh.score[warp] = score;
-    sh.pick[warp] = pick;
-    sh.idx[warp] = idx;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    score = lane < kUnmaskWarps ? sh.score[lane] : -INFINITY;
-    pick = lane < kUnmaskWarps ? sh.pick[lane] : -INFINITY;
-    idx = lane < kUnmaskWarps ? sh.idx[lane] : kNoIndex;
-#pragma unroll
-    for (int mask = 16; mask >= 1; mask >>= 1) {
-      merge_best(score, pick, idx, __shfl_xor_sync(0xffffffffu, score, mask),
-                 __shfl_xor_sync(0xffffffffu, pick, mask), __shfl_xor_sync(0xffffffffu, idx, mask));
-    }
-    if (lane == 0) {
-      reinterpret_cast<float4*>(part)[0] = make_float4(sh.row_m, sh.row_sum, score, pick);
-      reinterpret_cast<int4*>(part)[1] = make_int4(idx, 0, 0, 0);
-    }
-  }
+  cta_to_partial(st, sh, part, c2);
 }
 
 __device__ void finish_sequence(const UnmaskParams& p, int b, char* dyn, int nmerge) {
@@ -861,32 +870,7 @@ __global__ void __launch_bounds__(kUnmaskThreads, kMode == kPickToken ? 3 : 4)
       st.pick = st.idx == kNoIndex ? -kInf : __fmul_rn(st.score, inv_t);
     }
 
-    // CTA reduction -> one partial
-    warp_merge(st, c2);
-    if (lane == 0) {
-      sh.m[warp] = st.m;
-      sh.sum[warp] = st.sum;
-      sh.score[warp] = st.score;
-      sh.pick[warp] = st.pick;
-      sh.idx[warp] = st.idx;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      ScanState w;
-      if (lane < kUnmaskWarps) {
-        w.m = sh.m[lane];
-        w.sum = sh.sum[lane];
-        w.score = sh.score[lane];
-        w.pick = sh.pick[lane];
-        w.idx = sh.idx[lane];
-      }
-      warp_merge(w, c2);
-      if (lane == 0) {
-        UnmaskPartial* out = p.partials + row * p.nsplit + chunk;
-        reinterpret_cast<float4*>(out)[0] = make_float4(w.m, w.sum, w.score, w.pick);
-        reinterpret_cast<int4*>(out)[1] = make_int4(w.idx, 0, 0, 0);
-      }
-    }
+    cta_to_partial(st, sh, p.partials + row * p.nsplit + chunk, c2);
   }
 
   if constexpr (kMode == kPickBucket) {
