@@ -156,10 +156,10 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
               "; ops.threshold_unmask uses the PyTorch reference for larger blocks");
   TORCH_CHECK(V <= (int64_t(1) << 31) - (int64_t(1) << 16), "threshold_unmask kernel: vocabulary too large: ", V);
   TORCH_CHECK(eos_ids.numel() <= (int64_t(1) << 20), "eos_ids has too many entries: ", eos_ids.numel());
-  const bool is_greedy = greedy || temperature <= 0.0;
+  const int mode = kernels::unmask_pick_mode(greedy, temperature, two_level);
   TORCH_CHECK(top_k >= 0, "top_k must be >= 0 (0 = off), got ", top_k);
   TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got ", top_p);
-  TORCH_CHECK(is_greedy || ((top_k == 0 || top_k >= V) && top_p >= 1.0),
+  TORCH_CHECK(mode == kernels::kPickGreedy || ((top_k == 0 || top_k >= V) && top_p >= 1.0),
               "threshold_unmask kernel samples from the full tempered distribution only (top_k=", top_k,
               ", top_p=", top_p, " given); ops.threshold_unmask uses the PyTorch reference for top-k/top-p");
   // torch computes logits / T on CUDA as logits * (1.0f / float(T)); the kernel does the same
@@ -173,7 +173,6 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
 
   const c10::cuda::CUDAGuard guard(logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int mode = is_greedy ? kernels::kPickGreedy : (two_level ? kernels::kPickBucket : kernels::kPickToken);
   const KernelFn fn = pick_kernel(logits.scalar_type(), mode);
   const int64_t smem = kernels::unmask_dynamic_smem(S, mode);
   const int64_t per_vec = 16 / logits.element_size();
@@ -216,7 +215,6 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
   p.batch = static_cast<int32_t>(B);
   p.positions = static_cast<int32_t>(S);
   p.vocab = static_cast<int32_t>(V);
-  p.nbuckets = static_cast<int32_t>((V + kernels::kBucket - 1) / kernels::kBucket);
   p.inv_temp = inv_t;
   p.threshold = static_cast<float>(threshold);
 

@@ -57,11 +57,10 @@ int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64
                          int greedy, int two_level, bool* block_done, bool* eos_seen, int64_t slots, int force_split,
                          uint64_t order_seed, int* nsplit_out) {
   using namespace lrf::kernels;
-  const bool is_greedy = greedy || temperature <= 0.0;
   const int64_t per_vec = dtype == 0 ? 4 : 8;
   const int64_t rows = int64_t(B) * S;
   UnmaskParams p{};
-  const int mode = is_greedy ? kPickGreedy : (two_level ? kPickBucket : kPickToken);
+  const int mode = unmask_pick_mode(greedy, temperature, two_level);
   p.nsplit = force_split > 0 ? force_split : unmask_choose_split(rows, unmask_max_split(V, per_vec, mode), slots);
   *nsplit_out = p.nsplit;
   // two buffers, as the launcher keeps them: zeroed counters, and partials the kernel writes before reading
@@ -89,7 +88,6 @@ int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64
   p.batch = B;
   p.positions = S;
   p.vocab = V;
-  p.nbuckets = (V + kBucket - 1) / kBucket;
   p.inv_temp = temperature > 0.0 ? 1.0f / static_cast<float>(temperature) : 1.0f;
   p.threshold = static_cast<float>(threshold);
   g_params = p;

@@ -80,6 +80,14 @@ enum PickMode : int {
   kPickBucket = 2,  // two-level Gumbel-max: a bucket of kBucket tokens by its mass, then a token in it ("two_level")
 };
 
+// The launch's mode: greedy when asked or when T <= 0, else the sampler the caller chose.
+inline int unmask_pick_mode(bool greedy, double temperature, bool two_level) {
+  return greedy || temperature <= 0.0 ? kPickGreedy : (two_level ? kPickBucket : kPickToken);
+}
+
+// Buckets of two-level sampling in a row of V logits.
+__host__ __device__ constexpr int unmask_nbuckets(int vocab) { return (vocab + kBucket - 1) / kBucket; }
+
 // One chunk's summary, 32 bytes (two 16-byte stores / loads).
 struct alignas(16) UnmaskPartial {
   float m;       // max raw logit of the chunk (-inf when empty)
@@ -126,7 +134,6 @@ struct UnmaskParams {
   int32_t* row_counters;       // [B * S] workspace (two-level sampling with nsplit > 1), zero on entry and exit
   UnmaskPartial* partials;     // [B * S * nsplit] workspace
   int32_t batch, positions, vocab, nsplit;
-  int32_t nbuckets;            // ceil(V / kBucket)
   float inv_temp;              // 1.0f / float(T) (1 when greedy with T <= 0)
   float threshold;             // fp32, as `conf >= threshold` compares in the reference
 };
@@ -587,7 +594,7 @@ __host__ __device__ constexpr int64_t unmask_dynamic_smem(int64_t positions, int
 // The most chunks a row of V logits is cut into: each chunk keeps >= 2 vectors per thread, or, for two-level
 // sampling (chunks of whole buckets), >= 1 bucket per warp; at most 64.
 inline int64_t unmask_max_split(int64_t vocab, int64_t per_vec, int mode) {
-  const int64_t n = mode == kPickBucket ? (vocab + kBucket - 1) / kBucket / kUnmaskWarps
+  const int64_t n = mode == kPickBucket ? unmask_nbuckets(int(vocab)) / kUnmaskWarps
                                         : vocab / per_vec / (2 * kUnmaskThreads);
   return n < 1 ? 1 : (n > 64 ? 64 : n);
 }
@@ -815,10 +822,11 @@ __global__ void __launch_bounds__(kUnmaskThreads, kMode == kPickToken ? 3 : 4)
     ScanState st;
     Sampler smp;
     if constexpr (kMode == kPickBucket) {
-      const int per = (p.nbuckets + p.nsplit - 1) / p.nsplit;
-      const int jbeg = chunk * per < p.nbuckets ? chunk * per : p.nbuckets;
-      const int jend = jbeg + per < p.nbuckets ? jbeg + per : p.nbuckets;
-      scan_buckets<Tag>(st, rowp, mis == 0, V, jbeg, jend, kBucketTag + uint64_t(row) * uint64_t(p.nbuckets),
+      const int nb = unmask_nbuckets(V);
+      const int per = (nb + p.nsplit - 1) / p.nsplit;
+      const int jbeg = chunk * per < nb ? chunk * per : nb;
+      const int jend = jbeg + per < nb ? jbeg + per : nb;
+      scan_buckets<Tag>(st, rowp, mis == 0, V, jbeg, jend, kBucketTag + uint64_t(row) * uint64_t(nb),
                         noise_key(p), inv_t, c2, lane, warp);
     }
     if constexpr (kMode == kPickToken) {
