@@ -12,7 +12,7 @@
 #include <random>
 
 namespace lrf::emu {
-uint64_t gumbel_draws = 0;  // counted by the kernel's candidate flush (LRF_KERNEL_EMULATION only)
+uint64_t gumbel_draws = 0;  // counted by NoiseKey::gumbel, every noise value drawn (LRF_KERNEL_EMULATION only)
 }  // namespace lrf::emu
 
 #include "kernels/unmask.cuh"
