@@ -52,7 +52,10 @@ for s in "${stages[@]}"; do
       # the one imported): a crash in one file loses only that file's results.
       # The launcher-check tests run last, on their own: on the lent image a launcher error message with a number
       # in it crashed the process (RESULTS.md, 2026-11-22), which would lose the tests after it.
-      for f in "$REPO"/python_tests/test_*.py; do
+      # $GPU_TESTS narrows the files (e.g. "unmask block_attn"); the default is every file with GPU tests
+      files=(); for t in ${GPU_TESTS:-}; do files+=("$REPO/python_tests/test_$t.py"); done
+      [ ${#files[@]} -eq 0 ] && files=("$REPO"/python_tests/test_*.py)
+      for f in "${files[@]}"; do
         grep -q "mark.gpu" "$f" || continue
         (cd /tmp && stage "tests $(basename "$f")" 200 tests.log python3 -m pytest "$f" -m gpu -q -rfE \
             -p no:cacheprovider --timeout 100 -k "not launcher_checks")
@@ -83,8 +86,9 @@ for s in "${stages[@]}"; do
       stage bench_block_attn 420 bench_attn_full.log python3 profiling/bench_block_attn.py ;;
     decode)
       # kernels first (their rows are printed as each finishes), then the reference ops in a child process
+      # $DECODE_ARGS replaces the default shapes (e.g. "--batches 1,8 --impl kernels")
       stage bench_decode 540 bench_decode.log python3 profiling/bench_decode.py --config sdar-8b \
-        --batches 1,8,64 --blocks 4,32 --repeats 3 --new-tokens 256 --child-timeout 240 ;;
+        ${DECODE_ARGS:---batches 1,8,64 --blocks 4,32 --repeats 3 --new-tokens 256 --child-timeout 240} ;;
     ncu)
       stage ncu 300 ncu.log bash profiling/ncu_kernels.sh ;;
     *) echo "unknown stage $s"; exit 2 ;;
