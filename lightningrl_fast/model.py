@@ -10,6 +10,11 @@ One model, three ways to run it:
     instead of ~10 eager launches; elsewhere, and in the other forwards (which need autograd), the eager
     modules run: the same formulas, so results agree up to the fp32 sum order (ops/rms_norm.py).
   * `hidden(...)` variants return the final normalized hidden states for fused losses.
+`pack_decode_weights()` lays each layer's q/k/v and gate/up weights back to back in one storage (the
+parameters stay separate, with their SDAR names, and become views of it), so the cached forward runs one
+GEMM for q/k/v and one for gate/up instead of five; optimizer steps update the parameters in place and keep
+the packing; anything that replaces a parameter (`load_state_dict(assign=True)`, `.to(dtype)`) undoes it,
+and the cached forward then runs the separate GEMMs until the next pack (the sampler packs once per call).
 Parameter names are exactly those of SDAR safetensors checkpoints. There is no logit shift: the logit at
 position i predicts the token at position i.
 """
@@ -157,6 +162,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, :, None] + rot * sin[:, :, None]
 
 
+def packed_weight(linears: list[nn.Linear]) -> torch.Tensor | None:
+    """The weights of `linears` stacked along the output dim [sum(out), in] as a zero-copy view, when they lie
+    back to back in one storage (after `pack_linears`); None otherwise."""
+    ws = [m.weight for m in linears]
+    w0 = ws[0]
+    ptr = w0.data_ptr()
+    for w in ws:
+        if (w.dtype != w0.dtype or w.device != w0.device or w.dim() != 2 or w.shape[1] != w0.shape[1]
+                or not w.is_contiguous() or w.data_ptr() != ptr
+                or w.untyped_storage().data_ptr() != w0.untyped_storage().data_ptr()):
+            return None
+        ptr += w.numel() * w.element_size()
+    rows = sum(w.shape[0] for w in ws)
+    if w0.storage_offset() + rows * w0.shape[1] > w0.untyped_storage().nbytes() // w0.element_size():
+        return None
+    return torch.as_strided(w0.detach(), (rows, w0.shape[1]), (w0.shape[1], 1))
+
+
+@torch.no_grad()
+def pack_linears(linears: list[nn.Linear]) -> None:
+    """Move the weights of `linears` into one new storage, back to back; each parameter (same object, same
+    values, same requires_grad) becomes a view of its rows. A no-op when they are packed already."""
+    if packed_weight(linears) is not None:
+        return
+    buf = torch.cat([m.weight.detach() for m in linears])  # [sum(out), in]
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = buf[row : row + n]
+        row += n
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: SDARConfig) -> None:
         super().__init__()
@@ -181,17 +218,25 @@ class Attention(nn.Module):
         o = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout, plan)  # [B, Hq, N, D]
         return self.o_proj(o.transpose(1, 2).reshape(b, n, self.hq * self.d))
 
+    def _projections(self) -> list[nn.Linear]:
+        return [self.q_proj, self.k_proj, self.v_proj]
+
     def forward_cached(self, x, cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size, packed=None) -> torch.Tensor:
         """Lengths are checked once by SDARForCausalLM.hidden_cached, not here (a device sync per layer)."""
-        if x.is_cuda and self.q_norm.weight.dtype == x.dtype == cos.dtype:  # q/k-norm + RoPE: one launch each
-            b, n, _ = x.shape
-            q = qk_norm_rope(self.q_proj(x).view(b, n, self.hq, self.d), self.q_norm.weight, cos, sin,
-                             self.q_norm.eps)  # [B, N, Hq, D]
-            k = qk_norm_rope(self.k_proj(x).view(b, n, self.hkv, self.d), self.k_norm.weight, cos, sin,
-                             self.k_norm.eps)  # [B, N, Hkv, D]
-            v = self.v_proj(x).view(b, n, self.hkv, self.d)  # [B, N, Hkv, D]
+        b, n, _ = x.shape
+        w = packed_weight(self._projections())
+        if w is not None:  # one GEMM; q, k, v are views of its output
+            qkv = F.linear(x, w)  # [B, N, (Hq + 2 Hkv) D]
+            q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         else:
-            q, k, v = self._qkv(x, cos, sin)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = q.view(b, n, self.hq, self.d), k.view(b, n, self.hkv, self.d)  # [B, N, Hq | Hkv, D]
+        v = v.view(b, n, self.hkv, self.d)  # [B, N, Hkv, D]
+        if x.is_cuda and self.q_norm.weight.dtype == x.dtype == cos.dtype:  # q/k-norm + RoPE: one launch each
+            q = qk_norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)  # [B, N, Hq, D]
+            k = qk_norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)  # [B, N, Hkv, D]
+        else:
+            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         if packed is not None:  # x holds only the valid tokens [1, N, H]: pad them to [B, C] for the attention op
             rows, cols, shape = packed
             q, k, v = (_unpack(t[0], rows, cols, shape) for t in (q, k, v))
@@ -218,6 +263,17 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def _projections(self) -> list[nn.Linear]:
+        return [self.gate_proj, self.up_proj]
+
+    def forward_cached(self, x: torch.Tensor) -> torch.Tensor:
+        """The same MLP; gate and up in one GEMM when their weights are packed."""
+        w = packed_weight(self._projections())
+        if w is None:
+            return self(x)
+        gate, up = F.linear(x, w).chunk(2, dim=-1)  # [B, N, I] each
+        return self.down_proj(F.silu(gate) * up)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: SDARConfig) -> None:
@@ -234,7 +290,7 @@ class DecoderLayer(nn.Module):
     def forward_cached(self, x, cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size, packed=None) -> torch.Tensor:
         x = x + self.self_attn.forward_cached(_decode_norm(self.input_layernorm, x), cos, sin, k_cache, v_cache,
                                               cache_lens, chunk_lens, block_size, packed)
-        return x + self.mlp(_decode_norm(self.post_attention_layernorm, x))
+        return x + self.mlp.forward_cached(_decode_norm(self.post_attention_layernorm, x))
 
 
 class SDARModel(nn.Module):
@@ -296,6 +352,14 @@ class SDARForCausalLM(nn.Module):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p.dtype) * std)
+        return self
+
+    def pack_decode_weights(self) -> "SDARForCausalLM":
+        """Pack each layer's q/k/v and gate/up weights for the cached forward (see the module docstring): one
+        copy of those weights the first time, a pointer check after that."""
+        for layer in self.model.layers:
+            pack_linears(layer.self_attn._projections())
+            pack_linears(layer.mlp._projections())
         return self
 
     def state_dict_for_save(self) -> dict[str, torch.Tensor]:

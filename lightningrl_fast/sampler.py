@@ -18,6 +18,10 @@ working set is COMPACTED once at most half of it is still active (rows, cache an
 a smaller batch), so finished sequences stop costing projection/MLP compute too. Compaction happens at
 most log2(batch) times per call; on CUDA each working-set size has its own captured graph.
 
+The model's q/k/v and gate/up weights are packed first (`SDARForCausalLM.pack_decode_weights`: the
+parameters become views of one storage per group, so the trainer keeps updating the same tensors) and each
+decode forward runs two GEMMs for them instead of five.
+
 On CUDA the per-step work (chunk gather -> forward -> unmask -> state update) runs without any host
 synchronization; the "all finished?" test reads one flag every `sync_every` steps. With `cuda_graphs` the
 step is captured once per working-set size and replayed. The random stream is Philox keyed by `seed`
@@ -253,6 +257,7 @@ def generate(model: SDARForCausalLM, prompts: list[list[int]], cfg: SamplerConfi
     if bs <= 0:
         raise ValueError(f"block_size must be positive, got {bs}")
     _validate(model, prompts, cfg, bs)
+    model.pack_decode_weights()  # q/k/v and gate/up as one GEMM each (a copy the first time, then a check)
     dev = next(model.parameters()).device
     pad_id = cfg.eos_ids[-1] if pad_id is None else pad_id
     n0 = len(prompts)

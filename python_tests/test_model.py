@@ -219,3 +219,80 @@ def test_meta_device_parameter_names_match_sdar_4b():
         model = SDARForCausalLM(cfg)
     names = set(json.loads((meta / "model.safetensors.index.json").read_text())["weight_map"])
     assert set(model.state_dict_for_save()) == names
+
+
+def _packed_groups(model):
+    from lightningrl_fast.model import packed_weight
+
+    return [packed_weight(m._projections()) for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_packed_decode_weights_give_the_same_forward(dtype, tol):
+    """pack_decode_weights: q/k/v and gate/up become views of one storage per group (same parameter objects and
+    values), the cached forward runs the packed GEMMs and matches the full forward and the unpacked one."""
+    torch.manual_seed(1)
+    model = build_model(tiny_config(), dtype=dtype).eval()
+    ids = torch.randint(0, MASK, (3, 23))
+    params = dict(model.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        full = model(ids)
+        plain, _ = incremental_logits(model, ids, [0, 12, 16, 20, 23], capacity=24, dtype=dtype)
+    assert all(w is None for w in _packed_groups(model))
+    model.pack_decode_weights()
+    assert dict(model.named_parameters()) == params  # the same objects, under the same SDAR names
+    for n, p in params.items():
+        assert torch.equal(p, before[n]), n
+    groups = _packed_groups(model)
+    assert all(w is not None for w in groups)
+    attn = model.model.layers[0].self_attn
+    assert torch.equal(groups[0], torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    storage = attn.q_proj.weight.untyped_storage().data_ptr()
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == storage
+    data_ptrs = [p.data_ptr() for p in model.parameters()]
+    model.pack_decode_weights()  # packed already: nothing moves
+    assert [p.data_ptr() for p in model.parameters()] == data_ptrs
+    with torch.no_grad():
+        packed, _ = incremental_logits(model, ids, [0, 12, 16, 20, 23], capacity=24, dtype=dtype)
+        full_after = model(ids)
+    torch.testing.assert_close(packed, plain, rtol=tol, atol=tol)
+    torch.testing.assert_close(packed, full, rtol=tol, atol=tol)
+    assert torch.equal(full_after, full)  # training forwards use the (same-valued) separate parameters
+
+
+def test_packing_survives_optimizer_steps_and_is_undone_by_assignment(tmp_path):
+    """An optimizer step updates the parameters in place, so the packed view follows it; a load with
+    assign=True replaces them, the packing is gone, the cached forward falls back to separate GEMMs, and
+    saving a packed model writes only the parameters' own bytes."""
+    from lightningrl_fast.checkpoint import load_model, save_model
+    from lightningrl_fast.rl.optim import make_optimizer
+
+    torch.manual_seed(2)
+    cfg = tiny_config()
+    model = build_model(cfg, dtype=torch.float32).pack_decode_weights()
+    opt = make_optimizer(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, MASK, (2, 8))
+    model(ids).float().pow(2).mean().backward()
+    opt.step()
+    groups = _packed_groups(model)
+    assert all(w is not None for w in groups)
+    mlp = model.model.layers[1].mlp
+    assert torch.equal(groups[3], torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+
+    folder = save_model(model, cfg, tmp_path / "ckpt")
+    loaded, _ = load_model(folder, dtype=torch.float32)
+    stored = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    own = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert own <= stored < own + 65536  # no parameter dragged its packed neighbours into the file
+    for n, p in model.named_parameters():
+        assert torch.equal(dict(loaded.named_parameters())[n], p), n
+
+    state = {n: p.detach().clone() + 1 for n, p in model.named_parameters()}
+    model.load_state_dict(state, assign=True)
+    assert all(w is None for w in _packed_groups(model))
+    cache = KVCache.allocate(cfg, 2, 8, dtype=torch.float32)
+    lens = torch.zeros(2, dtype=torch.int32)
+    with torch.no_grad():
+        out = model.forward_cached(ids, cache, lens, lens + 8)
+        torch.testing.assert_close(out, model(ids), rtol=2e-5, atol=2e-5)

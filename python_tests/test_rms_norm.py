@@ -258,8 +258,9 @@ def test_gpu_graph_capture_and_opcheck(cuda_ext):
 
 @pytest.mark.gpu
 def test_gpu_cached_forward_with_fused_norms_matches_the_eager_model(cuda_ext, monkeypatch):
-    """The model's decode forward (fused norms + q/k-norm/RoPE) against the same weights with every kernel off
-    (eager modules, reference ops): bf16 logits within bf16 tolerance."""
+    """The model's decode forward (fused norms + q/k-norm/RoPE), unpacked and with packed q/k/v and gate/up
+    weights, against the same weights with every kernel off (eager modules, reference ops): bf16 logits within
+    bf16 tolerance."""
     from lightningrl_fast.model import KVCache, SDARConfig, build_model
 
     cfg = SDARConfig(vocab_size=111, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
@@ -275,7 +276,10 @@ def test_gpu_cached_forward_with_fused_norms_matches_the_eager_model(cuda_ext, m
             return model.forward_cached(ids, cache, torch.zeros(3, dtype=torch.int32, device="cuda"), lens).float()
 
     fused = run()
+    model.pack_decode_weights()  # q/k/v and gate/up as one GEMM each: strided q/k/v views into the kernels
+    packed = run()
     monkeypatch.setenv("LRF_DISABLE_KERNELS", "1")
     eager = run()
     for b, n in enumerate([0, 4, 8]):
         torch.testing.assert_close(fused[b, :n], eager[b, :n], rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(packed[b, :n], eager[b, :n], rtol=3e-2, atol=3e-2)
