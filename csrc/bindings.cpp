@@ -42,8 +42,10 @@ void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
                     const at::Tensor& cache_lens, const at::Tensor& chunk_lens,
                     const std::optional<at::Tensor>& maybe_error_flag);
 // rms_norm.cu
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
 at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos, const at::Tensor& sin,
-                        double eps);
+                        double eps, const std::optional<at::Tensor>& weight2, int64_t split);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // unmask.cu
 std::tuple<at::Tensor, at::Tensor> threshold_unmask(
@@ -73,6 +75,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "The CUDA architectures compiled in, ';'-separated (e.g. '90a'); '' in a CPU-only build.");
 
 #ifdef LRF_WITH_CUDA
+  m.def("add_rms_norm", &lrf::add_rms_norm,
+        "(RMSNorm of x + residual, x + residual): the residual add and the next norm in one launch "
+        "(see ops/rms_norm.py)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("block_attention", &lrf::block_attention,
         "Block-causal attention of a chunk against the KV cache; writes the chunk's K/V into the caches "
         "(see ARCHITECTURE.md). num_splits: KV splits, 0 = chosen from the shapes and the device.",
@@ -103,8 +109,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("suppress_token"), py::arg("chunk"), py::arg("need_grad_hidden"), py::arg("need_grad_weight"));
   m.def("qk_norm_rope", &lrf::qk_norm_rope,
         "RMSNorm over the last dim of x [B, N, H, D] (D 64 or 128) then rotate-half RoPE with cos/sin [B, N, D], "
-        "fused (see ops/rms_norm.py)",
-        py::arg("x"), py::arg("weight"), py::arg("cos"), py::arg("sin"), py::arg("eps"));
+        "fused; heads >= split use weight2 when given (see ops/rms_norm.py)",
+        py::arg("x"), py::arg("weight"), py::arg("cos"), py::arg("sin"), py::arg("eps"),
+        py::arg("weight2") = py::none(), py::arg("split") = 0);
   m.def("rms_norm", &lrf::rms_norm, "RMSNorm over the last dim of x, Qwen3 rounding (see ops/rms_norm.py)",
         py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("threshold_unmask", &lrf::threshold_unmask,

@@ -6,8 +6,9 @@ One model, three ways to run it:
   * `forward_cached(input_ids, cache, cache_lens, chunk_lens)` — incremental: a chunk of new tokens per
     row against a preallocated static-shape `KVCache` (prefill, one denoising block, or a finished block
     folded with the next). The chunk's K/V are written into the cache; the caller advances the lengths.
-    On CUDA its norms run as one fused op each (`ops.rms_norm`, and `ops.qk_norm_rope` for q/k-norm + RoPE)
-    instead of ~10 eager launches; elsewhere, and in the other forwards (which need autograd), the eager
+    On CUDA its norms run as one fused op each (`ops.add_rms_norm` with the residual add before each norm,
+    and `ops.qk_norm_rope` for q/k-norm + RoPE, q and k together when the weights are packed) instead of
+    ~10 eager launches; elsewhere, and in the other forwards (which need autograd), the eager
     modules run: the same formulas, so results agree up to the fp32 sum order (ops/rms_norm.py).
   * `hidden(...)` variants return the final normalized hidden states for fused losses.
 `pack_decode_weights()` lays each layer's q/k/v and gate/up weights back to back in one storage (the
@@ -33,7 +34,7 @@ from torch import nn
 from .ops._common import host_checks_allowed
 from .ops.block_attn import block_attention, check_cache_lengths
 from .ops.masked_attn import MaskLayout, masked_attention, prepare
-from .ops.rms_norm import qk_norm_rope, rms_norm
+from .ops.rms_norm import add_rms_norm, qk_norm_rope, rms_norm
 
 DEFAULT_MASK_TOKEN_ID = 151669
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -147,6 +148,15 @@ def _decode_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, norm.weight, norm.eps) if x.is_cuda and norm.weight.dtype == x.dtype else norm(x)
 
 
+def _decode_add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + x), residual + x): the decode forward's residual add and the following norm, one fused
+    launch on CUDA (`ops.add_rms_norm`), the eager add and module elsewhere."""
+    if x.is_cuda and norm.weight.dtype == x.dtype == residual.dtype:
+        return add_rms_norm(x, residual, norm.weight, norm.eps)
+    s = residual + x
+    return norm(s), s
+
+
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos, sin [B, N, head_dim] for half-split rotate_half RoPE, computed in float32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
@@ -232,7 +242,13 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k = q.view(b, n, self.hq, self.d), k.view(b, n, self.hkv, self.d)  # [B, N, Hq | Hkv, D]
         v = v.view(b, n, self.hkv, self.d)  # [B, N, Hkv, D]
-        if x.is_cuda and self.q_norm.weight.dtype == x.dtype == cos.dtype:  # q/k-norm + RoPE: one launch each
+        fused = x.is_cuda and self.q_norm.weight.dtype == self.k_norm.weight.dtype == x.dtype == cos.dtype
+        if fused and w is not None and self.q_norm.eps == self.k_norm.eps:  # q and k heads side by side: one launch
+            qk = qkv[..., : (self.hq + self.hkv) * self.d].view(b, n, self.hq + self.hkv, self.d)
+            qk = qk_norm_rope(qk, self.q_norm.weight, cos, sin, self.q_norm.eps, self.k_norm.weight,
+                              self.hq)  # [B, N, Hq + Hkv, D]
+            q, k = qk[:, :, : self.hq], qk[:, :, self.hq :]  # [B, N, Hq, D], [B, N, Hkv, D]
+        elif fused:  # q/k-norm + RoPE: one launch each
             q = qk_norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)  # [B, N, Hq, D]
             k = qk_norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)  # [B, N, Hkv, D]
         else:
@@ -286,11 +302,6 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, layout, plan) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_cached(self, x, cos, sin, k_cache, v_cache, cache_lens, chunk_lens, block_size, packed=None) -> torch.Tensor:
-        x = x + self.self_attn.forward_cached(_decode_norm(self.input_layernorm, x), cos, sin, k_cache, v_cache,
-                                              cache_lens, chunk_lens, block_size, packed)
-        return x + self.mlp.forward_cached(_decode_norm(self.post_attention_layernorm, x))
 
 
 class SDARModel(nn.Module):
@@ -435,10 +446,16 @@ class SDARForCausalLM(nn.Module):
                 input_ids, position_ids = input_ids[rows, cols][None], position_ids[rows, cols][None]  # [1, N]
         x = self.model.embed_tokens(input_ids)  # [B, C, H] (or [1, N, H] packed)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer.forward_cached(x, cos, sin, cache.k[i], cache.v[i], cache_lens, chunk_lens, block_size, packed)
-        x = _decode_norm(self.model.norm, x)
-        return _unpack(x[0], packed[0], packed[1], packed[2]) if packed is not None else x
+        # each residual add is fused with the norm after it (the next layer's input norm, the final norm last)
+        layers = self.model.layers
+        h = _decode_norm(layers[0].input_layernorm, x)  # [B, C, H] normalized; x stays the residual stream
+        for i, layer in enumerate(layers):
+            a = layer.self_attn.forward_cached(h, cos, sin, cache.k[i], cache.v[i], cache_lens, chunk_lens,
+                                               block_size, packed)  # [B, C, H]
+            h, x = _decode_add_norm(layer.post_attention_layernorm, a, x)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, x = _decode_add_norm(nxt, layer.mlp.forward_cached(h), x)
+        return _unpack(h[0], packed[0], packed[1], packed[2]) if packed is not None else h
 
     def forward_cached(self, input_ids: torch.Tensor, cache: KVCache, cache_lens: torch.Tensor,
                        chunk_lens: torch.Tensor, block_size: int | None = None) -> torch.Tensor:

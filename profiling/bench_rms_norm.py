@@ -1,16 +1,19 @@
-"""Benchmark the fused RMSNorm and q/k-norm + RoPE kernels against the eager formulas they replace.
+"""Benchmark the fused RMSNorm, residual-add + RMSNorm and q/k-norm + RoPE kernels against the eager formulas.
 
     python profiling/bench_rms_norm.py            # GPU: SDAR-8B shapes (hidden 4096, 32 q / 8 kv heads, D 128)
     python profiling/bench_rms_norm.py --cpu      # no GPU: the references on one small shape
 
 What matters in decoding is not one call but the norm work of a whole denoising step inside its CUDA graph:
-per layer two hidden-size norms plus the q and k head norms with RoPE, 36 layers for SDAR-8B. So two tables'
-worth of rows in one:
+per layer two residual adds, two hidden-size norms, and the q and k head norms with RoPE, 36 layers for
+SDAR-8B. So two tables' worth of rows in one:
   * `op` rows: one call of each op (`kernel_us` the bare `_C` call, `ref_us` the eager reference,
     `compiled_us` the reference under torch.compile), GB/s and % of the device copy bandwidth for the kernel
-    (bytes: x read + y written, + cos/sin for RoPE);
-  * `step` rows: the norm work of all layers of one step (4 x 36 ops) captured in one CUDA graph and replayed,
-    fused ops vs the eager formulas (`graph_us`), for tokens per step = batch x chunk in {8, 256, 2048}.
+    (bytes: inputs read + outputs written, + cos/sin for RoPE);
+  * `step` rows: the norm work of all layers of one step captured in one CUDA graph and replayed, for tokens
+    per step = batch x chunk in {8, 256, 2048}: `ref_us` the eager formulas; `per_op_us` one kernel per
+    norm and per q / k head norm with torch's residual adds (6 launches per layer, the decode forward before
+    the fusion); `kernel_us` what the decode forward runs now (2 add_rms_norm + 1 two-weight qk_norm_rope
+    over a packed q/k view: 3 launches per layer).
 Prints one table and ends with one JSON line.
 """
 
@@ -27,7 +30,11 @@ from common import copy_bandwidth_gbs, device_name, emit_json, print_table, time
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import rope_cos_sin  # noqa: E402
-from lightningrl_fast.ops.rms_norm import qk_norm_rope_reference, rms_norm_reference  # noqa: E402
+from lightningrl_fast.ops.rms_norm import (  # noqa: E402
+    add_rms_norm_reference,
+    qk_norm_rope_reference,
+    rms_norm_reference,
+)
 
 EPS = 1e-6
 
@@ -40,7 +47,9 @@ def inputs(tokens: int, hidden: int, hq: int, hkv: int, d: int, dtype, device):
     k = torch.randn(1, tokens, hkv, d, generator=g, device=device).to(dtype)
     wd = (1 + 0.1 * torch.randn(d, generator=g, device=device)).to(dtype)
     cos, sin = rope_cos_sin(torch.arange(tokens, device=device)[None] + 100, d, 1e6, dtype)
-    return x, w, q, k, wd, cos, sin
+    r = torch.randn(1, tokens, hidden, generator=g, device=device).to(dtype)
+    qkv = torch.randn(1, tokens, hq + 2 * hkv, d, generator=g, device=device).to(dtype)  # a packed projection
+    return x, w, q, k, wd, cos, sin, r, qkv[:, :, : hq + hkv]
 
 
 def graph_time(fn, device) -> float:
@@ -68,19 +77,24 @@ def main() -> None:
     bw = copy_bandwidth_gbs(device)
     print(f"device: {device_name(device)}; copy bandwidth {bw:.0f} GB/s; hidden {hidden}, heads {hq}/{hkv}, "
           f"D {d}, {str(dtype)[6:]}; kernels {'yes' if kernels else 'no (references only)'}")
-    compiled_rms = compiled_rope = None
+    compiled_rms = compiled_rope = compiled_add = None
     if not args.no_compile and on_gpu:
         compiled_rms = torch.compile(rms_norm_reference)
         compiled_rope = torch.compile(qk_norm_rope_reference)
+        compiled_add = torch.compile(add_rms_norm_reference)
 
     rows = []
     for tokens in (8, 256, 2048) if on_gpu else (8,):
-        x, w, q, k, wd, cos, sin = inputs(tokens, hidden, hq, hkv, d, dtype, device)
+        x, w, q, k, wd, cos, sin, r, qk = inputs(tokens, hidden, hq, hkv, d, dtype, device)
+        xb, cb = x.numel() * x.element_size(), 2 * cos.numel() * cos.element_size()
         for name, ref, comp, kern, args_, nbytes in [
-            ("rms_norm", rms_norm_reference, compiled_rms, getattr(mod, "rms_norm", None), (x, w, EPS),
-             2 * x.numel() * x.element_size()),
+            ("rms_norm", rms_norm_reference, compiled_rms, getattr(mod, "rms_norm", None), (x, w, EPS), 2 * xb),
+            ("add_rms_norm", add_rms_norm_reference, compiled_add, getattr(mod, "add_rms_norm", None),
+             (x, r, w, EPS), 4 * xb),
             ("qk_norm_rope q", qk_norm_rope_reference, compiled_rope, getattr(mod, "qk_norm_rope", None),
-             (q, wd, cos, sin, EPS), 2 * q.numel() * q.element_size() + 2 * cos.numel() * cos.element_size()),
+             (q, wd, cos, sin, EPS), 2 * q.numel() * q.element_size() + cb),
+            ("qk_norm_rope q+k", qk_norm_rope_reference, compiled_rope, getattr(mod, "qk_norm_rope", None),
+             (qk, wd, cos, sin, EPS, wd, hq), 2 * qk.numel() * qk.element_size() + cb),
         ]:
             row = {"kind": "op", "what": name, "tokens": tokens}
             row["ref_us"] = 1e3 * time_fn(lambda: ref(*args_), device=device)
@@ -98,23 +112,31 @@ def main() -> None:
         if on_gpu:
             def eager_step():
                 for _ in range(args.layers):
-                    rms_norm_reference(x, w, EPS)
+                    add_rms_norm_reference(x, r, w, EPS)
                     qk_norm_rope_reference(q, wd, cos, sin, EPS)
                     qk_norm_rope_reference(k, wd, cos, sin, EPS)
-                    rms_norm_reference(x, w, EPS)
+                    add_rms_norm_reference(x, r, w, EPS)
 
-            row = {"kind": "step", "what": f"{args.layers} layers x 4 norms", "tokens": tokens,
+            row = {"kind": "step", "what": f"{args.layers} layers x (2 add+norm, q/k norm)", "tokens": tokens,
                    "ref_us": graph_time(eager_step, device)}
             if kernels:
-                def fused_step():
+                def per_op_step():  # the decode forward before the add / q+k fusion: 6 launches per layer
                     for _ in range(args.layers):
-                        mod.rms_norm(x, w, EPS)
+                        mod.rms_norm(x + r, w, EPS)
                         mod.qk_norm_rope(q, wd, cos, sin, EPS)
                         mod.qk_norm_rope(k, wd, cos, sin, EPS)
-                        mod.rms_norm(x, w, EPS)
+                        mod.rms_norm(x + r, w, EPS)
 
+                def fused_step():  # now: 3 launches per layer
+                    for _ in range(args.layers):
+                        mod.add_rms_norm(x, r, w, EPS)
+                        mod.qk_norm_rope(qk, wd, cos, sin, EPS, wd, hq)
+                        mod.add_rms_norm(x, r, w, EPS)
+
+                row["per_op_us"] = graph_time(per_op_step, device)
                 row["kernel_us"] = graph_time(fused_step, device)
                 row["x_ref"] = row["ref_us"] / row["kernel_us"]
+                row["x_per_op"] = row["per_op_us"] / row["kernel_us"]
             rows.append(row)
     print_table(rows)
     emit_json("rms_norm", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:], hidden=hidden,

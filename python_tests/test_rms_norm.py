@@ -11,6 +11,8 @@ import torch
 from lightningrl_fast import _ext
 from lightningrl_fast.model import RMSNorm, apply_rope, rope_cos_sin
 from lightningrl_fast.ops.rms_norm import (
+    add_rms_norm,
+    add_rms_norm_reference,
     qk_norm_rope,
     qk_norm_rope_reference,
     rms_norm,
@@ -82,8 +84,26 @@ def test_public_ops_on_cpu_run_the_reference_and_check_inputs():
         qk_norm_rope(q, wq, cos, sin.double(), EPS)
     with pytest.raises(ValueError, match="head_dim must be even"):
         qk_norm_rope(q[..., :63], wq[:63], cos[..., :63], sin[..., :63], EPS)
+    r = rand(4, 6, 32, dtype=torch.bfloat16, seed=5)
+    y, s = add_rms_norm(x, r, w, EPS)
+    assert torch.equal(s, x + r) and torch.equal(y, rms_norm_reference(x + r, w, EPS))
+    with pytest.raises(ValueError, match=r"residual must have shape \[4, 6, 32\], got \[4, 6, 31\]"):
+        add_rms_norm(x, r[..., :31], w, EPS)
+    with pytest.raises(TypeError, match="residual must have dtype in"):
+        add_rms_norm(x, r.float(), w, EPS)
+    q6, _, cos6, sin6 = rope_inputs(2, 3, 6, 64, torch.float32)
+    wk = wq * 0.5
+    both = qk_norm_rope(q6, wq, cos6, sin6, EPS, wk, 4)
+    assert torch.equal(both[:, :, :4], qk_norm_rope(q6[:, :, :4], wq, cos6, sin6, EPS))
+    assert torch.equal(both[:, :, 4:], qk_norm_rope(q6[:, :, 4:], wk, cos6, sin6, EPS))
+    with pytest.raises(ValueError, match=r"split must be in \[0, heads = 6\], got 7"):
+        qk_norm_rope(q6, wq, cos6, sin6, EPS, wk, 7)
+    with pytest.raises(ValueError, match=r"weight2 must have shape \[64\]"):
+        qk_norm_rope(q6, wq, cos6, sin6, EPS, wk[:32], 4)
     torch.library.opcheck(torch.ops.lightningrl_fast.rms_norm.default, (x, w, EPS))
-    torch.library.opcheck(torch.ops.lightningrl_fast.qk_norm_rope.default, (q, wq, cos, sin, EPS))
+    torch.library.opcheck(torch.ops.lightningrl_fast.add_rms_norm.default, (x, r, w, EPS))
+    torch.library.opcheck(torch.ops.lightningrl_fast.qk_norm_rope.default, (q, wq, cos, sin, EPS, None, 0))
+    torch.library.opcheck(torch.ops.lightningrl_fast.qk_norm_rope.default, (q6, wq, cos6, sin6, EPS, wk, 4))
 
 
 # ------------------------------------------------------------------- the device code on the CPU emulator
@@ -92,21 +112,31 @@ def test_public_ops_on_cpu_run_the_reference_and_check_inputs():
 class Emulated:
     def __init__(self, lib):
         p, i32, i64, f32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64
-        lib.emu_rms_norm.argtypes = [i32, p, p, p, i64, i64, i32, f32, u64]
-        lib.emu_qk_norm_rope.argtypes = [i32, p, p, p, p, p, i32, i32, i32, i32, i64, i64, i64, f32, u64]
+        lib.emu_rms_norm.argtypes = [i32, p, p, p, i64, i64, i32, f32, p, i64, p, u64]
+        lib.emu_qk_norm_rope.argtypes = [i32, p, p, p, i32, p, p, p, i32, i32, i32, i32, i64, i64, i64, f32, u64]
         self.lib = lib
 
     def rms_norm(self, x2, w, order=0):
         y = torch.full(x2.shape, float("nan"), dtype=x2.dtype)  # poisoned: every element must be written
         self.lib.emu_rms_norm(_DT[x2.dtype], x2.data_ptr(), w.data_ptr(), y.data_ptr(), x2.shape[0], x2.stride(0),
-                              x2.shape[1], EPS, order)
+                              x2.shape[1], EPS, None, 0, None, order)
         return y
 
-    def qk_norm_rope(self, x, w, cos, sin, order=0):
+    def add_rms_norm(self, x2, r2, w, order=0):
+        y = torch.full(x2.shape, float("nan"), dtype=x2.dtype)
+        s = torch.full(x2.shape, float("nan"), dtype=x2.dtype)
+        self.lib.emu_rms_norm(_DT[x2.dtype], x2.data_ptr(), w.data_ptr(), y.data_ptr(), x2.shape[0], x2.stride(0),
+                              x2.shape[1], EPS, r2.data_ptr(), r2.stride(0), s.data_ptr(), order)
+        return y, s
+
+    def qk_norm_rope(self, x, w, cos, sin, order=0, w2=None, split=0):
         b, n, h, d = x.shape
         y = torch.full((b, n, h, d), float("nan"), dtype=x.dtype)
-        self.lib.emu_qk_norm_rope(_DT[x.dtype], x.data_ptr(), w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                  y.data_ptr(), b, n, h, d, x.stride(0), x.stride(1), x.stride(2), EPS, order)
+        if w2 is None:
+            w2, split = w, h
+        self.lib.emu_qk_norm_rope(_DT[x.dtype], x.data_ptr(), w.data_ptr(), w2.data_ptr(), split, cos.data_ptr(),
+                                  sin.data_ptr(), y.data_ptr(), b, n, h, d, x.stride(0), x.stride(1), x.stride(2),
+                                  EPS, order)
         return y
 
 
@@ -170,6 +200,43 @@ def test_emulated_qk_norm_rope_strided_heads(emu):
     assert torch.equal(emu.qk_norm_rope(view, w, cos, sin), emu.qk_norm_rope(x, w, cos, sin))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,n", [(1, 4096), (97, 136), (3, 2560)])
+def test_emulated_add_rms_norm(emu, dtype, rows, n):
+    """The residual add equals the eager one exactly (one rounding of x + r), and the norm of the sum is as good
+    as the same-dtype PyTorch computation; strided residual rows (a wider buffer) give the same result."""
+    x = rand(rows, n, dtype=dtype, seed=rows, scale=4.0)
+    wide = rand(rows, n + 16, dtype=dtype, seed=rows + 7, scale=2.0)
+    r = wide[:, 8 : 8 + n]
+    w = rand(n, dtype=dtype, seed=rows + 1)
+    y, s = emu.add_rms_norm(x, r, w, order=rows)
+    y_ref, s_ref = add_rms_norm_reference(x, r, w, EPS)
+    assert torch.equal(s, s_ref)
+    ref64 = rms_norm_reference(s_ref.double(), w.double(), EPS)
+    assert_as_good_as_torch(y, y_ref, ref64, f"{dtype} {rows}x{n}")
+    y2, s2 = emu.add_rms_norm(x, r.contiguous(), w)
+    assert torch.equal(y2, y) and torch.equal(s2, s)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("split", [0, 3, 7])
+def test_emulated_qk_norm_rope_two_weights(emu, dtype, split):
+    """Heads h >= split take the second weight: the same as two separate launches, on a q/k view of a packed
+    [B, N, Hq + 2 Hkv, D] projection output."""
+    b, n, hq, hkv, d = 2, 5, 4, 3, 128
+    qkv, w, cos, sin = rope_inputs(b, n, hq + 2 * hkv, d, dtype, seed=split)
+    w2 = rand(d, dtype=dtype, seed=11) * 0.5 + 1.0
+    h = hq + hkv
+    qk = qkv[:, :, :h]
+    split = min(split, h)
+    got = emu.qk_norm_rope(qk, w, cos, sin, w2=w2, split=split)
+    want = torch.cat([emu.qk_norm_rope(qk[:, :, :split].contiguous(), w, cos, sin),
+                      emu.qk_norm_rope(qk[:, :, split:].contiguous(), w2, cos, sin)], dim=2)
+    assert torch.equal(got, want)
+    ref64 = qk_norm_rope_reference(*(t.double() for t in (qk, w, cos, sin)), EPS, w2.double(), split)
+    assert_as_good_as_torch(got, qk_norm_rope_reference(qk, w, cos, sin, EPS, w2, split), ref64, f"split {split}")
+
+
 # ------------------------------------------------------------------------- the C++ launchers' own checks
 
 
@@ -196,6 +263,15 @@ def test_launcher_checks_inputs():
     ]:
         with pytest.raises(RuntimeError, match=match):
             C.rms_norm(*args)
+    r = rand(3, 64, dtype=torch.bfloat16, seed=4)
+    for args, match in [
+        ((x, r[:, :32], w, EPS), "residual must have x's shape"),
+        ((x, r.half(), w, EPS), "x and residual must have the same dtype"),
+        ((x, torch.zeros(3, 72, dtype=torch.bfloat16)[:, 1:65], w, EPS), "residual must have a dense last dimension"),
+        ((x, r, w, EPS), "x must be a CUDA tensor"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            C.add_rms_norm(*args)
     q, wq, cos, sin = rope_inputs(2, 3, 4, 64, torch.bfloat16)
     for args, match in [
         ((q[0], wq, cos, sin, EPS), "x must have 4 dimensions"),
@@ -204,6 +280,8 @@ def test_launcher_checks_inputs():
         ((q[..., :32], wq[:32], cos[..., :32].contiguous(), sin[..., :32].contiguous(), EPS),
          "head_dim must be 64 or 128"),
         ((q, wq, cos.transpose(0, 1), sin, EPS), r"cos must have shape"),
+        ((q, wq, cos, sin, EPS, wq[:32], 2), r"weight2 must have shape \[D\]"),
+        ((q, wq, cos, sin, EPS, wq, 5), r"split must be in \[0, heads = 4\], got 5"),
         ((q, wq, cos, sin, EPS), "x must be a CUDA tensor"),
     ]:
         with pytest.raises(RuntimeError, match=match):
@@ -235,6 +313,23 @@ def test_gpu_kernels_match_the_reference(cuda_ext, dtype):
         assert_as_good_as_torch(got.cpu(), qk_norm_rope_reference(x, w, cos, sin, EPS).cpu(), ref64,
                                 f"rope {b}x{n}x{h}x{d}")
         assert torch.equal(qk_norm_rope(x, w, cos, sin, EPS), got)
+        w2 = (w.float() * 0.5 + 0.25).to(dtype)
+        split = h // 2
+        got2 = cuda_ext.qk_norm_rope(x, w, cos, sin, EPS, w2, split)
+        ref64 = qk_norm_rope_reference(*(t.cpu().double() for t in (x, w, cos, sin)), EPS, w2.cpu().double(), split)
+        assert_as_good_as_torch(got2.cpu(), qk_norm_rope_reference(x, w, cos, sin, EPS, w2, split).cpu(), ref64,
+                                f"rope two weights {b}x{n}x{h}x{d}")
+        assert torch.equal(got2[:, :, :split], got[:, :, :split])
+        for rows, n_ in [(1, 4096), (97, 2560), (123, 136)]:
+            x = rand(rows, n_, dtype=dtype, seed=rows, scale=4.0).cuda()
+            r = rand(rows, n_, dtype=dtype, seed=rows + 9, scale=2.0).cuda()
+            w = rand(n_, dtype=dtype, seed=1).cuda()
+            y, s = cuda_ext.add_rms_norm(x, r, w, EPS)
+            y_ref, s_ref = add_rms_norm_reference(x, r, w, EPS)
+            assert torch.equal(s, s_ref)
+            assert_as_good_as_torch(y.cpu(), y_ref.cpu(), rms_norm_reference(s_ref.cpu().double(), w.cpu().double(), EPS),
+                                    f"add_rms {rows}x{n_}")
+            assert torch.equal(add_rms_norm(x, r, w, EPS)[0], y)
 
 
 @pytest.mark.gpu
@@ -242,18 +337,28 @@ def test_gpu_graph_capture_and_opcheck(cuda_ext):
     x = rand(8, 4096, dtype=torch.bfloat16).cuda()
     w = rand(4096, dtype=torch.bfloat16, seed=1).cuda()
     q, wq, cos, sin = (t.cuda() for t in rope_inputs(2, 4, 32, 128, torch.bfloat16))
-    want = (rms_norm(x, w, EPS), qk_norm_rope(q, wq, cos, sin, EPS))
+    r = rand(8, 4096, dtype=torch.bfloat16, seed=3).cuda()
+    wk = (wq.float() * 0.5).to(torch.bfloat16)
+
+    def step():
+        return (rms_norm(x, w, EPS), qk_norm_rope(q, wq, cos, sin, EPS), *add_rms_norm(x, r, w, EPS),
+                qk_norm_rope(q, wq, cos, sin, EPS, wk, 24))
+
+    want = step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = (rms_norm(x, w, EPS), qk_norm_rope(q, wq, cos, sin, EPS))
+        outs = step()
     x.mul_(2.0)
     q.mul_(0.5)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(outs[0], rms_norm(x, w, EPS)) and torch.equal(outs[1], qk_norm_rope(q, wq, cos, sin, EPS))
+    for got, eager in zip(outs, step()):
+        assert torch.equal(got, eager)
     assert not torch.equal(outs[0], want[0])
     torch.library.opcheck(torch.ops.lightningrl_fast.rms_norm.default, (x, w, EPS))
-    torch.library.opcheck(torch.ops.lightningrl_fast.qk_norm_rope.default, (q, wq, cos, sin, EPS))
+    torch.library.opcheck(torch.ops.lightningrl_fast.add_rms_norm.default, (x, r, w, EPS))
+    torch.library.opcheck(torch.ops.lightningrl_fast.qk_norm_rope.default, (q, wq, cos, sin, EPS, None, 0))
+    torch.library.opcheck(torch.ops.lightningrl_fast.qk_norm_rope.default, (q, wq, cos, sin, EPS, wk, 24))
 
 
 @pytest.mark.gpu

@@ -16,9 +16,9 @@ using namespace lrf::kernels;
 RmsNormParams g_rms;
 QkNormRopeParams g_rope;
 
-template <typename T>
+template <typename T, bool kAdd>
 void rms_body() {
-  rms_norm_kernel<T>(g_rms);
+  rms_norm_kernel<T, kAdd>(g_rms);
 }
 
 template <typename T, int E>
@@ -34,19 +34,24 @@ void run(unsigned grid, int threads, uint64_t order_seed, const std::function<vo
 
 extern "C" {
 
-// dtype: 0 float32, 1 bfloat16, 2 float16. x: rows of n elements, x_stride elements apart; y dense.
+// dtype: 0 float32, 1 bfloat16, 2 float16. x: rows of n elements, x_stride elements apart; y dense. residual
+// (rows r_stride elements apart) null: plain RMSNorm; else y = norm(x + residual) and sum (dense) = x + residual.
 void emu_rms_norm(int dtype, const void* x, const void* weight, void* y, int64_t rows, int64_t x_stride, int n,
-                  float eps, uint64_t order_seed) {
-  g_rms = RmsNormParams{x, weight, y, rows, x_stride, n, eps, 1.0f / float(n)};
-  void (*fn)() = dtype == 1 ? rms_body<Bf16Bits> : dtype == 2 ? rms_body<HalfBits> : rms_body<float>;
+                  float eps, const void* residual, int64_t r_stride, void* sum, uint64_t order_seed) {
+  g_rms = RmsNormParams{x, weight, y, rows, x_stride, n, eps, 1.0f / float(n), residual, r_stride, sum};
+  void (*fn)() = nullptr;
+  if (residual != nullptr) fn = dtype == 1 ? rms_body<Bf16Bits, true> : dtype == 2 ? rms_body<HalfBits, true>
+                                                                                   : rms_body<float, true>;
+  else fn = dtype == 1 ? rms_body<Bf16Bits, false> : dtype == 2 ? rms_body<HalfBits, false> : rms_body<float, false>;
   run(unsigned(rows), kRmsThreads, order_seed, fn);
 }
 
-// x [B, N, H, D] with element strides sb, sn, sh (last dim dense); cos, sin [B, N, D] and y [B, N, H, D] dense.
-void emu_qk_norm_rope(int dtype, const void* x, const void* weight, const void* cos, const void* sin, void* y,
-                      int B, int N, int H, int D, int64_t sb, int64_t sn, int64_t sh, float eps,
-                      uint64_t order_seed) {
-  g_rope = QkNormRopeParams{x, weight, cos, sin, y, sb, sn, sh, B, N, H, eps, 1.0f / float(D)};
+// x [B, N, H, D] with element strides sb, sn, sh (last dim dense); cos, sin [B, N, D] and y [B, N, H, D] dense;
+// heads h >= split use weight2.
+void emu_qk_norm_rope(int dtype, const void* x, const void* weight, const void* weight2, int split, const void* cos,
+                      const void* sin, void* y, int B, int N, int H, int D, int64_t sb, int64_t sn, int64_t sh,
+                      float eps, uint64_t order_seed) {
+  g_rope = QkNormRopeParams{x, weight, weight2, cos, sin, y, sb, sn, sh, B, N, H, split, eps, 1.0f / float(D)};
   void (*fn)() = nullptr;
   if (D == 128) fn = dtype == 1 ? rope_body<Bf16Bits, 4> : dtype == 2 ? rope_body<HalfBits, 4> : rope_body<float, 4>;
   else fn = dtype == 1 ? rope_body<Bf16Bits, 2> : dtype == 2 ? rope_body<HalfBits, 2> : rope_body<float, 2>;

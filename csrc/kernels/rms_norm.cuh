@@ -15,8 +15,12 @@
 // place where t lands on a rounding boundary.
 //
 //   rms_norm_kernel:      one CTA of kRmsThreads per row of N, 16-byte vectors held in registers (one read).
+//                         With kAdd it first adds a residual row, s = fl_T(x + r) (the eager `x + r`), writes
+//                         s (the residual stream the next layer adds to) and normalizes s: the residual add
+//                         and the next norm of a decoder layer in one launch instead of two.
 //   qk_norm_rope_kernel:  one warp per head vector of D = 32 * E elements (E consecutive per lane); the RoPE
-//                         partner of element i (i +- D/2) lives in lane ^ 16.
+//                         partner of element i (i +- D/2) lives in lane ^ 16. Heads h >= split use a second
+//                         weight, so q and k of one packed q/k/v projection are normalized in one launch.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -85,9 +89,12 @@ struct RmsNormParams {
   int32_t n;            // N, a multiple of the elements per 16-byte vector
   float eps;
   float inv_n;          // 1.0f / N
+  const void* residual; // kAdd: [rows, N], rows `r_stride` elements apart, each 16-byte aligned
+  int64_t r_stride;     // elements
+  void* sum;            // kAdd: [rows, N] dense, fl_T(x + residual)
 };
 
-template <typename T>
+template <typename T, bool kAdd = false>
 __global__ void __launch_bounds__(kRmsThreads) rms_norm_kernel(const RmsNormParams p) {
   using C = Conv<T>;
   using S = typename C::Storage;
@@ -111,6 +118,17 @@ __global__ void __launch_bounds__(kRmsThreads) rms_norm_kernel(const RmsNormPara
       const uint4 raw = *reinterpret_cast<const uint4*>(xr + int64_t(v) * kPer);
       S e[kPer];
       memcpy(e, &raw, 16);  // (not a pointer cast: strict aliasing, which the host-compiled emulator enforces)
+      if constexpr (kAdd) {
+        const S* rr = static_cast<const S*>(p.residual) + row * p.r_stride;
+        const uint4 rraw = *reinterpret_cast<const uint4*>(rr + int64_t(v) * kPer);
+        S re[kPer];
+        memcpy(re, &rraw, 16);
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) C::store(e + j, __fadd_rn(C::load(e + j), C::load(re + j)));
+        uint4 sraw;
+        memcpy(&sraw, e, 16);
+        *reinterpret_cast<uint4*>(static_cast<S*>(p.sum) + row * int64_t(p.n) + int64_t(v) * kPer) = sraw;
+      }
 #pragma unroll
       for (int j = 0; j < kPer; ++j) {
         x[k][j] = C::load(e + j);
@@ -146,12 +164,14 @@ __global__ void __launch_bounds__(kRmsThreads) rms_norm_kernel(const RmsNormPara
 
 struct QkNormRopeParams {
   const void* x;        // [B, N, H, D]: element strides sb, sn, sh; the last dim dense
-  const void* weight;   // [D]
+  const void* weight;   // [D], heads h < split
+  const void* weight2;  // [D], heads h >= split (the k heads of a packed q/k view)
   const void* cos;      // [B, N, D] dense
   const void* sin;      // [B, N, D] dense
   void* y;              // [B, N, H, D] dense
   int64_t sb, sn, sh;
   int32_t batch, tokens, heads;
+  int32_t split;        // first head normalized with weight2 (= heads: none)
   float eps;
   float inv_d;          // 1.0f / D
 };
@@ -171,7 +191,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qk_norm_rope_kernel(const QkN
   const int64_t n = bn % p.tokens, b = bn / p.tokens;
 
   const S* xv = static_cast<const S*>(p.x) + b * p.sb + n * p.sn + h * p.sh;
-  const S* w = static_cast<const S*>(p.weight);
+  const S* w = static_cast<const S*>(h < p.split ? p.weight : p.weight2);
   const S* cs = static_cast<const S*>(p.cos) + bn * D;
   const S* sn = static_cast<const S*>(p.sin) + bn * D;
   S* yv = static_cast<S*>(p.y) + vec * D;
