@@ -47,6 +47,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos, const at::Tensor& sin,
                         double eps, const std::optional<at::Tensor>& weight2, int64_t split);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// silu_mul.cu
+at::Tensor silu_mul(const at::Tensor& gate_up);
 // unmask.cu
 std::tuple<at::Tensor, at::Tensor> threshold_unmask(
     const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& masked, const at::Tensor& step_map,
@@ -114,6 +116,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight2") = py::none(), py::arg("split") = 0);
   m.def("rms_norm", &lrf::rms_norm, "RMSNorm over the last dim of x, Qwen3 rounding (see ops/rms_norm.py)",
         py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_mul", &lrf::silu_mul,
+        "silu(gate) * up for gate_up [..., 2 I] holding gate and up side by side -> [..., I] (see ops/silu_mul.py)",
+        py::arg("gate_up"));
   m.def("threshold_unmask", &lrf::threshold_unmask,
         "Threshold unmasking step (in place; returns (block_done, eos_seen); see ARCHITECTURE.md)",
         py::arg("logits"), py::arg("tokens"), py::arg("masked"), py::arg("step_map"), py::arg("logp"),

@@ -35,6 +35,7 @@ from .ops._common import host_checks_allowed
 from .ops.block_attn import block_attention, check_cache_lengths
 from .ops.masked_attn import MaskLayout, masked_attention, prepare
 from .ops.rms_norm import add_rms_norm, qk_norm_rope, rms_norm
+from .ops.silu_mul import silu_mul
 
 DEFAULT_MASK_TOKEN_ID = 151669
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -283,11 +284,14 @@ class MLP(nn.Module):
         return [self.gate_proj, self.up_proj]
 
     def forward_cached(self, x: torch.Tensor) -> torch.Tensor:
-        """The same MLP; gate and up in one GEMM when their weights are packed."""
+        """The same MLP; gate and up in one GEMM when their weights are packed, then `ops.silu_mul` on CUDA."""
         w = packed_weight(self._projections())
         if w is None:
             return self(x)
-        gate, up = F.linear(x, w).chunk(2, dim=-1)  # [B, N, I] each
+        gate_up = F.linear(x, w)  # [B, N, 2 I]: gate and up side by side
+        if gate_up.is_cuda:
+            return self.down_proj(silu_mul(gate_up))  # [B, N, I] in one launch
+        gate, up = gate_up.chunk(2, dim=-1)  # [B, N, I] each
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -4,7 +4,7 @@
 #
 #   bash profiling/gpu_session.sh [stage ...]
 #
-# Stages (default: build tests sass kernels): build, tests, sass, kernels (unmask, kv_cache, rms_norm, block_attn
+# Stages (default: build tests sass kernels): build, tests, sass, kernels (unmask, kv_cache, rms_norm, silu_mul, block_attn
 # --quick, grpo_loss), decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32, the reference child capped
 # at 240 s), attn_full (every bench_block_attn shape), ncu (Nsight Compute of the unmask and block-attention
 # kernels). The build uses $CC / $CXX when set (RESULTS.md, 2026-11-22: launcher messages crashed in a build
@@ -66,7 +66,7 @@ for s in "${stages[@]}"; do
     sass)
       so=$(so_path)
       { cuobjdump --list-elf "$so"
-        for k in block_attn unmask lm_head group_normalize kv_cache rms_norm qk_norm_rope; do
+        for k in block_attn unmask lm_head group_normalize kv_cache rms_norm qk_norm_rope silu_mul; do
           echo "--- $k: instruction mix"
           cuobjdump --dump-sass "$so" | awk -v k="$k" '/Function :/ {on = index($0, k) > 0} on' \
             | grep -oE '^\s+/\*[0-9a-f]{4}\*/\s+[A-Z][A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' \
@@ -78,7 +78,7 @@ for s in "${stages[@]}"; do
       # bench_unmask times 3 modes per row count (greedy, two-level and per-token sampling) + 3 more at 32 / 1024
       # rows, each with the reference and its torch.compile: the longest of the kernel benches
       stage bench_unmask.py 300 bench.log python3 profiling/bench_unmask.py
-      for b in bench_kv_cache.py bench_rms_norm.py "bench_block_attn.py --quick" bench_grpo_loss.py; do
+      for b in bench_kv_cache.py bench_rms_norm.py bench_silu_mul.py "bench_block_attn.py --quick" bench_grpo_loss.py; do
         stage "$b" 150 bench.log python3 profiling/$b
       done
       grep -E '^\{' "$OUT/bench.log" | cut -c1-400 ;;

@@ -184,3 +184,7 @@ inline float __fadd_rn(float a, float b) {
   volatile float r = a + b;
   return r;
 }
+inline float __fdiv_rn(float a, float b) {
+  volatile float r = a / b;
+  return r;
+}

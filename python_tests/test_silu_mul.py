@@ -1,0 +1,148 @@
+"""silu(gate) * up: the reference against the eager MLP formula, the kernel's device code on the CPU emulator
+against float64 and the same-dtype PyTorch computation, the public op's checks and dispatch, the launcher's own
+checks, and on a GPU (skipped without) the CUDA kernel itself."""
+
+import ctypes
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightningrl_fast import _ext
+from lightningrl_fast.ops.silu_mul import silu_mul, silu_mul_reference
+
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def rand(*shape, dtype=torch.float32, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + 0.1).to(dtype)
+
+
+def assert_as_good_as_torch(got, same_dtype, ref64, what):
+    """Within 2x the worst error of the same-dtype PyTorch computation against float64, plus one unit in the last
+    place (the device's / host's expf may differ from torch's in the last bit before the rounding)."""
+    assert not got.isnan().any(), f"{what}: NaN (an element not written?)"
+    err_t = (same_dtype.double() - ref64).abs()
+    err_k = (got.double() - ref64).abs()
+    ulp = 2 * torch.finfo(got.dtype).eps * ref64.abs().clamp_min(1e-6)
+    assert (err_k <= 2 * err_t.max() + ulp).all(), f"{what}: max error {err_k.max():.3e} vs torch {err_t.max():.3e}"
+
+
+def test_reference_is_the_mlp_formula_and_the_public_op_checks_inputs():
+    gu = rand(3, 5, 2 * 48, dtype=torch.bfloat16)
+    gate, up = gu[..., :48], gu[..., 48:]
+    assert torch.equal(silu_mul_reference(gu), F.silu(gate) * up)
+    assert torch.equal(silu_mul(gu), silu_mul_reference(gu))  # the CPU path is the reference
+    with pytest.raises(ValueError, match=r"gate_up must have an even last dimension .* got shape \[3, 5, 95\]"):
+        silu_mul(gu[..., :95])
+    with pytest.raises(TypeError, match="gate_up must have dtype in"):
+        silu_mul(gu.int())
+    torch.library.opcheck(torch.ops.lightningrl_fast.silu_mul.default, (gu,))
+
+
+class Emulated:
+    def __init__(self, lib):
+        p, i32, i64, u32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint, ctypes.c_uint64
+        lib.emu_silu_mul.argtypes = [i32, p, p, i64, i64, i32, u32, u64]
+        self.lib = lib
+
+    def silu_mul(self, gu2, grid=None, order=0):
+        rows, two_i = gu2.shape
+        inner = two_i // 2
+        y = torch.full((rows, inner), float("nan"), dtype=gu2.dtype)  # poisoned: every element must be written
+        per_vec = 16 // gu2.element_size()
+        if grid is None:
+            grid = max(1, -(-rows * (inner // per_vec) // 256))
+        self.lib.emu_silu_mul(_DT[gu2.dtype], gu2.data_ptr(), y.data_ptr(), rows, gu2.stride(0), inner, grid, order)
+        return y
+
+
+@pytest.fixture(scope="module")
+def emu(emu_build):
+    return Emulated(ctypes.CDLL(str(emu_build("silu_mul_emu.cpp", shared=True, cuda_headers=True))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,inner", [(1, 12288), (97, 136), (123, 8), (8, 2048)])
+def test_emulated_silu_mul(emu, dtype, rows, inner):
+    gu = rand(rows, 2 * inner, dtype=dtype, seed=rows)
+    got = emu.silu_mul(gu, order=rows)
+    ref = silu_mul_reference(gu)
+    ref64 = silu_mul_reference(gu.double())
+    assert_as_good_as_torch(got, ref, ref64, f"{dtype} {rows}x{inner}")
+    if dtype != torch.float32:  # 16-bit results equal eager's but where an expf last bit crosses a rounding
+        same = (got == ref).float().mean().item()
+        assert same >= 0.99, same
+
+
+def test_emulated_silu_mul_grid_stride_strided_rows_and_extremes(emu):
+    """Fewer CTAs than vectors (the grid-stride loop), rows of a wider buffer, and inputs where exp(-g)
+    overflows (g = -100: silu -> -0) or vanishes (g = 100: silu -> g)."""
+    gu = rand(37, 2 * 256, dtype=torch.bfloat16, seed=3)
+    assert torch.equal(emu.silu_mul(gu, grid=3), emu.silu_mul(gu))
+    wide = rand(37, 2 * 256 + 64, dtype=torch.bfloat16, seed=4)
+    view = wide[:, 32 : 32 + 512]
+    assert torch.equal(emu.silu_mul(view), emu.silu_mul(view.contiguous()))
+    ext = torch.tensor([[-100.0, 100.0, -1e30, 0.0, 5.0, -5.0, 1e-3, -1e-3] * 2], dtype=torch.float32)
+    got = emu.silu_mul(ext)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, silu_mul_reference(ext))
+
+
+def _cuda_ext():
+    mod = _ext.ext()
+    if mod is None or not hasattr(mod, "silu_mul"):
+        if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
+            pytest.fail("LRF_EXPECT_CUDA_BUILD=1 but lightningrl_fast._C has no silu_mul")
+        pytest.skip("lightningrl_fast._C is not built with CUDA")
+    return mod
+
+
+def test_launcher_checks_inputs():
+    """CPU tensors: the device check comes last, so every other check runs without a GPU."""
+    C = _cuda_ext()
+    gu = rand(3, 64, dtype=torch.bfloat16)
+    for args, match in [
+        ((gu.int(),), "gate_up must have dtype in"),
+        ((gu[:, :40],), "must be a positive multiple of 16, got 40"),
+        ((torch.zeros(3, 80, dtype=torch.bfloat16)[:, 1:65],), "16-byte aligned rows"),
+        ((gu,), "gate_up must be a CUDA tensor"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            C.silu_mul(*args)
+
+
+@pytest.fixture
+def cuda_ext():
+    return _cuda_ext()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_kernel_matches_the_reference(cuda_ext, dtype):
+    for rows, inner in [(1, 12288), (97, 136), (8, 2048), (4097, 64)]:
+        gu = rand(rows, 2 * inner, dtype=dtype, seed=rows).cuda()
+        got = cuda_ext.silu_mul(gu)
+        ref = silu_mul_reference(gu)
+        assert_as_good_as_torch(got.cpu(), ref.cpu(), silu_mul_reference(gu.cpu().double()), f"{rows}x{inner}")
+        if dtype != torch.float32:
+            assert (got == ref).float().mean().item() >= 0.99
+        assert torch.equal(silu_mul(gu), got)  # the public op runs the kernel
+    odd = rand(5, 2 * 13, dtype=dtype).cuda()  # I = 13: not a vector multiple -> the reference
+    assert torch.equal(silu_mul(odd), silu_mul_reference(odd))
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_and_opcheck(cuda_ext):
+    gu = rand(8, 2 * 12288, dtype=torch.bfloat16).cuda()
+    want = silu_mul(gu)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = silu_mul(gu)
+    gu.mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, silu_mul(gu)) and not torch.equal(out, want)
+    torch.library.opcheck(torch.ops.lightningrl_fast.silu_mul.default, (gu,))
