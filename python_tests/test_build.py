@@ -37,8 +37,8 @@ def test_cuda_build_when_expected():
         pytest.skip("LRF_EXPECT_CUDA_BUILD is not set")
     assert C.has_cuda(), "built without CUDA although LRF_EXPECT_CUDA_BUILD=1 (nvcc / CUDA_HOME missing?)"
     assert "90a" in C.cuda_archs().split(";") or os.environ.get("LRF_CUDA_ARCHS"), C.cuda_archs()
-    for name in ("block_attention", "fused_linear_grpo_loss", "kv_cache_write", "qk_norm_rope", "rms_norm",
-                 "threshold_unmask"):
+    for name in ("add_rms_norm", "block_attention", "fused_linear_grpo_loss", "kv_cache_write", "qk_norm_rope",
+                 "rms_norm", "silu_mul", "threshold_unmask"):
         assert hasattr(C, name), name
     assert _ext.has_cuda_kernels() or not C.has_cuda()
 
@@ -48,7 +48,7 @@ def test_cpu_only_build_has_no_cuda_entry_points():
     if C.has_cuda():
         pytest.skip("CUDA build")
     assert C.cuda_archs() == ""
-    assert not any(hasattr(C, n) for n in ("kv_cache_write", "rms_norm", "threshold_unmask"))
+    assert not any(hasattr(C, n) for n in ("kv_cache_write", "rms_norm", "silu_mul", "threshold_unmask"))
 
 
 def test_readme_quotes_ci_run_verbatim():
