@@ -346,12 +346,6 @@ def _copy_tokenizer(tokenizer: Any, folder: Path) -> None:
         shutil.copyfile(src / name, folder / name)
 
 
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    """t on the CPU, contiguous and owning its whole storage (a copy when it is a view of a larger one)."""
-    t = t.cpu().contiguous()
-    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
-
-
 def save_model(model: torch.nn.Module, config: Any, path: str | Path, max_shard_bytes: int = 5 * 2**30,
                tokenizer: Any = None) -> Path:
     """Write an SDAR checkpoint folder atomically (see the module docstring). Returns the folder."""
@@ -365,9 +359,7 @@ def save_model(model: torch.nn.Module, config: Any, path: str | Path, max_shard_
     if bool(aliases) != bool(cfg.get("tie_word_embeddings", False)):
         raise ValueError(f"config tie_word_embeddings={cfg.get('tie_word_embeddings', False)} but the model "
                          f"{'shares' if aliases else 'does not share'} parameters ({aliases or 'none'})")
-    # tied weights once, under the first name; a parameter that is a view of a larger storage (the decode
-    # packing of model.py) is copied out, as safetensors stores only tensors that own their memory
-    params = {n: p.detach() for n, p in model.named_parameters()}
+    params = {n: p.detach() for n, p in model.named_parameters()}  # tied weights once, under the first name
     if not params:
         raise ValueError("the model has no parameters to save")
     meta = [n for n, p in params.items() if p.is_meta]
@@ -386,12 +378,12 @@ def save_model(model: torch.nn.Module, config: Any, path: str | Path, max_shard_
         _write_json(cfg, tmp / CONFIG_NAME)
         meta_fmt = {"format": "pt"}
         if len(plan) == 1:
-            _write_shard({n: _owned(params[n]) for n in plan[0]}, tmp / WEIGHTS_NAME, meta_fmt)
+            _write_shard({n: params[n].cpu().contiguous() for n in plan[0]}, tmp / WEIGHTS_NAME, meta_fmt)
         else:
             weight_map = {}
             for i, names in enumerate(plan, 1):
                 fname = f"model-{i:05d}-of-{len(plan):05d}.safetensors"
-                _write_shard({n: _owned(params[n]) for n in names}, tmp / fname, meta_fmt)
+                _write_shard({n: params[n].cpu().contiguous() for n in names}, tmp / fname, meta_fmt)
                 weight_map.update({n: fname for n in names})
             _write_json({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": dict(sorted(weight_map.items()))},
                         tmp / INDEX_NAME)
