@@ -26,7 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, device_name, emit_json, print_table, time_fn  # noqa: E402
+from common import copy_bandwidth_gbs, device_name, device_time_us, emit_json, print_table, time_fn  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import rope_cos_sin  # noqa: E402
@@ -53,13 +53,8 @@ def inputs(tokens: int, hidden: int, hq: int, hkv: int, d: int, dtype, device):
 
 
 def graph_time(fn, device) -> float:
-    """Microseconds of one replay of `fn` captured in a CUDA graph."""
-    fn()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return 1e3 * time_fn(graph.replay, device=device, warmup=5, iters=20)
+    """Microseconds of one replay of `fn` (a whole step's norm work) captured in a CUDA graph."""
+    return device_time_us([fn], device, min_calls=1)
 
 
 def main() -> None:

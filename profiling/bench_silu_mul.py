@@ -21,24 +21,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
-    copy_bandwidth_gbs,
-    device_name,
-    emit_json,
-    graph_time_us,
-    print_table,
-    rotation,
-    time_fn,
-)
+from common import copy_bandwidth_gbs, device_name, device_time_us, emit_json, print_table, rotation  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.silu_mul import silu_mul_reference  # noqa: E402
 
 
 def device_us(fn, inputs, device) -> float:
-    """Device time per call over the rotated inputs (graph), eager event timing where capture is impossible."""
-    us = graph_time_us([lambda t=t: fn(t) for t in inputs], device)
-    return us if us is not None else 1e3 * time_fn(lambda: fn(inputs[0]), device=device)
+    """Device time per call of fn over the rotated inputs (common.device_time_us)."""
+    return device_time_us([lambda t=t: fn(t) for t in inputs], device)
 
 
 def main() -> None:

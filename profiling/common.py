@@ -98,6 +98,12 @@ def graph_time_us(fns: Sequence[Callable[[], object]], device: torch.device, min
     return 1e3 * ms / len(calls)
 
 
+def device_time_us(fns: Sequence[Callable[[], object]], device: torch.device, min_calls: int = 8) -> float:
+    """`graph_time_us(fns, device, min_calls)`, or where the capture fails the eager per-call time of fns[0]."""
+    us = graph_time_us(fns, device, min_calls=min_calls)
+    return us if us is not None else 1e3 * time_fn(fns[0], device=device)
+
+
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Measured copy bandwidth in GB/s, counting bytes read + written (2 * nbytes per copy)."""
     if device.type != "cuda":
