@@ -1,5 +1,5 @@
 """Shared test setup: deterministic seeds, the `gpu` marker's auto-skip, per-dtype tolerances, the build of
-the CPU emulator of device code (csrc/emu)."""
+the CPU emulator of device code (csrc/emu), the CUDA entry points a test needs (`cuda_ext_with`)."""
 
 from __future__ import annotations
 
@@ -104,6 +104,25 @@ def emu_build(tmp_path_factory):
         return out
 
     return build
+
+
+@pytest.fixture
+def cuda_ext_with():
+    """`cuda_ext_with(*names)` -> lightningrl_fast._C when it is built with CUDA and has every entry point in
+    `names`. Otherwise the test is skipped, or failed under LRF_EXPECT_CUDA_BUILD=1 (CI's CUDA build), where a
+    lost kernel must not pass as a skip; a GPU test that ran the reference instead would compare it with itself."""
+    from lightningrl_fast import _ext
+
+    def need(*names: str):
+        mod = _ext.ext()
+        missing = [n for n in names if mod is None or not hasattr(mod, n)]
+        if not _ext.has_cuda_kernels() or missing:
+            if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
+                pytest.fail(f"LRF_EXPECT_CUDA_BUILD=1 but lightningrl_fast._C has no {', '.join(missing) or 'CUDA kernels'}")
+            pytest.skip("lightningrl_fast._C is not built with CUDA")
+        return mod
+
+    return need
 
 
 @pytest.fixture

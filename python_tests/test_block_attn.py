@@ -1,7 +1,6 @@
 """ops.block_attention: reference vs a naive loop (CPU), opcheck, bad inputs; the CUDA kernel's source under
 CPU emulation (csrc/emu) vs the float64 reference; the built kernel vs the float64 reference (GPU)."""
 
-import os
 import subprocess
 
 import numpy as np
@@ -222,12 +221,9 @@ def test_emulated_split_heuristic(emulator, base, cap, rows, resident, want):
 
 
 @pytest.fixture
-def cuda_kernels():
+def cuda_kernels(cuda_ext_with):
     """The CUDA kernel must be what runs, else a GPU test would compare the reference with itself."""
-    if not (_ext.has_cuda_kernels() and hasattr(_ext.ext(), "block_attention")):
-        if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
-            pytest.fail("LRF_EXPECT_CUDA_BUILD=1 but lightningrl_fast._C has no block_attention kernel")
-        pytest.skip("lightningrl_fast._C is not built with CUDA")
+    cuda_ext_with("block_attention")
 
 
 def op_runner(q, k, v, kc, vc, cl, nl, bs, scale):

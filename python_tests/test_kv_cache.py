@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from lightningrl_fast import _ext
 from lightningrl_fast.ops.kv_cache import kv_cache_write, kv_cache_write_reference
 
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
@@ -203,14 +201,10 @@ def test_opcheck(with_flag):
     )
 
 
-def test_launcher_checks_inputs():
+def test_launcher_checks_inputs(cuda_ext_with):
     """The C++ launcher is safe to call directly: its TORCH_CHECKs name the argument (CPU tensors: the
     device check comes last, so every other check runs here without a GPU)."""
-    mod = _ext.ext()
-    if mod is None or not hasattr(mod, "kv_cache_write"):
-        if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
-            pytest.fail("LRF_EXPECT_CUDA_BUILD=1 but lightningrl_fast._C has no kv_cache_write")
-        pytest.skip("lightningrl_fast._C is not built with CUDA")
+    mod = cuda_ext_with("kv_cache_write")
     a = _good_args()
     cases = [
         (dict(k_cache=a["k_cache"][0]), "k_cache must have 4 dimensions"),
@@ -237,12 +231,9 @@ def test_launcher_checks_inputs():
 
 
 @pytest.fixture
-def cuda_kernels():
+def cuda_kernels(cuda_ext_with):
     """The CUDA kernel must be what runs, else a GPU test would compare the reference with itself."""
-    if not _ext.has_cuda_kernels():
-        if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
-            pytest.fail("LRF_EXPECT_CUDA_BUILD=1 but lightningrl_fast._C has no CUDA kernels")
-        pytest.skip("lightningrl_fast._C is not built with CUDA")
+    cuda_ext_with("kv_cache_write")
 
 
 def _check_cuda_vs_reference(B, L, C, H, D, dtype, k_fn=lambda t: t, cache_fn=None):

@@ -3,12 +3,10 @@ on the CPU emulator against float64 and the same-dtype PyTorch computation, the 
 dispatch, and on a GPU (skipped without) the CUDA kernels themselves."""
 
 import ctypes
-import os
 
 import pytest
 import torch
 
-from lightningrl_fast import _ext
 from lightningrl_fast.model import RMSNorm, apply_rope, rope_cos_sin
 from lightningrl_fast.ops.rms_norm import (
     add_rms_norm,
@@ -240,18 +238,14 @@ def test_emulated_qk_norm_rope_two_weights(emu, dtype, split):
 # ------------------------------------------------------------------------- the C++ launchers' own checks
 
 
-def _cuda_ext():
-    mod = _ext.ext()
-    if mod is None or not hasattr(mod, "rms_norm"):
-        if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
-            pytest.fail("LRF_EXPECT_CUDA_BUILD=1 but lightningrl_fast._C has no rms_norm")
-        pytest.skip("lightningrl_fast._C is not built with CUDA")
-    return mod
+@pytest.fixture
+def cuda_ext(cuda_ext_with):
+    return cuda_ext_with("rms_norm", "add_rms_norm", "qk_norm_rope")
 
 
-def test_launcher_checks_inputs():
+def test_launcher_checks_inputs(cuda_ext):
     """CPU tensors: the device check comes last, so every other check runs without a GPU."""
-    C = _cuda_ext()
+    C = cuda_ext
     x, w = rand(3, 64, dtype=torch.bfloat16), rand(64, dtype=torch.bfloat16)
     for args, match in [
         ((x.int(), w, EPS), "x must have dtype in"),
@@ -289,11 +283,6 @@ def test_launcher_checks_inputs():
 
 
 # ------------------------------------------------------------------------------------------------ on a GPU
-
-
-@pytest.fixture
-def cuda_ext():
-    return _cuda_ext()
 
 
 @pytest.mark.gpu

@@ -3,13 +3,11 @@ against float64 and the same-dtype PyTorch computation, the public op's checks a
 checks, and on a GPU (skipped without) the CUDA kernel itself."""
 
 import ctypes
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lightningrl_fast import _ext
 from lightningrl_fast.ops.silu_mul import silu_mul, silu_mul_reference
 
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -91,18 +89,14 @@ def test_emulated_silu_mul_grid_stride_strided_rows_and_extremes(emu):
     assert torch.equal(got, silu_mul_reference(ext))
 
 
-def _cuda_ext():
-    mod = _ext.ext()
-    if mod is None or not hasattr(mod, "silu_mul"):
-        if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
-            pytest.fail("LRF_EXPECT_CUDA_BUILD=1 but lightningrl_fast._C has no silu_mul")
-        pytest.skip("lightningrl_fast._C is not built with CUDA")
-    return mod
+@pytest.fixture
+def cuda_ext(cuda_ext_with):
+    return cuda_ext_with("silu_mul")
 
 
-def test_launcher_checks_inputs():
+def test_launcher_checks_inputs(cuda_ext):
     """CPU tensors: the device check comes last, so every other check runs without a GPU."""
-    C = _cuda_ext()
+    C = cuda_ext
     gu = rand(3, 64, dtype=torch.bfloat16)
     for args, match in [
         ((gu.int(),), "gate_up must have dtype in"),
@@ -112,11 +106,6 @@ def test_launcher_checks_inputs():
     ]:
         with pytest.raises(RuntimeError, match=match):
             C.silu_mul(*args)
-
-
-@pytest.fixture
-def cuda_ext():
-    return _cuda_ext()
 
 
 @pytest.mark.gpu

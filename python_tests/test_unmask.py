@@ -4,12 +4,10 @@ kernel on a GPU (marked `gpu`)."""
 
 import ctypes
 import math
-import os
 
 import pytest
 import torch
 
-from lightningrl_fast import _ext
 from lightningrl_fast.ops.unmask import (
     kernel_supported,
     philox_uniform,
@@ -553,13 +551,9 @@ def test_emulated_full_vocabulary(emu):
 
 
 @pytest.fixture
-def cuda_kernels():
+def cuda_kernels(cuda_ext_with):
     """The CUDA kernel must be what runs, else a GPU test would compare the reference with itself."""
-    if not _ext.has_cuda_kernels() or not hasattr(_ext.ext(), "threshold_unmask"):
-        if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
-            pytest.fail("LRF_EXPECT_CUDA_BUILD=1 but lightningrl_fast._C has no threshold_unmask kernel")
-        pytest.skip("lightningrl_fast._C is not built with CUDA")
-    return _ext.ext().threshold_unmask
+    return cuda_ext_with("threshold_unmask").threshold_unmask
 
 
 @pytest.mark.gpu
