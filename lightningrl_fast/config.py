@@ -201,6 +201,8 @@ EXTERNAL_HELP: dict[str, str] = {
     "epochs_per_step": "passes over each rollout batch (PPO epochs): > 1 reuses the rollouts for more updates, "
                        "the ratio to the rollout policy clipped by --eps-low/--eps-high",
     "micro_batch_tokens": "token budget of one training forward/backward (memory knob)",
+    "rollout_batch_size": "sequences per generate() call of a rollout (prompts x G are decoded in chunks of this "
+                          "many; the KV cache is sized by it: memory knob)",
     "max_nonfinite_steps": "stop (exit non-zero) after this many non-finite updates in a row",
     "seed": "run seed: data order, rollout sampling, SFT warm-up, embedded model init",
     # SamplerConfig (rollouts)

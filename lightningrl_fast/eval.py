@@ -69,6 +69,7 @@ from .generate import (
     resolve_device,
     resolve_dtype,
 )
+from .sampler import Decoder
 
 DEFAULT_THRESHOLDS = (0.5, 0.7, 0.9, 0.95)
 AUP_ALPHA = 3.0
@@ -178,6 +179,7 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
     model.eval()
     points = []
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-score")
+    decoder = Decoder(model)  # one engine for every batch and threshold: each step shape is captured once
     bar = progress(len(groups) * len(thresholds), "eval", enabled=progress_bar)
     try:
         with decode_block_size(model, sampler_cfg.block_size):
@@ -193,7 +195,7 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
                 for b, idx in enumerate(groups):
                     bcfg = dataclasses.replace(cfg, seed=cfg.seed + b)
                     t0 = time.perf_counter()
-                    ro, texts = decode_texts(model, tokenizer, [ids[i] for i in idx], bcfg)
+                    ro, texts = decode_texts(model, tokenizer, [ids[i] for i in idx], bcfg, decoder)
                     decode_s += time.perf_counter() - t0
                     n_fwd += ro.total_forwards
                     n_tok += int(ro.lengths.sum())

@@ -22,8 +22,9 @@ Output: one JSON row per prompt, in input order — `prompt`, `text` (the respon
 is absent (the summary then goes to stderr). The summary: tokens/s, forwards/s (the engine's forwards over the
 decode time) and mean TPF. A progress bar over batches uses tqdm when it is installed.
 
-`decode_texts(model, tokenizer, prompt_ids, cfg)` is the shared helper (eval.py uses it): one `sampler.generate`
-call plus the decoded response texts.
+`decode_texts(model, tokenizer, prompt_ids, cfg, decoder)` is the shared helper (eval.py uses it): one
+`Decoder.generate` call plus the decoded response texts. The CLI keeps one `sampler.Decoder` for all its
+batches, so each working-set size is captured as a CUDA graph once per run, not once per batch.
 """
 
 from __future__ import annotations
@@ -205,11 +206,13 @@ def decode_block_size(model, block_size: int | None) -> Iterator[None]:
 # decoding
 # ------------------------------------------------------------------------------------------------------------
 
-def decode_texts(model, tokenizer, prompt_ids: list[list[int]], cfg) -> tuple[Any, list[str]]:
-    """(Rollout, response texts): one `sampler.generate` call; texts are decoded without the final EOS."""
-    from .sampler import generate
+def decode_texts(model, tokenizer, prompt_ids: list[list[int]], cfg, decoder=None) -> tuple[Any, list[str]]:
+    """(Rollout, response texts): one generate call (on `decoder`, a `sampler.Decoder` of `model` kept by a
+    loop over batches, else a throwaway one); texts are decoded without the final EOS."""
+    from .sampler import Decoder
 
-    ro = generate(model, prompt_ids, cfg, pad_id=getattr(tokenizer, "pad_token_id", None))
+    decoder = decoder if decoder is not None else Decoder(model)
+    ro = decoder.generate(prompt_ids, cfg, pad_id=getattr(tokenizer, "pad_token_id", None))
     texts = []
     for i in range(len(ro)):
         ids = ro.response_ids(i)
@@ -374,12 +377,15 @@ def run(args) -> dict:
     finish = {"eos": 0, "length": 0}
     groups = batches(len(ids), args.batch_size)
     bar = progress(len(groups), "generate", enabled=not args.quiet)
+    from .sampler import Decoder
+
+    decoder = Decoder(model)  # one engine for all batches: each working-set size is captured once per run
     try:
         with decode_block_size(model, args.block_size), nvtx_range("generate"):
             for b, idx in enumerate(groups):
                 bcfg = dataclasses.replace(cfg, seed=cfg.seed + b)  # distinct Philox streams per batch
                 t0 = time.perf_counter()
-                ro, texts = decode_texts(model, tokenizer, [ids[i] for i in idx], bcfg)
+                ro, texts = decode_texts(model, tokenizer, [ids[i] for i in idx], bcfg, decoder)
                 seconds += time.perf_counter() - t0
                 n_fwd += ro.total_forwards
                 for j, i in enumerate(idx):

@@ -14,9 +14,14 @@
   * a row stops when the block holding its first EOS is finished, or at `max_new_tokens`.
 
 Finished rows: their chunk length becomes 0 (attention skips them) and, at the periodic host check, the
-working set is COMPACTED once at most half of it is still active (rows, cache and state are gathered into
-a smaller batch), so finished sequences stop costing projection/MLP compute too. Compaction happens at
-most log2(batch) times per call; on CUDA each working-set size has its own captured graph.
+working set is COMPACTED once a bucket size (1, 2, 3, 4, 6, 8, 12, 16, 24, ...) that holds the active rows is at
+most half of it: the active rows move to the front in place, padded with finished rows up to that size, so
+finished sequences stop costing projection/MLP compute too. On CUDA each working-set size has its own
+captured graph.
+
+`Decoder(model)` owns the static buffers, the KV cache and the captured steps and keeps them across calls, so
+a loop over batches (the CLIs, a rollout split into chunks) captures each working-set size once; the plain
+`generate()` function uses a throwaway one.
 
 The model's q/k/v and gate/up weights are packed first (`SDARForCausalLM.pack_decode_weights`: the
 parameters become views of one storage per group, so the trainer keeps updating the same tensors) and each
@@ -120,9 +125,28 @@ class _State:
     seed: torch.Tensor  # [1] int64
     offset: torch.Tensor  # [1] int64
 
-    def select(self, keep: torch.Tensor) -> "_State":
-        per_row = {k: v[keep] for k, v in vars(self).items() if k not in ("seed", "offset")}
-        return _State(**per_row, seed=self.seed, offset=self.offset)
+
+def cat_rollouts(parts: list[Rollout], mask_id: int) -> Rollout:
+    """One Rollout from the Rollouts of consecutive chunks of a batch (rows in order). The [N, Ltot] fields are
+    right-padded to the widest chunk: `sequences` with the mask token, `seq_step_map` with -2 (never decoded)."""
+    if not parts:
+        raise ValueError("cat_rollouts: no rollouts given")
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.sequences.shape[1] for p in parts)
+
+    def padded(name: str, value: int) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(getattr(p, name), (0, width - p.sequences.shape[1]), value=value)
+                          for p in parts])
+
+    not_per_row = ("prompt_ids", "sequences", "seq_step_map", "total_forwards", "seconds", "finish_reason")
+    per_row = {f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(Rollout)
+               if f.name not in not_per_row}
+    return Rollout(
+        prompt_ids=[ids for p in parts for ids in p.prompt_ids], sequences=padded("sequences", mask_id),
+        seq_step_map=padded("seq_step_map", -2), **per_row, total_forwards=sum(p.total_forwards for p in parts),
+        seconds=sum(p.seconds for p in parts), finish_reason=[r for p in parts for r in p.finish_reason],
+    )
 
 
 def _validate(model: SDARForCausalLM, prompts, cfg: SamplerConfig, bs: int) -> int:
@@ -223,10 +247,12 @@ class _GraphedStep:
     """The denoising step captured in a CUDA graph for one working-set size (falls back to eager on failure).
 
     The first call runs eagerly (warm-up and real work); capture then records the step without running it,
-    so the decoding state is never advanced twice."""
+    so the decoding state is never advanced twice. Every graph of one `Decoder` draws on one memory pool:
+    they never run concurrently and keep no output alive between replays (the step updates the decoder's
+    static buffers in place), so the pool holds the largest step's temporaries instead of their sum."""
 
-    def __init__(self, fn) -> None:
-        self.fn, self.graph, self.failed = fn, None, False
+    def __init__(self, fn, pool) -> None:
+        self.fn, self.pool, self.graph, self.failed = fn, pool, None, False
 
     def __call__(self) -> None:
         if self.graph is not None:
@@ -237,7 +263,7 @@ class _GraphedStep:
             return
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self.pool):
                 self.fn()
             self.graph = graph
         except Exception as e:  # capture can fail when an op without a CUDA kernel needs a host sync
@@ -246,88 +272,224 @@ class _GraphedStep:
                           "decoding continues eagerly", RuntimeWarning, stacklevel=2)
 
 
+def _bucket(n: int) -> int:
+    """Smallest working-set size >= n among 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 3/2 of them):
+    compaction pads to these sizes (with finished rows) so a reused decoder meets the same few graphs again."""
+    p = 1
+    while p < n:
+        if p >= 2 and p + p // 2 >= n:
+            return p + p // 2
+        p *= 2
+    return p
+
+
+class Decoder:
+    """The decoding engine of one model: static state buffers, the KV cache and the captured denoising steps,
+    kept across `generate` calls (gpt-fast style) so that a loop over batches (the generate and eval CLIs, a
+    rollout split into chunks) captures each working-set size once instead of once per call.
+
+    * Buffers are [capacity rows, capacity positions]; a call with more prompts or longer sequences grows
+      them (dropping the graphs, which point at the old ones). The working set of n rows is always the first
+      n rows of the buffers, so a step captured for n rows replays in any later call of n rows.
+    * Compaction moves the still-active rows to the front in place (the KV cache one layer at a time, so the
+      only extra memory is one layer's rows) and pads to a bucket size with finished rows.
+    * Graphs are keyed by the step's parameters (block size, rule, tau, temperature, top-k/p, noise, EOS ids)
+      and the working-set size; they are dropped when a parameter's storage changes (an assign-load, `.to()`),
+      never when the weights are updated in place (the optimizer): replays read the current weights.
+    * `release()` frees everything (the RL loop releases its rollout decoder before the training pass).
+    """
+
+    def __init__(self, model: SDARForCausalLM) -> None:
+        self.model = model
+        self._bufs: _State | None = None  # capacity-sized state; the working set is a prefix of rows
+        self._cache: KVCache | None = None
+        self._layout: tuple | None = None  # (device, dtype, block size) the buffers were made for
+        self._graphs: dict[tuple, _GraphedStep] = {}
+        self._eos: dict[tuple, torch.Tensor] = {}  # EOS id tensors the graphs read
+        self._weights: tuple = ()
+        self._pool = None
+
+    def release(self) -> None:
+        """Free the buffers, the KV cache and the graphs (the next call allocates and captures again)."""
+        self._bufs = self._cache = self._layout = self._pool = None
+        self._graphs, self._eos, self._weights = {}, {}, ()
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(rows, positions) the buffers hold now ((0, 0) before the first call or after `release`)."""
+        return (0, 0) if self._bufs is None else tuple(self._bufs.seq.shape)
+
+    def _weights_key(self) -> tuple:
+        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def _ensure(self, n0: int, ltot: int, bs: int, dev: torch.device, dtype: torch.dtype) -> None:
+        layout = (dev, dtype, bs)
+        rows, width = self.capacity
+        if self._layout == layout and n0 <= rows and ltot <= width:
+            return
+        unit = bs * max(1, 256 // bs)  # grow by whole 256-position strides (a multiple of the block)
+        rows = max(n0, rows if self._layout == layout else 0)
+        width = max(-(-ltot // unit) * unit, width if self._layout == layout else 0)
+        self.release()  # old buffers and the graphs that point at them go before the new ones are made
+        mcfg = self.model.config
+        if dev.type == "cuda":
+            _check_memory(mcfg, rows, width, bs, dtype, dev)
+        i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
+        self._bufs = _State(
+            seq=torch.empty(rows, width, **i64), masked=torch.empty(rows, width, dtype=torch.bool, device=dev),
+            step_map=torch.empty(rows, width, **i32), logp=torch.empty(rows, width, device=dev),
+            conf=torch.empty(rows, width, device=dev), cur_block=torch.empty(rows, **i64),
+            last_block=torch.empty(rows, **i64), cache_len=torch.empty(rows, **i32),
+            pending=torch.empty(rows, dtype=torch.bool, device=dev),
+            done=torch.empty(rows, dtype=torch.bool, device=dev),
+            steps=torch.empty(rows, **i32), blk_steps=torch.empty(rows, **i32), forwards=torch.empty(rows, **i64),
+            row_ids=torch.empty(rows, **i64), seed=torch.zeros(1, **i64), offset=torch.zeros(1, **i64),
+        )
+        # zeroed once: the attention reference masks positions past a row's length after reading them, so they
+        # must hold finite values (stale ones from an earlier call are fine)
+        self._cache = KVCache.allocate(dataclasses.replace(mcfg, block_size=bs), rows, width, dtype=dtype, device=dev)
+        self._layout = layout
+
+    def _working_set(self, n: int) -> tuple[_State, KVCache]:
+        """The first n rows of the buffers and the cache (views: a step captured on them replays later)."""
+        b = self._bufs
+        per_row = {k: v[:n] for k, v in vars(b).items() if k not in ("seed", "offset")}
+        return _State(**per_row, seed=b.seed, offset=b.offset), KVCache(self._cache.k[:, :n], self._cache.v[:, :n])
+
+    def _compact(self, st: _State, cache: KVCache, keep: torch.Tensor) -> tuple[_State, KVCache]:
+        """Move rows `keep` (ascending, [m]) to the front of the buffers in place; the working set becomes m rows."""
+        m = keep.numel()
+        for k, v in vars(st).items():
+            if k not in ("seed", "offset"):
+                getattr(self._bufs, k)[:m].copy_(v[keep])  # v[keep] is a fresh tensor: no overlap
+        for full, cur in ((self._cache.k, cache.k), (self._cache.v, cache.v)):
+            for layer in range(full.shape[0]):  # one layer at a time: the temporary is one layer's m rows
+                full[layer, :m].copy_(cur[layer, keep])
+        return self._working_set(m)
+
+    def _step_fn(self, st: _State, cache: KVCache, cfg: "SamplerConfig", bs: int, eos_ids: torch.Tensor):
+        return lambda: _denoise_step(self.model, st, cache, cfg, bs, eos_ids)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], cfg: "SamplerConfig", pad_id: int | None = None) -> "Rollout":
+        """Decode `prompts` (lists of token ids); see the module docstring. Returns a `Rollout`."""
+        import time
+
+        t0 = time.perf_counter()
+        model, mcfg = self.model, self.model.config
+        bs = cfg.block_size or mcfg.block_size
+        if bs <= 0:
+            raise ValueError(f"block_size must be positive, got {bs}")
+        _validate(model, prompts, cfg, bs)
+        model.pack_decode_weights()  # q/k/v and gate/up as one GEMM each (a copy the first time, then a check)
+        p0 = next(model.parameters())
+        dev, dtype = p0.device, p0.dtype
+        pad_id = cfg.eos_ids[-1] if pad_id is None else pad_id
+        n0 = len(prompts)
+        plens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        last_block = (plens + cfg.max_new_tokens - 1) // bs  # [n0]
+        ltot = int(last_block.max() + 1) * bs
+        self._ensure(n0, ltot, bs, dev, dtype)
+        weights = self._weights_key()
+        if weights != self._weights:
+            self._graphs, self._weights = {}, weights  # parameters were replaced: the graphs read stale storage
+        width = self.capacity[1]
+
+        seq = torch.full((n0, width), mcfg.mask_token_id, dtype=torch.int64)  # [n0, W]
+        for i, p in enumerate(prompts):
+            seq[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
+        pos = torch.arange(width)
+        in_prompt = pos[None, :] < plens[:, None]  # [n0, W]
+        in_seq = pos[None, :] < ltot  # positions past ltot are never decoded: not masked, step -2
+        st, cache = self._working_set(n0)
+        st.seq.copy_(seq)
+        st.masked.copy_(~in_prompt & in_seq)
+        st.step_map.copy_(torch.where(in_prompt, -1, -2).int())
+        st.logp.zero_()
+        st.conf.zero_()
+        st.cur_block.copy_(plens // bs)
+        st.last_block.copy_(last_block)
+        for t in (st.cache_len, st.pending, st.done, st.steps, st.blk_steps, st.forwards, st.offset):
+            t.zero_()
+        st.row_ids.copy_(torch.arange(n0))
+        st.seed.fill_(cfg.seed)
+        eos_key = tuple(cfg.eos_ids)
+        if eos_key not in self._eos:
+            self._eos[eos_key] = torch.tensor(eos_key, dtype=torch.int64, device=dev)
+        eos_ids = self._eos[eos_key]
+        total_forwards = 0
+
+        full_blocks = (plens // bs) * bs  # [n0] prompt positions prefilled
+        pmax = int(full_blocks.max())
+        if pmax > 0:
+            with nvtx_range("prefill"):
+                lens = full_blocks.int().to(dev)
+                model.hidden_cached(st.seq[:, :pmax], cache, st.cache_len, lens, bs, check_lengths=False)
+                st.cache_len.copy_(lens)
+                st.forwards.add_((lens > 0).long())
+                total_forwards += 1
+
+        out = {k: getattr(st, k).clone() for k in ("seq", "step_map", "logp", "conf", "forwards", "steps")}
+        use_graphs = cfg.cuda_graphs and dev.type == "cuda"
+        if use_graphs and self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        sig = (bs, cfg.rule, cfg.steps_per_block, cfg.threshold, cfg.temperature, cfg.top_k, cfg.top_p, cfg.noise,
+               eos_key)
+        sync_every = cfg.sync_every if dev.type == "cuda" else 1
+        max_steps = ltot + 1  # each active row unmasks >= 1 position per step
+        for step_i in range(1, max_steps + 1):
+            with nvtx_range("denoise_step"):
+                if use_graphs:
+                    key = (sig, st.seq.shape[0])
+                    if key not in self._graphs:
+                        self._graphs[key] = _GraphedStep(self._step_fn(st, cache, cfg, bs, eos_ids), self._pool)
+                    self._graphs[key]()
+                else:
+                    _denoise_step(model, st, cache, cfg, bs, eos_ids)
+            total_forwards += 1
+            if not cfg.fold_commit:
+                if bool(st.pending.any()):
+                    with nvtx_range("commit"):
+                        _commit_step(model, st, cache, bs)
+                    total_forwards += 1
+            if step_i % sync_every:
+                continue
+            active = ~st.done  # [n]
+            n_active = int(active.sum())
+            if n_active == 0:
+                break
+            m = _bucket(n_active)
+            if cfg.compact and m <= st.seq.shape[0] // 2:
+                _save_rows(out, st, st.done)
+                # the active rows first, then finished ones as padding up to the bucket size, in row order
+                keep = torch.cat([active.nonzero().squeeze(1), st.done.nonzero().squeeze(1)[: m - n_active]])
+                st, cache = self._compact(st, cache, keep.sort().values)
+        else:
+            raise RuntimeError(f"decoding did not finish within {max_steps} steps (a row unmasked nothing in a step)")
+        _save_rows(out, st, torch.ones_like(st.done))
+        return _finish(prompts, out, plens, ltot, cfg, pad_id, total_forwards, time.perf_counter() - t0)
+
+
+def _check_memory(mcfg, rows: int, width: int, bs: int, dtype: torch.dtype, dev: torch.device) -> None:
+    """Refuse, with the sizes, a KV cache (+ one step's logits) that cannot fit in the device's free memory."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    cache = 2 * mcfg.num_hidden_layers * rows * width * mcfg.num_key_value_heads * mcfg.head_dim * elt
+    logits = 2 * rows * bs * mcfg.vocab_size * elt  # the eager step's and the captured step's
+    free, _ = torch.cuda.mem_get_info(dev)
+    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # cached by torch's allocator
+    if cache + logits > free:
+        gib = 2 ** 30
+        raise torch.cuda.OutOfMemoryError(
+            f"decoding {rows} sequences of up to {width} positions needs {cache / gib:.2f} GiB of KV cache and "
+            f"~{logits / gib:.2f} GiB of logits per step, but {free / gib:.2f} GiB are free on {dev}: decode fewer "
+            f"prompts per call (--rollout-batch-size / --eval-batch-size / --batch-size) or lower max_new_tokens")
+
+
 @torch.no_grad()
 def generate(model: SDARForCausalLM, prompts: list[list[int]], cfg: SamplerConfig, pad_id: int | None = None) -> Rollout:
-    """Decode `prompts` (lists of token ids) with `model`; see the module docstring. Returns a `Rollout`."""
-    import time
-
-    t0 = time.perf_counter()
-    mcfg = model.config
-    bs = cfg.block_size or mcfg.block_size
-    if bs <= 0:
-        raise ValueError(f"block_size must be positive, got {bs}")
-    _validate(model, prompts, cfg, bs)
-    model.pack_decode_weights()  # q/k/v and gate/up as one GEMM each (a copy the first time, then a check)
-    dev = next(model.parameters()).device
-    pad_id = cfg.eos_ids[-1] if pad_id is None else pad_id
-    n0 = len(prompts)
-    plens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-    last_block = (plens + cfg.max_new_tokens - 1) // bs  # [n0]
-    ltot = int(last_block.max() + 1) * bs
-    seq = torch.full((n0, ltot), mcfg.mask_token_id, dtype=torch.int64)
-    for i, p in enumerate(prompts):
-        seq[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
-    pos = torch.arange(ltot)
-    in_prompt = pos[None, :] < plens[:, None]
-    st = _State(
-        seq=seq.to(dev), masked=(~in_prompt).to(dev),
-        step_map=torch.where(in_prompt, -1, -2).int().to(dev),
-        logp=torch.zeros(n0, ltot, device=dev), conf=torch.zeros(n0, ltot, device=dev),
-        cur_block=(plens // bs).to(dev), last_block=last_block.to(dev), cache_len=torch.zeros(n0, dtype=torch.int32, device=dev),
-        pending=torch.zeros(n0, dtype=torch.bool, device=dev), done=torch.zeros(n0, dtype=torch.bool, device=dev),
-        steps=torch.zeros(n0, dtype=torch.int32, device=dev), blk_steps=torch.zeros(n0, dtype=torch.int32, device=dev),
-        forwards=torch.zeros(n0, dtype=torch.int64, device=dev), row_ids=torch.arange(n0, device=dev),
-        seed=torch.tensor([cfg.seed], dtype=torch.int64, device=dev), offset=torch.zeros(1, dtype=torch.int64, device=dev),
-    )
-    cache = KVCache.allocate(dataclasses.replace(mcfg, block_size=bs), n0, ltot, dtype=next(model.parameters()).dtype,
-                             device=dev)
-    eos_ids = torch.tensor(cfg.eos_ids, dtype=torch.int64, device=dev)
-    total_forwards = 0
-
-    full_blocks = (plens // bs) * bs  # [n0] prompt positions prefilled
-    pmax = int(full_blocks.max())
-    if pmax > 0:
-        with nvtx_range("prefill"):
-            lens = full_blocks.int().to(dev)
-            model.hidden_cached(st.seq[:, :pmax], cache, st.cache_len, lens, bs, check_lengths=False)
-            st.cache_len.copy_(lens)
-            st.forwards.add_((lens > 0).long())
-            total_forwards += 1
-
-    out = {k: getattr(st, k).clone() for k in ("seq", "step_map", "logp", "conf", "forwards", "steps")}
-    use_graphs = cfg.cuda_graphs and dev.type == "cuda"
-    sync_every = cfg.sync_every if dev.type == "cuda" else 1
-    graphs: dict[int, _GraphedStep] = {}
-    max_steps = ltot + 1  # each active row unmasks >= 1 position per step
-    for step_i in range(1, max_steps + 1):
-        with nvtx_range("denoise_step"):
-            if use_graphs:
-                key = st.seq.shape[0]
-                if key not in graphs:
-                    graphs[key] = _GraphedStep(lambda s=st, c=cache: _denoise_step(model, s, c, cfg, bs, eos_ids))
-                graphs[key]()
-            else:
-                _denoise_step(model, st, cache, cfg, bs, eos_ids)
-        total_forwards += 1
-        if not cfg.fold_commit:
-            if bool(st.pending.any()):
-                with nvtx_range("commit"):
-                    _commit_step(model, st, cache, bs)
-                total_forwards += 1
-        if step_i % sync_every:
-            continue
-        n_active = int((~st.done).sum())
-        if n_active == 0:
-            break
-        if cfg.compact and n_active <= st.seq.shape[0] // 2:
-            _save_rows(out, st, st.done)
-            keep = (~st.done).nonzero().squeeze(1)
-            st = st.select(keep)
-            cache = KVCache(cache.k[:, keep].contiguous(), cache.v[:, keep].contiguous())
-    else:
-        raise RuntimeError(f"decoding did not finish within {max_steps} steps (a row unmasked nothing in a step)")
-    _save_rows(out, st, torch.ones_like(st.done))
-    return _finish(prompts, out, plens, cfg, pad_id, total_forwards, time.perf_counter() - t0)
+    """Decode `prompts` with a one-call `Decoder` (its buffers and graphs are freed on return); a loop over
+    batches should keep one `Decoder` instead."""
+    return Decoder(model).generate(prompts, cfg, pad_id)
 
 
 def _save_rows(out: dict, st: _State, which: torch.Tensor) -> None:
@@ -336,8 +498,9 @@ def _save_rows(out: dict, st: _State, which: torch.Tensor) -> None:
         out[k][rows] = getattr(st, k)[which]
 
 
-def _finish(prompts, out, plens, cfg: SamplerConfig, pad_id: int, total_forwards: int, seconds: float) -> Rollout:
-    seq, smap = out["seq"].cpu(), out["step_map"].cpu()
+def _finish(prompts, out, plens, ltot: int, cfg: SamplerConfig, pad_id: int, total_forwards: int,
+            seconds: float) -> Rollout:
+    seq, smap = out["seq"][:, :ltot].cpu(), out["step_map"][:, :ltot].cpu()  # the decoder's buffers may be wider
     n0, r = seq.shape[0], cfg.max_new_tokens
     idx = plens[:, None] + torch.arange(r)  # [n0, R]
     tokens = seq.gather(1, idx)

@@ -5,7 +5,7 @@
     python profiling/bench_decode.py                             # no GPU: the tiny config on the CPU
     python profiling/bench_decode.py --cpu                       # force the CPU
 
-What it runs: `sampler.generate` (the real engine: prefill, folded commits, CUDA-graph step) on random prompts
+What it runs: `sampler.Decoder.generate` (the real engine: prefill, folded commits, CUDA-graph step) on random prompts
 of `--prompt-len` tokens, decoding `--new-tokens` tokens per row, for every batch in `--batches` (default
 1,8,64,256) x block in `--blocks` (default 4,8,32) x CUDA graphs on/off x kernels/reference ops.
 
@@ -16,8 +16,10 @@ TPF; the measured TPF is reported). EOS is set to the mask token id, which the s
 row decodes exactly `--new-tokens` tokens (prompt length and new tokens are multiples of 32 by default, so
 every block starts fully masked).
 
-Columns: `fwd` engine forwards per call (prefill included), `s` median seconds per generate call (the
-captured graph of the step is rebuilt by each call: it is included), `tok/s` generated tokens / s, `fwd/s`
+Columns: `fwd` engine forwards per call (prefill included), `s` median seconds per generate call (on one
+`Decoder` kept from the warm-up call, as the CLIs and a chunked rollout use it, so the timed calls replay
+graphs captured by the warm-up; `--fresh` gives every call a new Decoder, as a one-off `generate()`, and then
+the eager first step and the captures are included), `tok/s` generated tokens / s, `fwd/s`
 forwards / s, `GB/fwd` bytes one forward must read at least = weights (every matrix once; the embedding table
 only when tied to the LM head) + the KV cache of the batch at the mean context (prompt + new/2 tokens), `bound`
 the physical bound forwards/s <= copy bandwidth / (GB/fwd) with the copy bandwidth measured by
@@ -59,7 +61,7 @@ from common import copy_bandwidth_gbs, device_name, emit_json, print_table  # no
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import SDARConfig, SDARForCausalLM, build_model  # noqa: E402
 from lightningrl_fast.profiling import Timer, nvtx_range  # noqa: E402
-from lightningrl_fast.sampler import SamplerConfig, generate  # noqa: E402
+from lightningrl_fast.sampler import Decoder, SamplerConfig  # noqa: E402
 
 _SDAR = dict(vocab_size=151936, head_dim=128, mask_token_id=151669, max_position_embeddings=32768,
              rms_norm_eps=1e-6, rope_theta=1e6, torch_dtype="bfloat16")
@@ -150,10 +152,13 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
     prompts = torch.randint(0, hi - 1, (batch, args.prompt_len), generator=gen)
     prompts = torch.where(prompts == cfg_m.mask_token_id, prompts + 1, prompts).tolist()
     label = f"bench b={batch} blk={block} graphs={'on' if graphs else 'off'} impl={impl}"
-    row = {"batch": batch, "block": block, "graphs": "on" if graphs else "off", "impl": impl}
+    row = {"batch": batch, "block": block, "graphs": "on" if graphs else "off", "impl": impl,
+           "engine": "fresh" if args.fresh else "kept"}
     old_block = cfg_m.block_size
     cfg_m.block_size = block  # the model's attention blocks must match the sampler's
     capture_failed = False
+    dec = Decoder(model)
+    fresh = (lambda: Decoder(model)) if args.fresh else (lambda: dec)
     try:
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -161,7 +166,7 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with nvtx_range(f"warmup {label}"):
-                generate(model, prompts, cfg)
+                dec.generate(prompts, cfg)
             secs, ro = [], None
             for r in range(args.repeats):
                 prof = contextlib.nullcontext()
@@ -171,7 +176,7 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
                     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
                     prof = profile(activities=acts)
                 with prof as p, nvtx_range("bench_timed"), nvtx_range(label), Timer(device) as t:
-                    ro = generate(model, prompts, cfg)
+                    ro = fresh().generate(prompts, cfg)
                 if torch_trace and r == 0:
                     p.export_chrome_trace(torch_trace)
                 secs.append(t.seconds)
@@ -181,7 +186,7 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
             half_cfg = dataclasses.replace(cfg, max_new_tokens=max(block, args.new_tokens // 2))
             for _ in range(args.repeats if args.steady else 0):
                 with nvtx_range("bench_half"), Timer(device) as t:
-                    ro_half = generate(model, prompts, half_cfg)
+                    ro_half = fresh().generate(prompts, half_cfg)
                 half_secs.append(t.seconds)
         capture_failed = any("CUDA graph capture" in str(w.message) for w in caught)
     except torch.cuda.OutOfMemoryError:
@@ -240,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--torch-trace", default=None, help="Chrome trace of the first combination's timed call")
     ap.add_argument("--no-steady", dest="steady", action="store_false",
                     help="skip the half-length calls that give the steady-state rate (steady fwd/s)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="a new Decoder for every timed call (a one-off generate(): eager first step and captures "
+                         "included) instead of the one kept from the warm-up")
     ap.add_argument("--child-timeout", type=float, default=900.0,
                     help="seconds the reference child process may take (its rows are reported as unavailable after)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

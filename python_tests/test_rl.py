@@ -15,9 +15,10 @@ from lightningrl_fast.rl.trainer import (
     layout_stage,
     loss_backward_stage,
     make_state,
+    rollout_stage,
     train_step,
 )
-from lightningrl_fast.sampler import SamplerConfig, generate
+from lightningrl_fast.sampler import SamplerConfig, cat_rollouts, generate
 from lightningrl_fast.tasks.synthetic import SyntheticArithmetic
 
 MASK, V = 110, 111
@@ -142,6 +143,50 @@ def test_train_step_updates_the_weights_the_sampler_uses():
     torch.testing.assert_close(lp_new, ro_after.logp[lb.tgt_row, lb.resp_pos], atol=1e-5, rtol=0)
     assert not torch.allclose(lp_new, lp_ref)
     assert ro_before.tokens.shape == ro_after.tokens.shape
+
+
+def test_rollout_in_chunks_of_rollout_batch_size():
+    """prompts x G decoded in chunks of rollout_batch_size on one Decoder: greedy gives what one call gives; under
+    sampling, chunks draw from different seeds, so a group split across chunks still has independent samples."""
+    task = HalfRightTask(max_operand=4)
+    tok = task.tokenizer
+    cfg = SDARConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=8,
+                     mask_token_id=tok.mask_token_id, torch_dtype="float32", max_position_embeddings=64)
+    model = build_model(cfg, dtype=torch.float64, seed=3).eval()
+    eos = tuple(sorted(tok.eos_token_ids))
+    greedy = SamplerConfig(threshold=0.9, temperature=0.0, max_new_tokens=20, eos_ids=eos)
+    exs = task.train[:3]
+    whole, ro_whole = rollout_stage(model, tok, task, exs, RLConfig(group_size=4), greedy, seed=1, group_base=0)
+    parts, ro_parts = rollout_stage(model, tok, task, exs, RLConfig(group_size=4, rollout_batch_size=5), greedy,
+                                    seed=1, group_base=0)
+    assert len(parts) == len(whole) == 12 and parts.group_ids == whole.group_ids
+    assert parts.texts == whole.texts and parts.resp_lens == whole.resp_lens and parts.tpf == whole.tpf
+    for a, b in zip(parts.sequences, whole.sequences):
+        n = min(len(a), len(b))
+        assert torch.equal(a[:n], b[:n])
+    assert ro_parts.total_forwards > ro_whole.total_forwards  # three chunks: three prefills and their own steps
+    sampled = dataclasses.replace(greedy, temperature=1.0, threshold=0.5)
+    g, ro = rollout_stage(model, tok, task, exs[:1], RLConfig(group_size=4, rollout_batch_size=2), sampled, seed=1,
+                          group_base=0)
+    assert g.group_ids == [0, 0, 0, 0]
+    assert not torch.equal(ro.tokens[0], ro.tokens[2]) or not torch.equal(ro.tokens[1], ro.tokens[3])
+    with pytest.raises(ValueError, match="rollout_batch_size must be >= 1"):
+        RLConfig(rollout_batch_size=0).validate()
+
+
+def test_cat_rollouts_pads_to_the_widest_chunk():
+    model = tiny_model()
+    cfg = SamplerConfig(threshold=0.5, temperature=0.0, max_new_tokens=9, eos_ids=(3,))
+    a, b = generate(model, [[5, 6]], cfg), generate(model, [[7] * 13, [8, 9, 10]], cfg)
+    ab = cat_rollouts([a, b], MASK)
+    assert a.sequences.shape[1] < b.sequences.shape[1] == ab.sequences.shape[1]
+    assert torch.equal(ab.sequences[0, : a.sequences.shape[1]], a.sequences[0])
+    wa = a.sequences.shape[1]
+    assert (ab.sequences[0, wa:] == MASK).all() and (ab.seq_step_map[0, wa:] == -2).all()
+    assert torch.equal(ab.sequences[1:], b.sequences) and torch.equal(ab.tokens, torch.cat([a.tokens, b.tokens]))
+    assert ab.prompt_ids == a.prompt_ids + b.prompt_ids and ab.total_forwards == a.total_forwards + b.total_forwards
+    assert ab.finish_reason == a.finish_reason + b.finish_reason and len(ab) == 3
 
 
 def test_epochs_and_minibatches_reuse_one_rollout_batch():

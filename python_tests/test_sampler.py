@@ -7,7 +7,7 @@ import torch
 
 from lightningrl_fast.model import SDARConfig, build_model
 from lightningrl_fast.ops.unmask import threshold_unmask
-from lightningrl_fast.sampler import SamplerConfig, generate
+from lightningrl_fast.sampler import Decoder, SamplerConfig, _bucket, _check_memory, generate
 
 MASK, EOS, V = 110, 3, 111
 
@@ -168,6 +168,66 @@ def test_compaction_does_not_change_results(model):
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.step_map, b.step_map)
 
 
+def assert_same_rollout(a, b):
+    for name in ("sequences", "seq_step_map", "tokens", "response_mask", "step_map", "logp", "conf", "lengths",
+                 "forwards", "eos_found"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.shape == y.shape and torch.equal(x, y), name
+    assert a.total_forwards == b.total_forwards and a.finish_reason == b.finish_reason
+
+
+def test_bucket_sizes():
+    assert [_bucket(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+    assert _bucket(97) == 128 and _bucket(129) == 192 and _bucket(192) == 192 and _bucket(193) == 256
+
+
+def test_decoder_reused_across_calls_equals_fresh_calls(model, monkeypatch):
+    """One Decoder over calls of different sizes (its buffers grow, later calls are narrower and smaller than
+    them, a call repeats) gives exactly what a fresh generate() gives each time, compaction included."""
+    compactions = []
+    real = Decoder._compact
+
+    def spy(self, st, cache, keep):
+        compactions.append((st.seq.shape[0], keep.numel()))
+        return real(self, st, cache, keep)
+
+    monkeypatch.setattr(Decoder, "_compact", spy)
+    greedy = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=18, eos_ids=(EOS,))
+    calls = [
+        (prompts_of([9, 2, 5], seed=1), dataclasses.replace(greedy, max_new_tokens=30)),
+        (prompts_of([1, 3, 4, 5, 6, 7, 8, 2, 3, 11, 4, 6, 5], seed=2), greedy),  # more rows: the buffers grow
+        (prompts_of([2, 3], seed=3), dataclasses.replace(greedy, temperature=1.0, threshold=0.6, seed=4)),
+        (prompts_of([9, 2, 5], seed=1), dataclasses.replace(greedy, max_new_tokens=30)),
+        (prompts_of([4, 5, 6, 2, 7, 3, 8, 9], seed=5), dataclasses.replace(greedy, rule="quota", steps_per_block=2)),
+    ]
+    dec = Decoder(model)
+    for prompts, cfg in calls:
+        got = dec.generate(prompts, cfg)
+        assert dec.capacity[0] >= len(prompts) and dec.capacity[1] % 4 == 0
+        assert_same_rollout(got, generate(model, prompts, cfg))
+        assert_same_rollout(got, generate(model, prompts, dataclasses.replace(cfg, compact=False)))
+    assert dec.capacity[0] == 13  # grown once, to the largest call
+    assert compactions and all(m == _bucket(m) and 2 * m <= n for n, m in compactions)
+    dec.release()
+    assert dec.capacity == (0, 0)
+
+
+def test_decoder_sees_in_place_weight_updates(model):
+    """The trainer updates the shared weights in place between rollouts: a kept Decoder decodes with the new
+    weights (on CUDA its captured steps read them at replay)."""
+    m = build_model(model.config, dtype=torch.float64, seed=1).eval()
+    prompts = prompts_of([2, 5, 7], seed=6)
+    cfg = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=16, eos_ids=(EOS,))
+    dec = Decoder(m)
+    before = dec.generate(prompts, cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+    after = dec.generate(prompts, cfg)
+    assert_same_rollout(after, generate(m, prompts, cfg))
+    assert not torch.equal(before.logp, after.logp)
+
+
 def test_bad_requests(model):
     cfg = SamplerConfig(temperature=0, max_new_tokens=8, eos_ids=(EOS,))
     with pytest.raises(ValueError, match="prompt 1 is empty"):
@@ -282,3 +342,37 @@ def test_gpu_sampling_deterministic_and_compaction_invariant(model):
     greedy = dataclasses.replace(cfg, temperature=0.0, threshold=0.3)
     e, f = generate(m, prompts, greedy), generate(m, prompts, dataclasses.replace(greedy, compact=False))
     assert torch.equal(e.tokens, f.tokens) and torch.equal(e.step_map, f.step_map)
+
+
+@pytest.mark.gpu
+def test_gpu_decoder_replays_its_graphs_across_calls(model):
+    """A kept Decoder captures each working-set size once: a repeated call adds no graph and equals an eager
+    fresh call; in-place weight updates are read at replay; replaced parameters drop the graphs."""
+    m = _on_cuda(model, torch.bfloat16)
+    prompts = prompts_of([2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], seed=15)
+    cfg = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=24, eos_ids=(EOS,))
+    eager = dataclasses.replace(cfg, cuda_graphs=False)
+    dec = Decoder(m)
+    assert_same_rollout(dec.generate(prompts, cfg), generate(m, prompts, eager))
+    graphs = dict(dec._graphs)
+    assert graphs and all(g.graph is not None for g in graphs.values())
+    assert_same_rollout(dec.generate(prompts, cfg), generate(m, prompts, eager))
+    assert dec._graphs == graphs  # the same graph objects, replayed
+    sampled = dataclasses.replace(cfg, temperature=1.0, threshold=0.6, seed=3)
+    assert_same_rollout(dec.generate(prompts[:5], sampled), generate(m, prompts[:5], sampled))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(1.25)
+    assert_same_rollout(dec.generate(prompts, cfg), generate(m, prompts, eager))
+    assert dec._graphs.keys() >= graphs.keys()
+    m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+    assert_same_rollout(dec.generate(prompts, cfg), generate(m, prompts, eager))
+    assert not any(dec._graphs.get(k) is g for k, g in graphs.items())  # stale graphs were dropped
+
+
+@pytest.mark.gpu
+def test_gpu_decoder_refuses_a_cache_that_cannot_fit(model):
+    cfg = dataclasses.replace(model.config, num_hidden_layers=4096, num_key_value_heads=64, head_dim=128)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="KV cache.*fewer"):
+        _check_memory(cfg, 4096, 8192, 4, torch.bfloat16, torch.device("cuda"))
+    _check_memory(model.config, 2, 256, 4, torch.bfloat16, torch.device("cuda"))  # a small one passes

@@ -4,6 +4,8 @@
 
 Each stage is a plain function taking and returning tensors / small dataclasses. The sampler reads the
 very parameters the optimizer updates, so the next rollout uses the new weights with no copy at all.
+A step's rollouts are decoded in chunks of `rollout_batch_size` sequences on one `sampler.Decoder` (each
+step shape captured once per step), released before the training pass so its KV cache does not stay allocated.
 `TrainState` holds what persists across steps (model, frozen reference, optimizer with its state kept
 across steps — the public pipeline restarts it every step —, scheduler, data cursor, step counter).
 """
@@ -22,7 +24,7 @@ import torch
 
 from ..model import SDARForCausalLM
 from ..ops.grpo_loss import fused_linear_grpo_loss
-from ..sampler import Rollout, SamplerConfig, generate
+from ..sampler import Decoder, Rollout, SamplerConfig, cat_rollouts
 from ..tasks import is_correct_batch
 from .advantages import Scored, compute_advantages, keep_groups, score_rollout
 from .logprobs import LayoutBatch, batch_logprobs, build_layout_batch
@@ -55,6 +57,7 @@ class RLConfig:
     updates_per_step: int = 1  # optimizer steps (PPO mini-batches) per pass over a rollout batch
     epochs_per_step: int = 1  # passes over each rollout batch (PPO epochs; > 1 reuses rollouts, clipped by eps)
     micro_batch_tokens: int = 16384  # token budget of one forward/backward (memory knob)
+    rollout_batch_size: int = 256  # sequences per generate() call of a rollout (sizes the KV cache: memory knob)
     max_nonfinite_steps: int = 3  # stop after this many non-finite updates in a row
     seed: int = 0
 
@@ -64,7 +67,7 @@ class RLConfig:
         if self.logprob_mode not in ("block_proxy", "trace"):
             raise ValueError(f"logprob_mode must be 'block_proxy' or 'trace', got {self.logprob_mode!r}")
         for name in ("steps", "prompts_per_step", "group_size", "updates_per_step", "epochs_per_step",
-                     "micro_batch_tokens"):
+                     "micro_batch_tokens", "rollout_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 2:
@@ -144,10 +147,19 @@ class Groups:
 
 
 def rollout_stage(model, tokenizer, task: Task, examples: list, cfg: RLConfig, scfg: SamplerConfig, seed: int,
-                  group_base: int) -> tuple[Groups, Rollout]:
-    """[generate + score] G samples per example; accuracy from the verifier, TPF from the sampler."""
+                  group_base: int, decoder: Decoder | None = None) -> tuple[Groups, Rollout]:
+    """[generate + score] G samples per example; accuracy from the verifier, TPF from the sampler.
+
+    The examples x G sequences are decoded in chunks of `cfg.rollout_batch_size` on one `Decoder` (captured
+    steps reused from chunk to chunk); chunk c > 0 draws from Philox seed `seed + c * 2**40`, so the samples of
+    a group split across chunks stay independent."""
     prompts = [tokenizer.encode(task.build_prompt(ex)) for ex in examples]
-    ro = generate(model, [p for p in prompts for _ in range(cfg.group_size)], dataclasses.replace(scfg, seed=seed))
+    flat = [p for p in prompts for _ in range(cfg.group_size)]
+    decoder = decoder if decoder is not None else Decoder(model)
+    rb = cfg.rollout_batch_size
+    parts = [decoder.generate(flat[r0:r0 + rb], dataclasses.replace(scfg, seed=seed + (r0 // rb) * 2**40))
+             for r0 in range(0, len(flat), rb)]
+    ro = cat_rollouts(parts, model.config.mask_token_id)
     texts = [tokenizer.decode(ro.response_ids(i), skip_special=True) for i in range(len(ro))]
     exs = [examples[i // cfg.group_size] for i in range(len(texts))]
     correct = [bool(c) for c in is_correct_batch(task, texts, exs)]  # parallel verifiers where the task has them
@@ -169,13 +181,14 @@ def collect_groups(state: TrainState, tokenizer, task: Task, train_examples: lis
     `max_refill_rounds` extra rounds (then the batch is used as it is, possibly smaller).
     """
     kept, first = Groups(), None
+    decoder = Decoder(state.model)  # for this step's rounds; freed before the training pass needs the memory
     need, rounds, drawn, stats = cfg.prompts_per_step, 0, 0, {"rollout_s": 0.0, "tokens": 0, "forwards": 0}
     while need > 0 and rounds <= cfg.max_refill_rounds:
         idx = example_stream(len(train_examples), state.cursor, need, cfg.seed)
         state.cursor += need
         t0 = time.perf_counter()
         g, ro = rollout_stage(state.model, tokenizer, task, [train_examples[i] for i in idx], cfg, scfg,
-                              seed=cfg.seed * 7919 + state.step * 131 + rounds, group_base=drawn)
+                              seed=cfg.seed * 7919 + state.step * 131 + rounds, group_base=drawn, decoder=decoder)
         stats["rollout_s"] += time.perf_counter() - t0
         stats["tokens"] += int(ro.lengths.sum())
         stats["forwards"] += ro.total_forwards
@@ -189,6 +202,7 @@ def collect_groups(state: TrainState, tokenizer, task: Task, train_examples: lis
         kept.extend(g, keep.tolist())
         need -= n_keep
         rounds += 1
+    decoder.release()
     stats["rounds"] = rounds
     stats["first_round"] = first
     return kept, stats
