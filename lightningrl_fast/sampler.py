@@ -327,9 +327,13 @@ class Decoder:
         rows, width = self.capacity
         if self._layout == layout and n0 <= rows and ltot <= width:
             return
-        unit = bs * max(1, 256 // bs)  # grow by whole 256-position strides (a multiple of the block)
-        rows = max(n0, rows if self._layout == layout else 0)
-        width = max(-(-ltot // unit) * unit, width if self._layout == layout else 0)
+        # the first allocation fits this call exactly; a longer call grows the width by >= 1/4 (whole blocks), so
+        # a loop over batches of varying length reallocates (and recaptures) only a few times
+        if self._layout != layout:
+            rows = width = 0
+        rows = max(n0, rows)
+        if ltot > width:
+            width = max(ltot, -(-(width + width // 4) // bs) * bs)
         self.release()  # old buffers and the graphs that point at them go before the new ones are made
         mcfg = self.model.config
         if dev.type == "cuda":
@@ -442,6 +446,8 @@ class Decoder:
                 if use_graphs:
                     key = (sig, st.seq.shape[0])
                     if key not in self._graphs:
+                        if len(self._graphs) >= 64:  # many step parameters seen (a threshold sweep): start over
+                            self._graphs = {}
                         self._graphs[key] = _GraphedStep(self._step_fn(st, cache, cfg, bs, eos_ids), self._pool)
                     self._graphs[key]()
                 else:

@@ -199,6 +199,7 @@ def test_decoder_reused_across_calls_equals_fresh_calls(model, monkeypatch):
         (prompts_of([2, 3], seed=3), dataclasses.replace(greedy, temperature=1.0, threshold=0.6, seed=4)),
         (prompts_of([9, 2, 5], seed=1), dataclasses.replace(greedy, max_new_tokens=30)),
         (prompts_of([4, 5, 6, 2, 7, 3, 8, 9], seed=5), dataclasses.replace(greedy, rule="quota", steps_per_block=2)),
+        (prompts_of([40, 3], seed=7), dataclasses.replace(greedy, max_new_tokens=30)),  # longer: the width grows
     ]
     dec = Decoder(model)
     for prompts, cfg in calls:
@@ -206,7 +207,7 @@ def test_decoder_reused_across_calls_equals_fresh_calls(model, monkeypatch):
         assert dec.capacity[0] >= len(prompts) and dec.capacity[1] % 4 == 0
         assert_same_rollout(got, generate(model, prompts, cfg))
         assert_same_rollout(got, generate(model, prompts, dataclasses.replace(cfg, compact=False)))
-    assert dec.capacity[0] == 13  # grown once, to the largest call
+    assert dec.capacity == (13, 72)  # rows: the largest call; positions: the longest (40 + 30 in blocks of 4)
     assert compactions and all(m == _bucket(m) and 2 * m <= n for n, m in compactions)
     dec.release()
     assert dec.capacity == (0, 0)
