@@ -48,7 +48,7 @@ bool aligned16(const at::Tensor& t) {
 template <typename T, int D>
 int64_t resident_ctas(int device) {
   static std::atomic<int64_t> cache[kMaxDevices];
-  TORCH_CHECK(device >= 0 && device < kMaxDevices, "block_attention: device index ", device, " out of range");
+  LRF_CHECK(device >= 0 && device < kMaxDevices, "block_attention: device index ", device, " out of range");
   int64_t r = cache[device].load(std::memory_order_relaxed);
   if (r > 0) return r;
   const int smem = kernels::block_attn_smem_bytes(D);
@@ -140,22 +140,22 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   CHECK_CONTIGUOUS(cache_lens);
   CHECK_CONTIGUOUS(chunk_lens);
 
-  TORCH_CHECK(D == 64 || D == 128, "block_attention: head_dim must be 64 or 128, got ", D);
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "block_attention: q heads (", Hq, ") must be a multiple of the cache's kv heads (",
+  LRF_CHECK(D == 64 || D == 128, "block_attention: head_dim must be 64 or 128, got ", D);
+  LRF_CHECK(Hkv > 0 && Hq % Hkv == 0, "block_attention: q heads (", Hq, ") must be a multiple of the cache's kv heads (",
               Hkv, ")");
-  TORCH_CHECK(block_size > 0 && block_size <= std::numeric_limits<int>::max(),
+  LRF_CHECK(block_size > 0 && block_size <= std::numeric_limits<int>::max(),
               "block_attention: block_size must be positive, got ", block_size);
-  TORCH_CHECK(std::isfinite(softmax_scale), "block_attention: softmax_scale must be finite, got ", softmax_scale);
-  TORCH_CHECK(num_splits >= 0 && num_splits <= kernels::kBlockAttnMaxSplits, "block_attention: num_splits must be in [0, ",
+  LRF_CHECK(std::isfinite(softmax_scale), "block_attention: softmax_scale must be finite, got ", softmax_scale);
+  LRF_CHECK(num_splits >= 0 && num_splits <= kernels::kBlockAttnMaxSplits, "block_attention: num_splits must be in [0, ",
               kernels::kBlockAttnMaxSplits, "] (0 = automatic), got ", num_splits);
   // The kernel indexes keys, rows and CTAs in int32: tile starts reach L + BN - 1, row tiles C * G + BM - 1.
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   constexpr int64_t kIndexMax = kIntMax - kernels::kBlockAttnBN;
-  TORCH_CHECK(B <= kIndexMax && L <= kIndexMax && Hq <= kIndexMax && C * (Hq / std::max<int64_t>(Hkv, 1)) <= kIndexMax,
+  LRF_CHECK(B <= kIndexMax && L <= kIndexMax && Hq <= kIndexMax && C * (Hq / std::max<int64_t>(Hkv, 1)) <= kIndexMax,
               "block_attention: sizes must fit in int32 (less one tile), got q ", q.sizes(), " and a cache of ",
               k_cache.sizes());
   for (const at::Tensor* t : {&k_cache, &v_cache}) {
-    TORCH_CHECK(aligned16(*t), t == &k_cache ? "k_cache" : "v_cache",
+    LRF_CHECK(aligned16(*t), t == &k_cache ? "k_cache" : "v_cache",
                 " must have a dense last dimension and a data pointer and strides that are multiples of 16 bytes, got "
                 "strides ",
                 t->strides());
@@ -199,8 +199,8 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   else dispatch_splits<kernels::Fp16, 64>(p, num_splits, device);
 
   const int64_t grid = int64_t(p.m_tiles) * p.num_splits * B * Hkv;
-  TORCH_CHECK(grid <= kIntMax, "block_attention: too many CTAs (", grid, "); split the batch");
-  TORCH_CHECK(p.num_splits == 1 || B * C * Hq / kernels::kBlockAttnCombineWarps < kIntMax,
+  LRF_CHECK(grid <= kIntMax, "block_attention: too many CTAs (", grid, "); split the batch");
+  LRF_CHECK(p.num_splits == 1 || B * C * Hq / kernels::kBlockAttnCombineWarps < kIntMax,
               "block_attention: too many output rows for the split combine (", B * C * Hq, "); split the batch");
   at::Tensor o_part, lse_part;
   if (p.num_splits > 1) {

@@ -44,10 +44,10 @@ at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDoub
 
 void check_token_vector(const at::Tensor& x, const char* name, int64_t T, at::ScalarType dtype,
                         const at::Tensor& like) {
-  TORCH_CHECK(x.dim() == 1 && x.size(0) == T, name, " must have shape [", T, "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", x.scalar_type());
-  TORCH_CHECK(x.device() == like.device(), name, " is on ", x.device(), " but hidden is on ", like.device());
-  TORCH_CHECK(x.is_contiguous(), name, " must be contiguous, got strides ", x.strides());
+  LRF_CHECK(x.dim() == 1 && x.size(0) == T, name, " must have shape [", T, "], got ", x.sizes());
+  LRF_CHECK(x.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", x.scalar_type());
+  LRF_CHECK(x.device() == like.device(), name, " is on ", x.device(), " but hidden is on ", like.device());
+  LRF_CHECK(x.is_contiguous(), name, " must be contiguous, got strides ", x.strides());
 }
 
 // Shared checks of the LM-head ops. Returns (T, H, V).
@@ -62,13 +62,13 @@ std::tuple<int64_t, int64_t, int64_t> check_lm_head(const at::Tensor& hidden, co
   CHECK_CONTIGUOUS(hidden);
   CHECK_CONTIGUOUS(weight);
   const int64_t T = hidden.size(0), H = hidden.size(1), V = weight.size(0);
-  TORCH_CHECK(weight.size(1) == H, "weight must have shape [V, ", H, "] (hidden has ", H, " features), got ",
+  LRF_CHECK(weight.size(1) == H, "weight must have shape [V, ", H, "] (hidden has ", H, " features), got ",
               weight.sizes());
-  TORCH_CHECK(V >= 1 && V < (int64_t(1) << 31), "weight must have 1 <= V < 2^31 rows, got ", V);
+  LRF_CHECK(V >= 1 && V < (int64_t(1) << 31), "weight must have 1 <= V < 2^31 rows, got ", V);
   check_token_vector(targets, "targets", T, at::kLong, hidden);
-  TORCH_CHECK(suppress_token >= -1 && suppress_token < V, "suppress_token must be -1 (none) or in [0, ", V,
+  LRF_CHECK(suppress_token >= -1 && suppress_token < V, "suppress_token must be -1 (none) or in [0, ", V,
               "), got ", suppress_token);
-  TORCH_CHECK(chunk >= 1, "chunk must be positive, got ", chunk);
+  LRF_CHECK(chunk >= 1, "chunk must be positive, got ", chunk);
   return {T, H, V};
 }
 
@@ -148,9 +148,9 @@ at::Tensor group_normalize(const at::Tensor& rewards, const at::Tensor& group_id
   CHECK_DTYPE(group_ids, at::kLong);
   CHECK_SAME_DEVICE(rewards, group_ids);
   CHECK_SAME_DEVICE(rewards, weights);
-  TORCH_CHECK(S >= 1, "rewards has no samples");
-  TORCH_CHECK(S < (int64_t(1) << 29), "group_normalize: at most 2^29 samples, got ", S);
-  TORCH_CHECK(R >= 1, "rewards must have at least one column");
+  LRF_CHECK(S >= 1, "rewards has no samples");
+  LRF_CHECK(S < (int64_t(1) << 29), "group_normalize: at most 2^29 samples, got ", S);
+  LRF_CHECK(R >= 1, "rewards must have at least one column");
 
   const c10::cuda::CUDAGuard guard(rewards.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -258,15 +258,15 @@ fused_linear_grpo_loss(const at::Tensor& hidden, const at::Tensor& weight, const
   if (old_logp.has_value()) check_token_vector(*old_logp, "old_logp", T, acc, hidden);
   check_token_vector(advantages, "advantages", T, acc, hidden);
   check_token_vector(w_pg, "w_pg", T, acc, hidden);
-  TORCH_CHECK(eps_low >= 0 && eps_high >= 0, "eps_low / eps_high must be >= 0, got ", eps_low, ", ", eps_high);
+  LRF_CHECK(eps_low >= 0 && eps_high >= 0, "eps_low / eps_high must be >= 0, got ", eps_low, ", ", eps_high);
   const bool use_kl = beta != 0.0, use_nll = mu != 0.0;
   if (use_kl) {
-    TORCH_CHECK(ref_logp.has_value() && w_kl.has_value(), "ref_logp and w_kl are required when beta != 0");
+    LRF_CHECK(ref_logp.has_value() && w_kl.has_value(), "ref_logp and w_kl are required when beta != 0");
     check_token_vector(*ref_logp, "ref_logp", T, acc, hidden);
     check_token_vector(*w_kl, "w_kl", T, acc, hidden);
   }
   if (use_nll) {
-    TORCH_CHECK(w_nll.has_value(), "w_nll is required when mu != 0");
+    LRF_CHECK(w_nll.has_value(), "w_nll is required when mu != 0");
     check_token_vector(*w_nll, "w_nll", T, acc, hidden);
   }
   const c10::cuda::CUDAGuard guard(hidden.device());

@@ -87,7 +87,7 @@ void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
     const at::Tensor& error_flag = *maybe_error_flag;
     CHECK_DTYPE(error_flag, at::kInt);
     CHECK_SAME_DEVICE(k_cache, error_flag);
-    TORCH_CHECK(error_flag.numel() >= 1, "error_flag must have at least one element");
+    LRF_CHECK(error_flag.numel() >= 1, "error_flag must have at least one element");
     flag = error_flag.data_ptr<int32_t>();
   }
 

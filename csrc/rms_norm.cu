@@ -28,7 +28,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // x and (when given) residual viewed as [rows, N] with one row stride each: the kernel's 16-byte-vector layout.
 at::Tensor rows_view(const at::Tensor& t, const char* name, int64_t N, int64_t per_vec) {
   const at::Tensor t2 = t.reshape({-1, N});
-  TORCH_CHECK(t2.size(0) == 0 || (t2.stride(1) == 1 && t2.stride(0) % per_vec == 0 && aligned16(t2.data_ptr())),
+  LRF_CHECK(t2.size(0) == 0 || (t2.stride(1) == 1 && t2.stride(0) % per_vec == 0 && aligned16(t2.data_ptr())),
               "rms_norm kernel: ", name, " must have a dense last dimension and 16-byte aligned rows, got strides ",
               t.strides(), " (ops.rms_norm uses the PyTorch reference otherwise)");
   return t2;
@@ -37,7 +37,7 @@ at::Tensor rows_view(const at::Tensor& t, const char* name, int64_t N, int64_t p
 // y = rms_norm(x (+ residual)); `sum` receives x + residual when a residual is given.
 void launch_rms_norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
                      at::Tensor& y, at::Tensor* sum) {
-  TORCH_CHECK(x.dim() >= 1, "x must have at least one dimension, got shape ", x.sizes());
+  LRF_CHECK(x.dim() >= 1, "x must have at least one dimension, got shape ", x.sizes());
   const int64_t N = x.size(-1);
   CHECK_DTYPE_IN(x, at::kBFloat16, at::kHalf, at::kFloat);
   CHECK_SAME_DTYPE(x, weight);
@@ -46,22 +46,22 @@ void launch_rms_norm(const at::Tensor& x, const at::Tensor* residual, const at::
   CHECK_CONTIGUOUS(weight);
   if (residual != nullptr) {
     const at::Tensor& res = *residual;
-    TORCH_CHECK(res.scalar_type() == x.scalar_type(), "x and residual must have the same dtype, got ",
+    LRF_CHECK(res.scalar_type() == x.scalar_type(), "x and residual must have the same dtype, got ",
                 x.scalar_type(), " and ", res.scalar_type());
-    TORCH_CHECK(res.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ", res.sizes());
-    TORCH_CHECK(res.device() == x.device(), "x is on ", x.device(), " but residual is on ", res.device());
+    LRF_CHECK(res.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ", res.sizes());
+    LRF_CHECK(res.device() == x.device(), "x is on ", x.device(), " but residual is on ", res.device());
   }
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "eps must be finite and >= 0, got ", eps);
+  LRF_CHECK(std::isfinite(eps) && eps >= 0.0, "eps must be finite and >= 0, got ", eps);
   const int64_t per_vec = 16 / x.element_size();
-  TORCH_CHECK(N > 0 && N % per_vec == 0 && N <= int64_t(kernels::kRmsMaxVecs) * kernels::kRmsThreads * per_vec,
+  LRF_CHECK(N > 0 && N % per_vec == 0 && N <= int64_t(kernels::kRmsMaxVecs) * kernels::kRmsThreads * per_vec,
               "rms_norm kernel: the last dimension must be a positive multiple of ", per_vec, " up to ",
               int64_t(kernels::kRmsMaxVecs) * kernels::kRmsThreads * per_vec, ", got ", N,
               " (ops.rms_norm uses the PyTorch reference otherwise)");
   const at::Tensor x2 = rows_view(x, "x", N, per_vec);
   const at::Tensor r2 = residual != nullptr ? rows_view(*residual, "residual", N, per_vec) : at::Tensor();
   const int64_t rows = x2.size(0);
-  TORCH_CHECK(aligned16(weight.data_ptr()), "rms_norm kernel: weight must be 16-byte aligned");
-  TORCH_CHECK(rows <= std::numeric_limits<int32_t>::max(), "rms_norm kernel: too many rows: ", rows);
+  LRF_CHECK(aligned16(weight.data_ptr()), "rms_norm kernel: weight must be 16-byte aligned");
+  LRF_CHECK(rows <= std::numeric_limits<int32_t>::max(), "rms_norm kernel: too many rows: ", rows);
   CHECK_CUDA(x);
   if (residual != nullptr) CHECK_CUDA(*residual);
 
@@ -141,12 +141,12 @@ at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at:
     CHECK_SHAPE(weight2, D);
     CHECK_SAME_DEVICE(x, weight2);
     CHECK_CONTIGUOUS(weight2);
-    TORCH_CHECK(split >= 0 && split <= H, "qk_norm_rope: split must be in [0, heads = ", H, "], got ", split);
+    LRF_CHECK(split >= 0 && split <= H, "qk_norm_rope: split must be in [0, heads = ", H, "], got ", split);
   }
-  TORCH_CHECK(D == 64 || D == 128, "qk_norm_rope kernel: head_dim must be 64 or 128, got ", D,
+  LRF_CHECK(D == 64 || D == 128, "qk_norm_rope kernel: head_dim must be 64 or 128, got ", D,
               " (ops.qk_norm_rope uses the PyTorch reference otherwise)");
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "eps must be finite and >= 0, got ", eps);
-  TORCH_CHECK(B * N * H <= std::numeric_limits<int32_t>::max() && B <= std::numeric_limits<int32_t>::max(),
+  LRF_CHECK(std::isfinite(eps) && eps >= 0.0, "eps must be finite and >= 0, got ", eps);
+  LRF_CHECK(B * N * H <= std::numeric_limits<int32_t>::max() && B <= std::numeric_limits<int32_t>::max(),
               "qk_norm_rope kernel: too many head vectors: ", B * N * H);
   CHECK_CUDA(x);
 

@@ -21,21 +21,21 @@
 namespace lrf {
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() >= 1, "gate_up must have at least one dimension, got shape ", gate_up.sizes());
+  LRF_CHECK(gate_up.dim() >= 1, "gate_up must have at least one dimension, got shape ", gate_up.sizes());
   CHECK_DTYPE_IN(gate_up, at::kBFloat16, at::kHalf, at::kFloat);
   const int64_t two_i = gate_up.size(-1);
   const int64_t per_vec = 16 / gate_up.element_size();
-  TORCH_CHECK(two_i % (2 * per_vec) == 0 && two_i > 0,
+  LRF_CHECK(two_i % (2 * per_vec) == 0 && two_i > 0,
               "silu_mul kernel: the last dimension of gate_up (gate and up side by side) must be a positive multiple "
               "of ", 2 * per_vec, ", got ", two_i, " (ops.silu_mul uses the PyTorch reference otherwise)");
   const int64_t inner = two_i / 2;
   const at::Tensor g2 = gate_up.reshape({-1, two_i});
   const int64_t rows = g2.size(0);
-  TORCH_CHECK(rows == 0 || (g2.stride(1) == 1 && g2.stride(0) % per_vec == 0 &&
+  LRF_CHECK(rows == 0 || (g2.stride(1) == 1 && g2.stride(0) % per_vec == 0 &&
                             reinterpret_cast<uintptr_t>(g2.data_ptr()) % 16 == 0),
               "silu_mul kernel: gate_up must have a dense last dimension and 16-byte aligned rows, got strides ",
               gate_up.strides(), " (ops.silu_mul uses the PyTorch reference otherwise)");
-  TORCH_CHECK(inner <= std::numeric_limits<int32_t>::max(), "silu_mul kernel: the last dimension is too large: ",
+  LRF_CHECK(inner <= std::numeric_limits<int32_t>::max(), "silu_mul kernel: the last dimension is too large: ",
               two_i);
   CHECK_CUDA(gate_up);
 

@@ -86,7 +86,7 @@ uint8_t* grow(DeviceInfo& info, at::Tensor& buf, int64_t bytes, const at::Device
   if (buf.defined() && buf.numel() >= bytes) return buf.data_ptr<uint8_t>();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "threshold_unmask: its ", what, " workspace must grow to ",
+  LRF_CHECK(capture == cudaStreamCaptureStatusNone, "threshold_unmask: its ", what, " workspace must grow to ",
               bytes, " bytes, which cannot happen while a CUDA graph is being captured; call the op once eagerly "
               "with the same (or a larger) batch before capturing");
   int64_t size = std::max<int64_t>(bytes, 1 << 12);
@@ -150,21 +150,21 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
   CHECK_SAME_DEVICE(logits, eos_ids);
   CHECK_SAME_DEVICE(logits, seed);
   CHECK_SAME_DEVICE(logits, offset);
-  TORCH_CHECK(S >= 1 && V >= 1, "logits must have at least one position and one token, got shape ", logits.sizes());
-  TORCH_CHECK(S <= kernels::kUnmaskMaxPositions, "threshold_unmask kernel: at most ",
+  LRF_CHECK(S >= 1 && V >= 1, "logits must have at least one position and one token, got shape ", logits.sizes());
+  LRF_CHECK(S <= kernels::kUnmaskMaxPositions, "threshold_unmask kernel: at most ",
               kernels::kUnmaskMaxPositions, " positions per row (logits.size(1)), got ", S,
               "; ops.threshold_unmask uses the PyTorch reference for larger blocks");
-  TORCH_CHECK(V <= (int64_t(1) << 31) - (int64_t(1) << 16), "threshold_unmask kernel: vocabulary too large: ", V);
-  TORCH_CHECK(eos_ids.numel() <= (int64_t(1) << 20), "eos_ids has too many entries: ", eos_ids.numel());
+  LRF_CHECK(V <= (int64_t(1) << 31) - (int64_t(1) << 16), "threshold_unmask kernel: vocabulary too large: ", V);
+  LRF_CHECK(eos_ids.numel() <= (int64_t(1) << 20), "eos_ids has too many entries: ", eos_ids.numel());
   const int mode = kernels::unmask_pick_mode(greedy, temperature, two_level);
-  TORCH_CHECK(top_k >= 0, "top_k must be >= 0 (0 = off), got ", top_k);
-  TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got ", top_p);
-  TORCH_CHECK(mode == kernels::kPickGreedy || ((top_k == 0 || top_k >= V) && top_p >= 1.0),
+  LRF_CHECK(top_k >= 0, "top_k must be >= 0 (0 = off), got ", top_k);
+  LRF_CHECK(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got ", top_p);
+  LRF_CHECK(mode == kernels::kPickGreedy || ((top_k == 0 || top_k >= V) && top_p >= 1.0),
               "threshold_unmask kernel samples from the full tempered distribution only (top_k=", top_k,
               ", top_p=", top_p, " given); ops.threshold_unmask uses the PyTorch reference for top-k/top-p");
   // torch computes logits / T on CUDA as logits * (1.0f / float(T)); the kernel does the same
   const float inv_t = temperature > 0.0 ? 1.0f / static_cast<float>(temperature) : 1.0f;
-  TORCH_CHECK(std::isfinite(inv_t) && inv_t > 0.0f, "temperature ", temperature, " is out of the fp32 range");
+  LRF_CHECK(std::isfinite(inv_t) && inv_t > 0.0f, "temperature ", temperature, " is out of the fp32 range");
 
   const auto bool_opts = at::TensorOptions().dtype(at::kBool).device(logits.device());
   at::Tensor block_done = at::empty({B}, bool_opts);
@@ -194,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
     p.partials = reinterpret_cast<kernels::UnmaskPartial*>(
         grow(info, info.partials, kernels::unmask_partial_bytes(rows, p.nsplit), logits.device(), stream, "partials"));
   }
-  TORCH_CHECK(rows * p.nsplit <= std::numeric_limits<int32_t>::max(), "threshold_unmask: too many rows: ", rows);
+  LRF_CHECK(rows * p.nsplit <= std::numeric_limits<int32_t>::max(), "threshold_unmask: too many rows: ", rows);
 
   p.logits = logits.data_ptr();
   p.logits_sb = logits.stride(0);

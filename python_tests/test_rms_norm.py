@@ -250,18 +250,19 @@ def test_launcher_checks_inputs(cuda_ext):
     for args, match in [
         ((x.int(), w, EPS), "x must have dtype in"),
         ((x, w.half(), EPS), "x and weight must have the same dtype"),
-        ((x, w[:32], EPS), r"weight must have shape \[N\]"),
-        ((x[:, :60], w[:60], EPS), "multiple of 8"),
-        ((x, w, float("nan")), "eps must be finite"),
+        ((x, w[:32], EPS), r"weight must have shape \[N\] = \[64\], got \[32\]"),
+        ((x[:, :60], w[:60], EPS), r"multiple of 8 up to \d+, got 60 "),
+        ((x, w, float("nan")), "eps must be finite and >= 0, got nan"),
+        ((x, w, -0.25), r"eps must be finite and >= 0, got -0.25"),
         ((x, w, EPS), "x must be a CUDA tensor"),
     ]:
         with pytest.raises(RuntimeError, match=match):
             C.rms_norm(*args)
     r = rand(3, 64, dtype=torch.bfloat16, seed=4)
     for args, match in [
-        ((x, r[:, :32], w, EPS), "residual must have x's shape"),
+        ((x, r[:, :32], w, EPS), r"residual must have x's shape \[3, 64\], got \[3, 32\]"),
         ((x, r.half(), w, EPS), "x and residual must have the same dtype"),
-        ((x, torch.zeros(3, 72, dtype=torch.bfloat16)[:, 1:65], w, EPS), "residual must have a dense last dimension"),
+        ((x, torch.zeros(3, 72, dtype=torch.bfloat16)[:, 1:65], w, EPS), r"residual must have a dense last dimension and 16-byte aligned rows, got strides \[72, 1\]"),
         ((x, r, w, EPS), "x must be a CUDA tensor"),
     ]:
         with pytest.raises(RuntimeError, match=match):
