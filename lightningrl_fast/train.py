@@ -423,7 +423,7 @@ def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     from .checkpoint import save_model
     from .rl.checkpointing import nonfinite_parameters
     from .rl.sft import train_sft
-    from .sampler import generate
+    from .sampler import Decoder
 
     cfg, b = ctx.cfg, ctx.cfg.baseline
     budget = cfg.run.rl_time_budget
@@ -434,9 +434,10 @@ def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     prompts = [ctx.tokenizer.encode(ctx.task.build_prompt(ex)) for ex in examples]
     dec = dataclasses.replace(ctx.scfg, temperature=0.0, seed=0)
     kept: list[tuple[list[int], list[int]]] = []  # (prompt ids, response ids) of the verified-correct outputs
+    decoder = Decoder(ctx.model)  # one engine for every batch, released before the fine-tune
     for i in range(0, len(prompts), cfg.eval.eval_batch_size):
         chunk, exs = prompts[i:i + cfg.eval.eval_batch_size], examples[i:i + cfg.eval.eval_batch_size]
-        ro = generate(ctx.model, chunk, dec)
+        ro = decoder.generate(chunk, dec)
         texts = [ctx.tokenizer.decode(ro.response_ids(j), skip_special=True) for j in range(len(ro))]
         ok = is_correct_batch(ctx.task, texts, list(exs))
         for j in range(len(texts)):
@@ -445,6 +446,7 @@ def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
         if budget is not None and time.perf_counter() - t_start > budget:
             say("RFT: time budget reached while decoding")
             break
+    decoder.release()
     decode_s = time.perf_counter() - t_start
     say(f"RFT: decoded {len(prompts)} train prompts greedily at tau {tau:g} in {decode_s:.1f}s; "
         f"{len(kept)} correct and kept")
