@@ -491,7 +491,6 @@ def _check_memory(mcfg, rows: int, width: int, bs: int, dtype: torch.dtype, dev:
             f"prompts per call (--rollout-batch-size / --eval-batch-size / --batch-size) or lower max_new_tokens")
 
 
-@torch.no_grad()
 def generate(model: SDARForCausalLM, prompts: list[list[int]], cfg: SamplerConfig, pad_id: int | None = None) -> Rollout:
     """Decode `prompts` with a one-call `Decoder` (its buffers and graphs are freed on return); a loop over
     batches should keep one `Decoder` instead."""
