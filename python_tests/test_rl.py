@@ -116,12 +116,17 @@ class HalfRightTask(SyntheticArithmetic):
         return len(response) % 2 == 0
 
 
+def half_right_config(tok) -> SDARConfig:
+    """A one-layer model over the synthetic task's character vocabulary (block 8)."""
+    return SDARConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=8,
+                      mask_token_id=tok.mask_token_id, torch_dtype="float32", max_position_embeddings=64)
+
+
 def test_train_step_updates_the_weights_the_sampler_uses():
     task = HalfRightTask(max_operand=4)
     tok = task.tokenizer
-    cfg = SDARConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=8,
-                     mask_token_id=tok.mask_token_id, torch_dtype="float32", max_position_embeddings=64)
+    cfg = half_right_config(tok)
     model = build_model(cfg, dtype=torch.float32, seed=0).eval()
     scfg = SamplerConfig(threshold=0.9, temperature=1.0, max_new_tokens=20, eos_ids=tuple(sorted(tok.eos_token_ids)))
     rc = RLConfig(steps=1, prompts_per_step=2, group_size=4, lr=1e-2, kl_beta=0.01, filter_groups=False,
@@ -150,9 +155,7 @@ def test_rollout_in_chunks_of_rollout_batch_size():
     sampling, chunks draw from different seeds, so a group split across chunks still has independent samples."""
     task = HalfRightTask(max_operand=4)
     tok = task.tokenizer
-    cfg = SDARConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=8,
-                     mask_token_id=tok.mask_token_id, torch_dtype="float32", max_position_embeddings=64)
+    cfg = half_right_config(tok)
     model = build_model(cfg, dtype=torch.float64, seed=3).eval()
     eos = tuple(sorted(tok.eos_token_ids))
     greedy = SamplerConfig(threshold=0.9, temperature=0.0, max_new_tokens=20, eos_ids=eos)
@@ -194,9 +197,7 @@ def test_epochs_and_minibatches_reuse_one_rollout_batch():
     moved away from the rollout policy, so the ratio differs from 1 and a large lr drives it past the clip."""
     task = HalfRightTask(max_operand=4)
     tok = task.tokenizer
-    cfg = SDARConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=8,
-                     mask_token_id=tok.mask_token_id, torch_dtype="float32", max_position_embeddings=64)
+    cfg = half_right_config(tok)
     scfg = SamplerConfig(threshold=0.9, temperature=1.0, max_new_tokens=20, eos_ids=tuple(sorted(tok.eos_token_ids)))
     base = dict(steps=1, prompts_per_step=4, group_size=4, lr=3e-2, warmup_steps=1, kl_beta=0.0,
                 filter_groups=False, max_refill_rounds=0, micro_batch_tokens=4096)
