@@ -125,6 +125,10 @@ class _State:
     seed: torch.Tensor  # [1] int64
     offset: torch.Tensor  # [1] int64
 
+    def per_row(self) -> dict[str, torch.Tensor]:
+        """The fields with one entry per row (all but seed and offset)."""
+        return {k: v for k, v in vars(self).items() if k not in ("seed", "offset")}
+
 
 def cat_rollouts(parts: list[Rollout], mask_id: int) -> Rollout:
     """One Rollout from the Rollouts of consecutive chunks of a batch (rows in order). The [N, Ltot] fields are
@@ -357,15 +361,14 @@ class Decoder:
     def _working_set(self, n: int) -> tuple[_State, KVCache]:
         """The first n rows of the buffers and the cache (views: a step captured on them replays later)."""
         b = self._bufs
-        per_row = {k: v[:n] for k, v in vars(b).items() if k not in ("seed", "offset")}
+        per_row = {k: v[:n] for k, v in b.per_row().items()}
         return _State(**per_row, seed=b.seed, offset=b.offset), KVCache(self._cache.k[:, :n], self._cache.v[:, :n])
 
     def _compact(self, st: _State, cache: KVCache, keep: torch.Tensor) -> tuple[_State, KVCache]:
         """Move rows `keep` (ascending, [m]) to the front of the buffers in place; the working set becomes m rows."""
         m = keep.numel()
-        for k, v in vars(st).items():
-            if k not in ("seed", "offset"):
-                getattr(self._bufs, k)[:m].copy_(v[keep])  # v[keep] is a fresh tensor: no overlap
+        for k, v in st.per_row().items():
+            getattr(self._bufs, k)[:m].copy_(v[keep])  # v[keep] is a fresh tensor: no overlap
         for full, cur in ((self._cache.k, cache.k), (self._cache.v, cache.v)):
             for layer in range(full.shape[0]):  # one layer at a time: the temporary is one layer's m rows
                 full[layer, :m].copy_(cur[layer, keep])
