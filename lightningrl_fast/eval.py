@@ -33,6 +33,10 @@ PERCENT, 0..100):
   under the shared y_max (`aup_shared`). The unit of AUP is "TPF x accuracy-percent": a run at 90% with TPF 4
   everywhere scores 360. Raw accuracy and TPF are always reported beside it.
 
+Several GPUs: `torchrun --nproc-per-node N -m lightningrl_fast.eval ...` gives each rank every N-th example;
+the per-example results are gathered before the points are computed, so the numbers are those of one process
+(greedy decoding; sampled evaluation draws per-rank batches), decoded N times faster; rank 0 prints and writes.
+
 Python API (the trainer calls these): `evaluate(model, tokenizer, task, examples, thresholds, sampler_cfg)`
 -> dict, `aup(points, y_max=None)` -> float, `plot_curves(runs, path)`, `load_results(path)`.
 """
@@ -69,6 +73,8 @@ from .generate import (
     resolve_device,
     resolve_dtype,
 )
+from .rl import distributed
+from .rl.distributed import SINGLE, DistEnv, all_gather
 from .sampler import Decoder
 
 DEFAULT_THRESHOLDS = (0.5, 0.7, 0.9, 0.95)
@@ -149,7 +155,8 @@ def _encode(tokenizer, task, examples) -> list[list[int]]:
 @torch.no_grad()
 def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequence[float], sampler_cfg,
              *, batch_size: int = 32, progress_bar: bool = False, keep_responses: bool = False,
-             truncated_is_wrong: bool = True, on_batch: Callable[[float, int, int], None] | None = None) -> dict:
+             truncated_is_wrong: bool = True, on_batch: Callable[[float, int, int], None] | None = None,
+             env: DistEnv = SINGLE) -> dict:
     """Decode `examples` at each threshold with `sampler_cfg` (its `threshold` is replaced), score, and report.
 
     `task` has `build_prompt(example) -> str` and `is_correct(response, example)` (or `is_correct_batch`);
@@ -159,7 +166,9 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
     (`accuracy`, `verifier_accuracy`), with `finished` (fraction that emitted EOS) and, for the synthetic task,
     `well_formed` (every step of the trace right, and finished). The model is put in eval mode for the call and
     its mode restored. When `sampler_cfg.block_size` differs from the model's, the model's
-    attention runs with the sampler's block size for the call.
+    attention runs with the sampler's block size for the call. `env` (several ranks, every one calls it): this
+    rank decodes examples rank, rank + world, ...; the per-example results are all-gathered, so every rank
+    returns the points of all examples.
 
     Returns {"points": [per threshold: threshold, n, correct, accuracy (fraction), verifier_accuracy, finished,
     (well_formed), mean_tpf, tokens, tokens_per_s, forwards, forwards_per_s, truncated, decode_s, score_s
@@ -174,7 +183,8 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
         raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
     examples = list(examples)
     ids = _encode(tokenizer, task, examples)
-    groups = batches(len(ids), batch_size)
+    mine = list(range(env.rank, len(ids), env.world))  # this rank's examples (all of them with one rank)
+    groups = [mine[r.start:r.stop] for r in batches(len(mine), batch_size)]
     was_training = model.training
     model.eval()
     points = []
@@ -189,7 +199,7 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
                 tpf = [math.nan] * len(ids)
                 row_fwd = [0] * len(ids)  # forwards each answer took part in (prefill and commits included)
                 eos = [False] * len(ids)
-                pending: list[tuple[range, concurrent.futures.Future]] = []
+                pending: list[tuple[list[int], concurrent.futures.Future]] = []
                 n_tok = n_fwd = truncated = 0
                 decode_s = 0.0
                 for b, idx in enumerate(groups):
@@ -217,6 +227,16 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
                     score_s += s
                     for j, i in enumerate(idx):
                         correct[i] = bool(ok[j])
+                if env.active:  # every rank's examples into the full per-example lists
+                    cols = (responses, tpf, row_fwd, eos, correct)
+                    parts = all_gather(env, (mine, [[c[i] for i in mine] for c in cols],
+                                             (n_tok, n_fwd, truncated), (decode_s, score_s)))
+                    for idx_r, vals, _, _ in parts:
+                        for c, v in zip(cols, vals):
+                            for i, x in zip(idx_r, v):
+                                c[i] = x
+                    n_tok, n_fwd, truncated = (sum(p[2][k] for p in parts) for k in range(3))
+                    decode_s, score_s = (max(p[3][k] for p in parts) for k in range(2))  # the ranks run at once
                 verified = correct
                 if truncated_is_wrong:
                     correct = [c and e for c, e in zip(correct, eos)]
@@ -461,7 +481,17 @@ def run(args) -> dict:
     overlays = [load_results(p) for p in args.overlay]
     task = make_task(args.task, args.workers)
     examples = load_data(args, task)
-    device = resolve_device(args.device)
+    try:
+        env, device = distributed.init(distributed.env_from_environment(), resolve_device(args.device))
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    try:
+        return _run_on(args, env, device, thresholds, model_dir, overlays, task, examples)
+    finally:
+        distributed.shutdown(env)
+
+
+def _run_on(args, env: DistEnv, device, thresholds, model_dir, overlays, task, examples) -> dict:
     dtype = resolve_dtype(args.dtype, device)
     tokenizer = load_tokenizer_checked(model_dir)
     if args.max_new_tokens is None:
@@ -473,8 +503,8 @@ def run(args) -> dict:
     label = args.label or model_dir.resolve().name
     try:
         res = evaluate(model, tokenizer, task, examples, thresholds, cfg, batch_size=args.batch_size,
-                       progress_bar=not args.quiet, keep_responses=args.save_responses,
-                       truncated_is_wrong=not args.truncated_ok)
+                       progress_bar=not args.quiet and env.main, keep_responses=args.save_responses,
+                       truncated_is_wrong=not args.truncated_ok, env=env)
     except ValueError as e:
         raise CLIError(str(e)) from None
     res.update(label=label, task=args.task, model=str(model_dir), data=args.data or "synthetic:test",
@@ -488,6 +518,8 @@ def run(args) -> dict:
         r["aup_shared"] = aup(pts, y_max=y_max) if pts else math.nan
     res["aup_shared_y_max"] = y_max
     res["overlays"] = {r["label"]: {"aup": r.get("aup"), "aup_shared": r["aup_shared"]} for r in overlays}
+    if not env.main:  # rank 0 writes and prints
+        return res
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -496,7 +528,8 @@ def run(args) -> dict:
     json_path.write_text(json.dumps(res, indent=2, allow_nan=True) + "\n", encoding="utf-8")
     plotted = plot_curves(runs, png_path, title=f"{args.task}: accuracy vs tokens per forward")
 
-    print(f"{label} on {args.task} ({len(examples)} examples, {device}, {res['dtype']}, "
+    ranks = f" x {env.world} ranks" if env.active else ""
+    print(f"{label} on {args.task} ({len(examples)} examples, {device}{ranks}, {res['dtype']}, "
           f"block {res['sampler']['block_size']}, max_new_tokens {cfg.max_new_tokens})")
     print(format_table(res))
     print(f"AUP {res['aup']:.2f} (y_max {res['aup_y_max']:.2f}; accuracy in %, TPF x accuracy units)")

@@ -22,6 +22,9 @@ Output: one JSON row per prompt, in input order — `prompt`, `text` (the respon
 is absent (the summary then goes to stderr). The summary: tokens/s, forwards/s (the engine's forwards over the
 decode time) and mean TPF. A progress bar over batches uses tqdm when it is installed.
 
+Several GPUs: `torchrun --nproc-per-node N -m lightningrl_fast.generate ...` decodes batch g on rank g % N with
+the seed a single process would use, and rank 0 writes the rows in input order: the same output, N times faster.
+
 `decode_texts(model, tokenizer, prompt_ids, cfg, decoder)` is the shared helper (eval.py uses it): one
 `Decoder.generate` call plus the decoded response texts. The CLI keeps one `sampler.Decoder` for all its
 batches, so each working-set size is captured as a CUDA graph once per run, not once per batch.
@@ -351,15 +354,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> dict:
-    """Everything `main` does; returns the summary dict. Raises CLIError for user errors."""
-    from .profiling import nvtx_range
+    """Everything `main` does; returns the summary dict. Raises CLIError for user errors. Under torchrun every
+    rank runs it (see `_generate`)."""
+    from .rl import distributed
 
     check_decoding_args(args)
     model_dir = check_model_dir(args.model)
     rows = read_prompts(args.prompts)
     if args.out is not None and Path(args.out).is_dir():
         raise CLIError(f"--out {args.out} is a folder; give a file name")
-    device = resolve_device(args.device)
+    try:
+        env, device = distributed.init(distributed.env_from_environment(), resolve_device(args.device))
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    try:
+        return _generate(args, env, device, model_dir, rows)
+    finally:
+        distributed.shutdown(env)
+
+
+def _generate(args, env, device, model_dir: Path, rows: list) -> dict:
+    """Decode every prompt in batches, write JSONL rows in prompt order as batches finish, print the summary.
+
+    Several ranks: batch g (the same batches and Philox seeds as one process) is decoded by rank g % world; after
+    each round of `world` batches the rows are all-gathered and rank 0 writes them in order, so the output equals
+    a one-process run's, with N times the decode throughput (tokens/s over the slowest rank's decode time)."""
+    from .profiling import nvtx_range
+    from .rl.distributed import all_gather
+    from .sampler import Decoder
+
     dtype = resolve_dtype(args.dtype, device)
     mcfg = read_config_checked(model_dir)
     tokenizer = load_tokenizer_checked(model_dir)
@@ -369,51 +392,64 @@ def run(args) -> dict:
     cfg = sampler_config_from_args(args, eos_ids)
 
     model = load_model_checked(model_dir, device, dtype)
-    out_f = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    out_f = (open(args.out, "w", encoding="utf-8") if args.out else sys.stdout) if env.main else None
     log = sys.stdout if args.out else sys.stderr
     n_tok = n_fwd = 0
     seconds = 0.0
     tpfs: list[float] = []
     finish = {"eos": 0, "length": 0}
     groups = batches(len(ids), args.batch_size)
-    bar = progress(len(groups), "generate", enabled=not args.quiet)
-    from .sampler import Decoder
-
+    bar = progress(len(groups), "generate", enabled=not args.quiet and env.main)
     decoder = Decoder(model)  # one engine for all batches: each working-set size is captured once per run
     try:
         with decode_block_size(model, args.block_size), nvtx_range("generate"):
-            for b, idx in enumerate(groups):
-                bcfg = dataclasses.replace(cfg, seed=cfg.seed + b)  # distinct Philox streams per batch
-                t0 = time.perf_counter()
-                ro, texts = decode_texts(model, tokenizer, [ids[i] for i in idx], bcfg, decoder)
-                seconds += time.perf_counter() - t0
-                n_fwd += ro.total_forwards
-                for j, i in enumerate(idx):
-                    n = int(ro.lengths[j])
-                    n_tok += n
-                    tpfs.append(float(ro.tpf[j]))
-                    finish[ro.finish_reason[j]] = finish.get(ro.finish_reason[j], 0) + 1
-                    row = {"prompt": rows[i].text, "text": texts[j], "tokens": n, "token_ids": ro.response_ids(j),
-                           "tpf": round(float(ro.tpf[j]), 4), "forwards": int(ro.forwards[j]),
-                           "finish_reason": ro.finish_reason[j]}
-                    if rows[i].id is not None:
-                        row = {"id": rows[i].id, **row}
-                    out_f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                out_f.flush()
-                bar.update(1)
+            for g0 in range(0, len(groups), env.world):  # one round: batch g0 + rank on each rank
+                g = g0 + env.rank
+                out_rows: list[dict] = []
+                if g < len(groups):
+                    idx = groups[g]
+                    bcfg = dataclasses.replace(cfg, seed=cfg.seed + g)  # distinct Philox streams per batch
+                    t0 = time.perf_counter()
+                    ro, texts = decode_texts(model, tokenizer, [ids[i] for i in idx], bcfg, decoder)
+                    seconds += time.perf_counter() - t0
+                    n_fwd += ro.total_forwards
+                    for j, i in enumerate(idx):
+                        row = {"prompt": rows[i].text, "text": texts[j], "tokens": int(ro.lengths[j]),
+                               "token_ids": ro.response_ids(j), "tpf": round(float(ro.tpf[j]), 4),
+                               "forwards": int(ro.forwards[j]), "finish_reason": ro.finish_reason[j]}
+                        out_rows.append({"id": rows[i].id, **row} if rows[i].id is not None else row)
+                        tpfs.append(float(ro.tpf[j]))
+                for part in (all_gather(env, out_rows) if env.active else [out_rows]):  # batch order
+                    for row in part:
+                        n_tok += row["tokens"]
+                        finish[row["finish_reason"]] = finish.get(row["finish_reason"], 0) + 1
+                        if out_f is not None:
+                            out_f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    bar.update(1 if part else 0)
+                if out_f is not None:
+                    out_f.flush()
                 bar.set_postfix_str(f"{n_tok / max(seconds, 1e-9):.1f} tok/s")
     finally:
         bar.close()
-        if out_f is not sys.stdout:
+        if out_f is not None and out_f is not sys.stdout:
             out_f.close()
+    if env.active:
+        parts = all_gather(env, (seconds, n_fwd, sum(tpfs), len(tpfs)))
+        seconds, n_fwd = max(p[0] for p in parts), sum(p[1] for p in parts)
+        mean_tpf = sum(p[2] for p in parts) / max(1, sum(p[3] for p in parts))
+    else:
+        mean_tpf = sum(tpfs) / len(tpfs)
     summary = {
         "prompts": len(ids), "batches": len(groups), "tokens": n_tok, "forwards": n_fwd, "seconds": round(seconds, 4),
         "tokens_per_s": n_tok / seconds if seconds > 0 else math.nan,
         "forwards_per_s": n_fwd / seconds if seconds > 0 else math.nan,
-        "mean_tpf": sum(tpfs) / len(tpfs), "finish": finish, "device": str(device), "dtype": str(dtype)[6:],
-        "block_size": cfg.block_size or model.config.block_size, "threshold": cfg.threshold,
+        "mean_tpf": mean_tpf, "finish": finish, "device": str(device), "dtype": str(dtype)[6:],
+        "block_size": cfg.block_size or model.config.block_size, "threshold": cfg.threshold, "ranks": env.world,
     }
-    print(f"prompts {summary['prompts']} in {summary['batches']} batch(es) on {device} ({summary['dtype']}); "
+    if not env.main:
+        return summary
+    ranks = f" x {env.world} ranks" if env.active else ""
+    print(f"prompts {summary['prompts']} in {summary['batches']} batch(es) on {device}{ranks} ({summary['dtype']}); "
           f"generated {n_tok} tokens in {seconds:.2f} s", file=log)
     print(f"tokens/s {summary['tokens_per_s']:.1f}  forwards/s {summary['forwards_per_s']:.1f}  "
           f"mean TPF {summary['mean_tpf']:.3f}  (forwards {n_fwd}; finish: eos {finish.get('eos', 0)}, "

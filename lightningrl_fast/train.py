@@ -19,6 +19,11 @@ Real use: `--model DIR --task math|code --train-data FILE [--eval-data FILE]` (D
 safetensors, tokenizer files). `--resume OUT_OR_CHECKPOINT` continues a run exactly (same next batch, same
 RNG; the run's saved config.json is the base, flags override it).
 
+Several GPUs: `torchrun --nproc-per-node N -m lightningrl_fast.train ...` runs one process per GPU
+(rl/distributed.py: rollouts split by prompt, gradients summed, optimizer state sharded over the ranks,
+evaluation split by example); rank 0 prints, logs and writes, every rank computes. `--baseline rft` runs in one
+process only.
+
 Exit status: 0 done; 2 bad configuration (reported before any model loads); 3 training stopped on
 non-finite updates (nothing non-finite is saved; the last checkpoint stays valid); 1 other errors.
 """
@@ -39,6 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .config import RUN_CONFIG, ConfigError, TrainConfig, cache_root, parse_config
+from .rl.distributed import SINGLE, DistEnv
 from .tasks import is_correct_batch
 
 SFT_CACHE_VERSION = 4  # bump when the SFT recipe changes in a way the cache key cannot see
@@ -158,18 +164,20 @@ def embedded_sft_model(cfg: TrainConfig, task: Any, device: torch.device, dtype:
 # ------------------------------------------------------------------------------------------------------------
 
 def evaluate(model, tokenizer, task, examples: Sequence, scfg, thresholds: Sequence[float], batch_size: int,
-             max_new_tokens: int | None = None) -> dict[str, dict[str, float]]:
+             max_new_tokens: int | None = None, env: DistEnv = SINGLE) -> dict[str, dict[str, float]]:
     """Greedy decoding of `examples` at each threshold -> {f"{tau:g}": {acc, tpf, ...}}: `eval.evaluate`, reshaped.
 
     acc: verifier-correct AND finished with EOS (a response hitting the length cap is wrong); tpf: mean
     tokens per forward; fwd_per_answer: mean forwards an answer took (prefill and commits included);
     well_formed (synthetic task): every step of the worked trace is right; finished: fraction that emitted
-    EOS; tokens_per_s: generated tokens per second of decoding."""
+    EOS; tokens_per_s: generated tokens per second of decoding.
+    Several ranks: each decodes every world-th example; `eval.evaluate` gathers the per-example results, so
+    every rank gets the numbers of all examples."""
     from .eval import evaluate as evaluate_points
 
     ec = dataclasses.replace(scfg, temperature=0.0, seed=0, max_new_tokens=max_new_tokens or scfg.max_new_tokens)
     taus = sorted(set(float(t) for t in thresholds))
-    res = evaluate_points(model, tokenizer, task, list(examples), taus, ec, batch_size=batch_size)
+    res = evaluate_points(model, tokenizer, task, list(examples), taus, ec, batch_size=batch_size, env=env)
     out: dict[str, dict[str, float]] = {}
     for p in res["points"]:
         rec = {"acc": p["accuracy"], "tpf": p["mean_tpf"], "fwd_per_answer": p["forwards_per_answer"],
@@ -199,6 +207,7 @@ class RunContext:
     reference_dir: Path | None  # where the initial policy lives (None: saved into out/reference when needed)
     reference_fingerprint: str | None  # of reference_dir, taken when the model was loaded
     resume_from: Path | None
+    env: DistEnv = SINGLE  # this process's rank (data-parallel runs)
 
 
 def _load_examples(path: str, fmt: str | None, limit: int | None, say) -> list:
@@ -209,13 +218,17 @@ def _load_examples(path: str, fmt: str | None, limit: int | None, say) -> list:
     return list(res.examples)
 
 
-def build_context(cfg: TrainConfig, say: Callable[[str], None] = log) -> RunContext:
+def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistEnv = SINGLE,
+                  device: torch.device | None = None) -> RunContext:
+    """Task, model, tokenizer, data and sampler settings of a run. Several ranks: every rank loads the same
+    model (rank 0 alone trains or loads the embedded SFT warm-up) and then takes rank 0's weights."""
     from .checkpoint import load_model, read_config
     from .rl.checkpointing import resolve_checkpoint
+    from .rl.distributed import broadcast, broadcast_params
     from .sampler import SamplerConfig
     from .tokenizer import load_tokenizer
 
-    device = resolve_device(cfg.data.device)
+    device = device if device is not None else resolve_device(cfg.data.device)
     d = cfg.data
     resume_from = resolve_checkpoint(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
     if d.out:
@@ -224,7 +237,7 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log) -> RunCont
         out = resume_from.parent
     else:
         out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    out = out.absolute()
+    out = Path(broadcast(env, str(out.absolute())))  # rank 0's clock names the run folder
     out.mkdir(parents=True, exist_ok=True)
 
     # task
@@ -252,9 +265,16 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log) -> RunCont
             from .rl.checkpointing import fingerprint
 
             reference_dir, reference_fp = Path(d.model).absolute(), fingerprint(d.model)
-    else:
+    elif env.main:
         tokenizer = task.tokenizer
         model, _ = embedded_sft_model(cfg, task, device, resolve_dtype(d.dtype, device, None), say)
+    else:  # rank 0 trains (or loads) the warm-up; this rank gets its weights below
+        from .model import build_model
+
+        tokenizer = task.tokenizer
+        model = build_model(embedded_model_config(cfg, tokenizer), device=device, dtype=torch.float32,
+                            seed=cfg.rl.seed).to(dtype=resolve_dtype(d.dtype, device, None)).eval()
+    broadcast_params(env, model)  # identical weights on every rank from the start (no-op with one rank)
     model.gradient_checkpointing = cfg.run.gradient_checkpointing
     if tokenizer.mask_token_id is not None and tokenizer.mask_token_id != model.config.mask_token_id:
         say(f"warning: tokenizer mask id {tokenizer.mask_token_id} != model config mask_token_id "
@@ -280,7 +300,7 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log) -> RunCont
     scfg = dataclasses.replace(cfg.sampler, eos_ids=eos, max_new_tokens=default_max_new_tokens(cfg, task, bs))
     assert isinstance(scfg, SamplerConfig)
     return RunContext(cfg, out, device, model, tokenizer, task, train_examples, eval_examples, scfg,
-                      reference_dir, reference_fp, resume_from)
+                      reference_dir, reference_fp, resume_from, env)
 
 
 def _sweep_thresholds(cfg: TrainConfig, scfg) -> list[float]:
@@ -293,7 +313,7 @@ def _eval_sweep(ctx: RunContext, label: str, say) -> dict:
         return {}
     t0 = time.perf_counter()
     res = evaluate(ctx.model, ctx.tokenizer, ctx.task, ctx.eval_examples, ctx.scfg, _sweep_thresholds(ctx.cfg, ctx.scfg),
-                   ctx.cfg.eval.eval_batch_size, ctx.cfg.eval.eval_max_new_tokens)
+                   ctx.cfg.eval.eval_batch_size, ctx.cfg.eval.eval_max_new_tokens, env=ctx.env)
     k = f"{ctx.scfg.threshold:g}"
     say(f"eval {label}: {len(ctx.eval_examples)} examples, greedy, tau {k}: acc {res[k]['acc']:.3f} "
         f"TPF {res[k]['tpf']:.2f} ({time.perf_counter() - t0:.1f}s for {len(res)} threshold(s))")
@@ -332,17 +352,19 @@ def _report(ctx: RunContext, before: dict, after: dict, label: str, history: lis
 
 
 def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
-    from .rl.checkpointing import NonFiniteModelError, load_checkpoint, save_checkpoint
+    from .rl.checkpointing import NonFiniteModelError, load_checkpoint, save_checkpoint_ranks
+    from .rl.distributed import broadcast, check_training_memory
     from .rl.logging import RunLogger
     from .rl.trainer import make_state, train_step
 
-    cfg, rl = ctx.cfg, ctx.cfg.rl
-    state = make_state(ctx.model, rl)
+    cfg, rl, env = ctx.cfg, ctx.cfg.rl, ctx.env
+    check_training_memory(ctx.model, ctx.device, env.world, reference=rl.kl_beta > 0 and not rl.reference_offload)
+    state = make_state(ctx.model, rl, env)
     extra: dict[str, Any] = {}
     metrics_len = None
     reference_dir, reference_fp = ctx.reference_dir, ctx.reference_fingerprint
     if ctx.resume_from is not None:
-        loaded = load_checkpoint(ctx.resume_from, state, config=rl)
+        loaded = load_checkpoint(ctx.resume_from, state, config=rl, env=env)
         extra, metrics_len = loaded.extra, loaded.metrics_len
         reference_dir, reference_fp = loaded.reference_dir, loaded.reference_fingerprint
         say(f"resume: step {state.step}, data cursor {state.cursor} from {loaded.path}")
@@ -350,15 +372,16 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     elapsed = float(extra.get("rl_elapsed_s", 0.0))
     budget = cfg.run.rl_time_budget
     logger = RunLogger(ctx.out, total_steps=rl.steps, progress=cfg.run.progress, truncate_to=metrics_len,
-                       initial_step=state.step)
+                       initial_step=state.step, write=env.main)
 
     def ckpt_extra() -> dict:
         return {"eval_before": before, "rl_elapsed_s": elapsed, "train_config": cfg.to_dict(), "phase": "rl"}
 
     def save() -> Path:
-        return save_checkpoint(ctx.out, state, ckpt_extra(), config=rl, keep=cfg.checkpoint.keep_checkpoints,
-                               tokenizer=ctx.tokenizer, reference_dir=reference_dir,
-                               reference_fingerprint=reference_fp, metrics_len=logger.n_logged)
+        return save_checkpoint_ranks(env, ctx.out, state, ckpt_extra(), config=rl,
+                                     keep=cfg.checkpoint.keep_checkpoints, tokenizer=ctx.tokenizer,
+                                     reference_dir=reference_dir, reference_fingerprint=reference_fp,
+                                     metrics_len=logger.n_logged)
 
     tau = ctx.scfg.threshold
     say(f"RL: {rl.steps} steps" + (f" or {budget:g}s" if budget else "") + f", {rl.prompts_per_step} prompts x "
@@ -367,7 +390,8 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     status = EXIT_OK
     try:
         while state.step < rl.steps:
-            if budget is not None and elapsed >= budget:
+            # rank 0's clock decides for every rank (a rank leaving the loop alone would stall the others)
+            if broadcast(env, budget is not None and elapsed >= budget):
                 logger.info(f"RL: time budget {budget:g}s reached after {state.step} steps")
                 break
             t0 = time.perf_counter()
@@ -378,7 +402,7 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
             m["elapsed_s"] = elapsed
             if cfg.eval.eval_every and state.step % cfg.eval.eval_every == 0 and ctx.eval_examples:
                 ev = evaluate(ctx.model, ctx.tokenizer, ctx.task, ctx.eval_examples, ctx.scfg, [tau],
-                              cfg.eval.eval_batch_size, cfg.eval.eval_max_new_tokens)[f"{tau:g}"]
+                              cfg.eval.eval_batch_size, cfg.eval.eval_max_new_tokens, env=env)[f"{tau:g}"]
                 m["eval_acc"], m["eval_tpf"] = ev["acc"], ev["tpf"]
                 if "well_formed" in ev:
                     m["eval_well_formed"] = ev["well_formed"]
@@ -407,6 +431,8 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     after = _eval_sweep(ctx, "after RL", say)
     history = logger.history
     evals = [{"step": m["step"], "acc": m["eval_acc"], "tpf": m["eval_tpf"]} for m in history if "eval_acc" in m]
+    if not env.main:
+        return status
     plots = _report(ctx, before, after, "after RL", history, evals, say)
     _write_json(ctx.out / "summary.json", {
         "mode": "lightningrl", "steps": state.step, "rl_elapsed_s": elapsed, "threshold": tau,
@@ -486,21 +512,40 @@ def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
 
 
 def run(cfg: TrainConfig, say: Callable[[str], None] = log) -> int:
-    """Run a validated config (see the module docstring). Returns the exit status."""
+    """Run a validated config (see the module docstring). Returns the exit status. Under torchrun (WORLD_SIZE
+    > 1) every rank runs it: rank 0 prints and writes, the others compute."""
+    from .rl import distributed
+
+    try:
+        env = distributed.env_from_environment()
+        if env.active and cfg.run.baseline == "rft":
+            raise ValueError("--baseline rft runs in one process; start it without torchrun")
+        env, device = distributed.init(env, resolve_device(cfg.data.device), cfg.run.dist_timeout_min)
+    except ValueError as ex:
+        raise ConfigError(str(ex)) from None
+    try:
+        return _run(cfg, say if env.main else (lambda _msg: None), env, device)
+    finally:
+        distributed.shutdown(env)
+
+
+def _run(cfg: TrainConfig, say: Callable[[str], None], env: DistEnv, device: torch.device) -> int:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     random.seed(cfg.rl.seed)
     torch.manual_seed(cfg.rl.seed)
     t0 = time.perf_counter()
-    ctx = build_context(cfg, say)
+    ctx = build_context(cfg, say, env, device)
     # the resolved config (a resumed run's changes included): `--config out/config.json` repeats the run and
     # `--resume out` starts from it
     saved = cfg.to_dict()
     saved["data"]["out"] = str(ctx.out)
     saved["checkpoint"]["resume"] = None
-    _write_json(ctx.out / RUN_CONFIG, saved)
+    if env.main:
+        _write_json(ctx.out / RUN_CONFIG, saved)
     n_params = sum(p.numel() for p in ctx.model.parameters())
-    say(f"run: {ctx.out} | device {ctx.device} | {n_params / 1e6:.2f} M parameters "
+    ranks = f" x {env.world} ranks" if env.active else ""
+    say(f"run: {ctx.out} | device {ctx.device}{ranks} | {n_params / 1e6:.2f} M parameters "
         f"({next(ctx.model.parameters()).dtype}) | task {cfg.data.task}: {len(ctx.train_examples)} train / "
         f"{len(ctx.eval_examples)} eval examples | block {ctx.scfg.block_size or ctx.model.config.block_size}, "
         f"max new tokens {ctx.scfg.max_new_tokens}")
@@ -517,10 +562,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     try:
         return run(cfg)
+    except ConfigError as ex:  # found once the environment is known (torchrun variables, devices)
+        print(f"error: {ex}", file=sys.stderr)
+        return EXIT_CONFIG
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except _load_errors() as ex:  # data/checkpoint problems found while loading
+    except _load_errors() as ex:  # data/checkpoint problems found while loading, a GPU too small for the run
         print(f"error: {ex}", file=sys.stderr)
         return EXIT_ERROR
 
@@ -529,7 +577,7 @@ def _load_errors() -> tuple[type[BaseException], ...]:
     from .checkpoint import CheckpointError
     from .tasks.data import DataFormatError
 
-    return (FileNotFoundError, CheckpointError, DataFormatError)
+    return (FileNotFoundError, CheckpointError, DataFormatError, torch.cuda.OutOfMemoryError)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,15 @@ of its files. `save_checkpoint(..., reference_dir=D)` records D (the `--model` f
 no copy of a large model is made); without it, the reference model itself is written once per run to
 `out/reference/` (the embedded default's SFT model is tiny). `load_checkpoint` loads the reference weights
 from there and refuses a folder whose files changed since (fingerprint mismatch).
+
+Data-parallel runs (rl/distributed.py) shard the optimizer state over the ranks: `save_checkpoint_ranks`
+(called by every rank) has each rank r > 0 stage `optimizer-rank<r>.pt` (its shard and RNG states) next to
+the run folder, and rank 0 moves those files into its temporary checkpoint folder before the one atomic
+rename, so a checkpoint is complete for all ranks or not there at all. `trainer_state.pt` records the number
+of ranks and each parameter's owner rank, so a run resumes on any number of ranks (1 included): each rank
+gathers the optimizer entries of the parameters it now owns from whichever shards hold them (shards are read
+memory-mapped, one at a time). Another number of ranks samples other rollouts than the original run would
+have (per-rank seeds), so such a resume continues the run but does not repeat it bit for bit (warned).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ import torch
 from safetensors import safe_open
 
 from ..checkpoint import CheckpointError, _fsync, _pid_alive, _rename_exchange, checkpoint_files, save_model
+from .distributed import SINGLE, DistEnv, barrier, broadcast
 from .trainer import TrainState
 
 TRAINER_STATE = "trainer_state.pt"
@@ -59,7 +69,7 @@ FORMAT_VERSION = 1
 __all__ = [
     "NonFiniteModelError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "list_checkpoints",
     "nonfinite_parameters", "load_weights_into", "save_reference", "fingerprint", "rng_state", "set_rng_state",
-    "LoadedCheckpoint",
+    "LoadedCheckpoint", "save_checkpoint_ranks", "shard_file",
 ]
 
 
@@ -256,14 +266,17 @@ def _reference_record(out: Path, state: TrainState, reference_dir: str | Path | 
 def save_checkpoint(out_dir: str | Path, state: TrainState, extra: dict[str, Any] | None = None, *,
                     config: Any = None, keep: int = 3, tokenizer: Any = None,
                     reference_dir: str | Path | None = None, reference_fingerprint: str | None = None,
-                    metrics_len: int | None = None) -> Path:
+                    metrics_len: int | None = None, rank_files: dict[str, Path] | None = None,
+                    world_size: int = 1) -> Path:
     """Write `out_dir/checkpoint-<state.step>/` atomically, point `latest` at it, keep the last `keep`.
 
     config: the RLConfig (stored as a dict); tokenizer: written into the model folder (so it is a complete
     `--model` folder); reference_dir: the folder of the initial policy when kl_beta > 0 (None: the
     reference model is saved once to out_dir/reference); reference_fingerprint: `fingerprint(reference_dir)`
     taken when the run loaded the initial policy (default: computed now; pass it so that a folder modified
-    during the run is caught); metrics_len: lines of metrics.jsonl so far.
+    during the run is caught); metrics_len: lines of metrics.jsonl so far; rank_files:
+    files (the other ranks' optimizer shards) moved into the folder before it is renamed into place; world_size:
+    the number of ranks the optimizer state spans.
     Raises NonFiniteModelError (nothing written) when a parameter is NaN/inf. Returns the folder.
     """
     if keep < 1:
@@ -296,6 +309,8 @@ def save_checkpoint(out_dir: str | Path, state: TrainState, extra: dict[str, Any
         "reference": reference,
         "extra": json.dumps(extra, allow_nan=True),
         "torch_version": str(torch.__version__),
+        "world_size": int(world_size),
+        "owners": list(state.owners) if state.owners is not None else None,
     }
     try:
         save_model(state.model, state.model.config, tmp, tokenizer=tokenizer)
@@ -304,6 +319,8 @@ def save_checkpoint(out_dir: str | Path, state: TrainState, extra: dict[str, Any
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
+        for fname, src in (rank_files or {}).items():
+            os.rename(src, tmp / fname)  # staged (and fsynced) by its rank next to the run folder
         _fsync(tmp)
         _crash_point("state_written")
         if not final.exists():
@@ -328,6 +345,54 @@ def save_checkpoint(out_dir: str | Path, state: TrainState, extra: dict[str, Any
     _crash_point("latest_written")
     _prune(out, keep, name)
     return final
+
+
+def shard_file(rank: int) -> str:
+    return f"optimizer-rank{rank}.pt"
+
+
+def save_checkpoint_ranks(env: DistEnv, out_dir: str | Path, state: TrainState, extra: dict[str, Any] | None = None,
+                          **kw: Any) -> Path:
+    """`save_checkpoint` for every rank of a data-parallel run (all must call it); with one rank, exactly it.
+
+    Ranks r > 0 write their optimizer shard and RNG states to a staging file in `out_dir`; rank 0 writes the
+    model and its trainer state and moves the shards into the same checkpoint folder before the atomic rename.
+    Returns the folder on every rank; a failure on rank 0 is raised on every rank."""
+    if not env.active:
+        return save_checkpoint(out_dir, state, extra, **kw)
+    bad = nonfinite_parameters(state.model)  # the weights are the same on every rank: all refuse alike
+    if bad:
+        raise NonFiniteModelError(f"not saving checkpoint of step {state.step}: non-finite values in "
+                                  f"{', '.join(bad[:5])}")
+    out = Path(out_dir).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    token = broadcast(env, uuid.uuid4().hex[:8])
+
+    def staged(rank: int) -> Path:
+        return out / f".{PREFIX}{state.step}.shard-{token}-rank{rank}.pt"
+
+    if env.rank > 0:
+        with open(staged(env.rank), "wb") as f:
+            torch.save({"rank": env.rank, "world_size": env.world, "step": state.step,
+                        "optimizer": state.optimizer.state_dict(), "rng": rng_state()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+    barrier(env)
+    folder, err, exc = None, None, None
+    if env.main:
+        try:
+            shards = {shard_file(r): staged(r) for r in range(1, env.world)}
+            folder = save_checkpoint(out, state, extra, rank_files=shards, world_size=env.world, **kw)
+        except Exception as ex:  # told to every rank below, then raised here
+            err, exc = f"{type(ex).__name__}: {ex}", ex
+        for p in out.glob(f".{PREFIX}*.shard-*-rank*.pt"):  # this save's leftovers (on failure) and older ones
+            p.unlink(missing_ok=True)
+    folder, err = broadcast(env, (str(folder) if folder else None, err))
+    if exc is not None:
+        raise exc
+    if err is not None:
+        raise CheckpointError(f"rank 0 failed to save the checkpoint of step {state.step}: {err}")
+    return Path(folder)
 
 
 def _write_latest(out: Path, name: str) -> None:
@@ -394,7 +459,7 @@ class LoadedCheckpoint:
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
     """The raw trainer_state.pt of a checkpoint (or run) folder; `extra` decoded."""
     ck = resolve_checkpoint(path)
-    ts = torch.load(ck / TRAINER_STATE, map_location="cpu", weights_only=True)
+    ts = torch.load(ck / TRAINER_STATE, map_location="cpu", weights_only=True, mmap=True)  # tensors read on use
     if ts.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{ck / TRAINER_STATE}: unknown format {ts.get('format')!r} (expected {FORMAT_VERSION})")
     ts["extra"] = json.loads(ts["extra"]) if isinstance(ts.get("extra"), str) else (ts.get("extra") or {})
@@ -406,14 +471,65 @@ def _reference_path(ck: Path, rec: dict) -> Path:
     return (ck.parent / rec["dir"]) if rec.get("relative") else Path(rec["dir"])
 
 
+def _read_shard(ck: Path, rank: int, step: int) -> dict[str, Any]:
+    """Rank `rank`'s `optimizer-rank<rank>.pt` of a checkpoint folder (memory-mapped), checked."""
+    shard = ck / shard_file(rank)
+    if not shard.is_file():
+        raise CheckpointError(f"{ck}: the optimizer shard of rank {rank} ({shard.name}) is missing")
+    sh = torch.load(shard, map_location="cpu", weights_only=True, mmap=True)
+    if int(sh.get("rank", -1)) != rank or int(sh.get("step", -1)) != step:
+        raise CheckpointError(f"{shard}: holds rank {sh.get('rank')} step {sh.get('step')}, expected rank "
+                              f"{rank} step {step}")
+    return sh
+
+
+def _reshard_optimizer(ck: Path, ts: dict[str, Any], saved_world: int, n_params: int,
+                       owners: list[int] | None, env: DistEnv) -> dict[str, Any]:
+    """This rank's optimizer state dict under the current partition, gathered from the shards of a checkpoint
+    saved by another number of ranks (each saved shard lists its parameters in model order)."""
+    saved_owners = ts.get("owners") or [0] * n_params
+    if len(saved_owners) != n_params:
+        raise CheckpointError(f"{ck}: the optimizer state covers {len(saved_owners)} parameter tensors, the model has "
+                              f"{n_params}")
+    mine = [i for i in range(n_params) if (owners[i] if owners is not None else 0) == env.rank]
+    where = {g: k for k, g in enumerate(mine)}  # global parameter index -> index in this rank's optimizer
+    state: dict[int, Any] = {}
+    group = None
+    for r in range(saved_world):
+        sd = ts["optimizer"] if r == 0 else _read_shard(ck, r, int(ts["step"]))["optimizer"]
+        held = [i for i in range(n_params) if saved_owners[i] == r]  # shard r's parameters, in its order
+        if group is None:
+            group = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
+        for local, entry in sd["state"].items():
+            g = held[int(local)]
+            if g in where:
+                state[where[g]] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in entry.items()}
+    return {"state": state, "param_groups": [dict(group or {}, params=list(range(len(mine))))]}
+
+
 def load_checkpoint(path: str | Path, state: TrainState, *, config: Any = None, restore_rng: bool = True,
-                    load_model_weights: bool = True) -> LoadedCheckpoint:
+                    load_model_weights: bool = True, env: DistEnv = SINGLE) -> LoadedCheckpoint:
     """Restore `state` in place from a checkpoint (or run) folder: model weights, frozen reference (from the
     recorded initial-policy folder, fingerprint-checked), optimizer, scheduler, step, cursor, non-finite
     counter and (restore_rng) the RNG states. `config` (the current RLConfig) is compared with the saved one;
-    differences are warned about. Returns what else the checkpoint holds (extra, metrics length, ...)."""
+    differences are warned about. Returns what else the checkpoint holds (extra, metrics length, ...).
+    Data parallel: every rank calls it; rank r > 0 takes its optimizer shard and RNG states from
+    `optimizer-rank<r>.pt`; the checkpoint must come from the same number of ranks."""
     ts = read_trainer_state(path)
     ck: Path = ts["path"]
+    saved_world = int(ts.get("world_size", 1))
+    if saved_world == env.world:
+        opt_state, rng = ts["optimizer"], ts["rng"]
+        if env.rank > 0:
+            sh = _read_shard(ck, env.rank, int(ts["step"]))
+            opt_state, rng = sh["optimizer"], sh["rng"]
+    else:
+        n = len(list(state.model.parameters()))
+        opt_state = _reshard_optimizer(ck, ts, saved_world, n, state.owners, env)
+        rng = _read_shard(ck, env.rank, int(ts["step"]))["rng"] if 0 < env.rank < saved_world else ts["rng"]
+        warnings.warn(f"resuming {ck} (saved by {saved_world} rank(s)) with {env.world} rank(s): the optimizer "
+                      "state is redistributed; rollouts are split differently, so the run continues but does not "
+                      "repeat the original one bit for bit", stacklevel=2)
     ref_dir, ref_fp = None, None
     if state.ref_model is not None:
         rec = ts.get("reference")
@@ -431,11 +547,11 @@ def load_checkpoint(path: str | Path, state: TrainState, *, config: Any = None, 
         load_weights_into(state.model, ck)
     if ref_dir is not None:
         load_weights_into(state.ref_model, ref_dir)
-    state.optimizer.load_state_dict(ts["optimizer"])
+    state.optimizer.load_state_dict(opt_state)
     state.scheduler.load_state_dict(ts["scheduler"])
     state.step, state.cursor, state.nonfinite_in_row = int(ts["step"]), int(ts["cursor"]), int(ts["nonfinite_in_row"])
     if restore_rng:
-        set_rng_state(ts["rng"])
+        set_rng_state(rng)
     saved = ts.get("rl_config")
     if config is not None and saved is not None:
         now = _config_dict(config) or {}

@@ -96,22 +96,24 @@ class RunLogger:
 
     def __init__(self, out_dir: str | Path, total_steps: int | None = None, progress: str = "auto",
                  truncate_to: int | None = None, initial_step: int = 0, stream: TextIO | None = None,
-                 print_fn: Callable[[str], None] | None = None) -> None:
+                 print_fn: Callable[[str], None] | None = None, write: bool = True) -> None:
+        """write=False (the ranks > 0 of a data-parallel run): keep the history in memory, touch no file, print
+        nothing."""
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / METRICS_FILE
         self.total = total_steps
         self.stream = stream or sys.stdout
         self._print = print_fn or (lambda s: print(s, file=self.stream, flush=True))
-        self.history: list[dict[str, Any]] = read_metrics(self.path)
-        if truncate_to is not None:
+        self.history: list[dict[str, Any]] = read_metrics(self.path) if write else []
+        if write and truncate_to is not None:
             self.history = self.history[:truncate_to]
             self._rewrite()
-        elif self.history:  # drop a trailing partial line of a killed run
+        elif write and self.history:  # drop a trailing partial line of a killed run
             self._rewrite()
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "a", encoding="utf-8") if write else None
         self._bar = None
-        mode = progress
+        mode = progress if write else "off"
         if mode == "auto":
             mode = "bar" if _has_tqdm() and getattr(self.stream, "isatty", lambda: False)() else "plain"
         if mode == "bar" and not _has_tqdm():
@@ -139,8 +141,9 @@ class RunLogger:
         """Append one step's metrics (adds `time`), show progress; returns the cleaned record."""
         rec = _clean(dict(metrics))
         rec.setdefault("time", time.time())
-        self._file.write(json.dumps(rec) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
         self.history.append(rec)
         if self.mode == "off":
             return rec
@@ -163,7 +166,7 @@ class RunLogger:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.close()
 
     def __enter__(self) -> "RunLogger":

@@ -8,6 +8,9 @@ A step's rollouts are decoded in chunks of `rollout_batch_size` sequences on one
 step shape captured once per step), released before the training pass so its KV cache does not stay allocated.
 `TrainState` holds what persists across steps (model, frozen reference, optimizer with its state kept
 across steps — the public pipeline restarts it every step —, scheduler, data cursor, step counter).
+Data parallel (several GPUs, `torchrun`): the same stages on every rank, each on its share of the prompts;
+`state.env` says who this process is and rl/distributed.py holds the few collectives (global advantages and
+loss totals, gradients summed into their owner rank, ZeRO-1 optimizer shards). With one rank they are no-ops.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from ..ops.grpo_loss import fused_linear_grpo_loss
 from ..sampler import Decoder, Rollout, SamplerConfig, cat_rollouts
 from ..tasks import is_correct_batch
 from .advantages import Scored, compute_advantages, keep_groups, score_rollout
-from .logprobs import LayoutBatch, batch_logprobs, build_layout_batch
+from .distributed import (SINGLE, DistEnv, all_gather, all_max, all_sum, broadcast_from_owners, owned, partition,
+                          reduce_and_clip)
+from .logprobs import LayoutBatch, batch_logprobs, build_layout_batch, host_copy, streamed_logprobs
 from .optim import make_optimizer
 
 
@@ -46,6 +51,7 @@ class RLConfig:
     eps_low: float = 0.2
     eps_high: float = 0.2
     kl_beta: float = 0.01  # 0 disables the KL term and the reference model
+    reference_offload: bool = False  # keep the frozen reference in host memory, streamed to the GPU per layer
     nll_weight: float = 0.1  # mu: NLL on verifier-correct samples
     tpf_weight: float = 1.0  # w_tpf in r = z_acc + w_tpf * z_tpf
     adv_mode: str = "decoupled"  # "decoupled" | "sum" (the ablation)
@@ -90,21 +96,29 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     step: int = 0
-    cursor: int = 0  # examples consumed from the shuffled training stream
+    cursor: int = 0  # examples consumed from the shuffled training stream (global: the same on every rank)
     nonfinite_in_row: int = 0
+    env: DistEnv = SINGLE  # this process's rank in a data-parallel run
+    owners: list[int] | None = None  # owner rank of each model parameter (ZeRO-1); None with one rank
 
 
-def make_state(model: SDARForCausalLM, cfg: RLConfig) -> TrainState:
+def make_state(model: SDARForCausalLM, cfg: RLConfig, env: DistEnv = SINGLE) -> TrainState:
+    """Fresh RL state. With several ranks the optimizer holds only this rank's parameters (`distributed.partition`)."""
     cfg.validate()
     ref = None
-    if cfg.kl_beta > 0:
+    if cfg.kl_beta > 0 and cfg.reference_offload:
+        ref = host_copy(model)
+    elif cfg.kl_beta > 0:
         ref = copy.deepcopy(model).eval()
         ref.requires_grad_(False)
     model.zero_grad(set_to_none=True)  # no gradient left over from a warm-up may leak into the first update
-    opt = make_optimizer(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)  # fp32 state
+    params = list(model.parameters())
+    owners = partition([p.numel() for p in params], env.world) if env.active else None
+    opt = make_optimizer(owned(params, owners, env), lr=cfg.lr, betas=cfg.betas,
+                         weight_decay=cfg.weight_decay)  # fp32 state
     warm = max(1, cfg.warmup_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-    return TrainState(model, ref, opt, sched)
+    return TrainState(model, ref, opt, sched, env=env, owners=owners)
 
 
 def example_stream(n_examples: int, cursor: int, count: int, seed: int) -> list[int]:
@@ -179,21 +193,34 @@ def collect_groups(state: TrainState, tokenizer, task: Task, train_examples: lis
 
     Dynamic sampling: groups dropped by the TPF-aware filter are replaced by fresh prompts, for at most
     `max_refill_rounds` extra rounds (then the batch is used as it is, possibly smaller).
+    Several ranks: each needs its share of `prompts_per_step` groups; every round all ranks draw the sum of the
+    remaining needs from the global stream (same cursor everywhere) and each takes its slice; group ids are
+    global; rank r > 0 samples from its own Philox seed (rank 0 keeps the single-process seed).
     """
+    env = state.env
     kept, first = Groups(), None
     decoder = Decoder(state.model)  # for this step's rounds; freed before the training pass needs the memory
-    need, rounds, drawn, stats = cfg.prompts_per_step, 0, 0, {"rollout_s": 0.0, "tokens": 0, "forwards": 0}
-    while need > 0 and rounds <= cfg.max_refill_rounds:
-        idx = example_stream(len(train_examples), state.cursor, need, cfg.seed)
-        state.cursor += need
+    need = cfg.prompts_per_step // env.world + (env.rank < cfg.prompts_per_step % env.world)
+    rounds, drawn, stats = 0, 0, {"rollout_s": 0.0, "tokens": 0, "forwards": 0}
+    while rounds <= cfg.max_refill_rounds:
+        needs = [int(n) for n in all_gather(env, need)] if env.active else [need]  # every rank's remaining need
+        total, off = sum(needs), sum(needs[: env.rank])
+        if total == 0:
+            break
+        idx = example_stream(len(train_examples), state.cursor, total, cfg.seed)[off: off + need]
+        state.cursor += total
+        drawn += total
+        rounds += 1
+        if need == 0:
+            continue
         t0 = time.perf_counter()
         g, ro = rollout_stage(state.model, tokenizer, task, [train_examples[i] for i in idx], cfg, scfg,
-                              seed=cfg.seed * 7919 + state.step * 131 + rounds, group_base=drawn, decoder=decoder)
+                              seed=cfg.seed * 7919 + state.step * 131 + rounds - 1 + env.rank * 2**48,
+                              group_base=drawn - total + off, decoder=decoder)
         stats["rollout_s"] += time.perf_counter() - t0
         stats["tokens"] += int(ro.lengths.sum())
         stats["forwards"] += ro.total_forwards
         first = first or g
-        drawn += need
         keep = keep_groups(g.scored(), cfg.min_tpf_range) if cfg.filter_groups else torch.ones(len(g), dtype=torch.bool)
         n_keep = int(keep.sum()) // cfg.group_size
         if n_keep > need:  # keep the first `need` groups only
@@ -201,16 +228,21 @@ def collect_groups(state: TrainState, tokenizer, task: Task, train_examples: lis
             n_keep = need
         kept.extend(g, keep.tolist())
         need -= n_keep
-        rounds += 1
     decoder.release()
     stats["rounds"] = rounds
     stats["first_round"] = first
     return kept, stats
 
 
-def advantage_stage(groups: Groups, cfg: RLConfig) -> torch.Tensor:
-    """[advantages] per sample [S]."""
-    return compute_advantages(groups.scored(), cfg.tpf_weight, cfg.adv_mode)
+def advantage_stage(groups: Groups, cfg: RLConfig, env: DistEnv = SINGLE) -> torch.Tensor:
+    """[advantages] per sample [S]. Several ranks: computed over every rank's samples (the batch z-score is
+    global; each group lives on one rank), this rank's slice returned."""
+    if not env.active:
+        return compute_advantages(groups.scored(), cfg.tpf_weight, cfg.adv_mode)
+    parts = all_gather(env, (groups.accuracy, groups.tpf, groups.group_ids))
+    every = Scored(*(torch.tensor([x for p in parts for x in p[k]]) for k in range(3)))
+    start = sum(len(p[0]) for p in parts[: env.rank])
+    return compute_advantages(every, cfg.tpf_weight, cfg.adv_mode)[start: start + len(groups)]
 
 
 def layout_stage(groups: Groups, block_size: int, mask_id: int, mode: str) -> LayoutBatch:
@@ -235,22 +267,44 @@ def micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int) -> list[tup
 
 @torch.no_grad()
 def logprob_stage(model: SDARForCausalLM, lb: LayoutBatch, budget: int) -> torch.Tensor:
-    """[log-probs] no-grad per-token log-probs [T] (old policy or frozen reference)."""
+    """[log-probs] no-grad per-token log-probs [T] (old policy or frozen reference), on the model's device."""
+    dev = next(model.parameters()).device
     out = torch.empty(lb.num_tokens)
     for r0, r1 in micro_batches(lb, range(lb.input_ids.shape[0]), budget):
         sel = ((lb.tgt_row >= r0) & (lb.tgt_row < r1)).nonzero().squeeze(1)
-        out[sel] = batch_logprobs(model, lb.rows(r0, r1)).float().cpu()
+        out[sel] = batch_logprobs(model, lb.rows(r0, r1).to(dev)).float().cpu()
     return out
 
 
-def loss_backward_stage(model, lb: LayoutBatch, rows: range, adv_tok, old, ref, correct, cfg: RLConfig) -> dict:
-    """[loss + backward] micro-batched; the micro-batch losses add up to the mini-batch loss (Seq-Tok-Tok)."""
+@torch.no_grad()
+def reference_stage(state: TrainState, lb: LayoutBatch, cfg: RLConfig) -> torch.Tensor:
+    """[log-probs] the frozen reference's per-token log-probs [T]: on its own device, or (a reference kept in host
+    memory while the policy is on a GPU) streamed layer by layer to the policy's device."""
+    ref_dev = next(state.ref_model.parameters()).device
+    dev = next(state.model.parameters()).device
+    if ref_dev == dev:
+        return logprob_stage(state.ref_model, lb, cfg.micro_batch_tokens)
+    ranges = micro_batches(lb, range(lb.input_ids.shape[0]), cfg.micro_batch_tokens)
+    return streamed_logprobs(state.ref_model, lb, ranges, dev, chunk_tokens=16 * cfg.micro_batch_tokens)
+
+
+def loss_backward_stage(model, lb: LayoutBatch | None, rows: range, adv_tok, old, ref, correct, cfg: RLConfig,
+                        env: DistEnv = SINGLE) -> dict:
+    """[loss + backward] micro-batched; the micro-batch losses add up to the mini-batch loss (Seq-Tok-Tok).
+
+    Several ranks: the totals (sequences, tokens, correct sequences, their tokens) are summed over the ranks, so
+    the rank losses add up to the global mini-batch loss; a rank with no rows (lb None) only joins that sum."""
     dev = next(model.parameters()).device
-    in_rows = (lb.tgt_row >= rows.start) & (lb.tgt_row < rows.stop)
-    seq_rows = lb.tgt_row[in_rows]
-    present = torch.unique(seq_rows)
-    totals = (len(present), int(in_rows.sum()), int(correct[present].sum()), int(correct[seq_rows].sum()))
+    local = (0, 0, 0, 0)
+    if len(rows):
+        in_rows = (lb.tgt_row >= rows.start) & (lb.tgt_row < rows.stop)
+        seq_rows = lb.tgt_row[in_rows]
+        present = torch.unique(seq_rows)
+        local = (len(present), int(in_rows.sum()), int(correct[present].sum()), int(correct[seq_rows].sum()))
+    totals = tuple(int(x) for x in all_sum(env, local))
     agg: dict[str, float] = {}
+    if not len(rows) or totals[1] == 0:
+        return agg
     for r0, r1 in micro_batches(lb, rows, cfg.micro_batch_tokens):
         sel = ((lb.tgt_row >= r0) & (lb.tgt_row < r1)).nonzero().squeeze(1)
         if sel.numel() == 0:
@@ -267,17 +321,26 @@ def loss_backward_stage(model, lb: LayoutBatch, rows: range, adv_tok, old, ref, 
             eps_high=cfg.eps_high, beta=cfg.kl_beta if ref is not None else 0.0, mu=cfg.nll_weight,
             reduction=cfg.reduction, totals=totals, suppress_token=model.config.mask_token_id)
         loss.backward()
-        w = sel.numel() / totals[1]
+        # loss and kl are this micro-batch's share of the mini-batch value (weighted by the totals): they add up;
+        # clip_frac is a mean over the micro-batch's tokens: weighted by its share of the tokens
         agg["loss"] = agg.get("loss", 0.0) + float(loss.detach())
-        for k in ("kl", "clip_frac"):
-            agg[k] = agg.get(k, 0.0) + w * float(stats[k])
+        agg["kl"] = agg.get("kl", 0.0) + float(stats["kl"])
+        agg["clip_frac"] = agg.get("clip_frac", 0.0) + sel.numel() / totals[1] * float(stats["clip_frac"])
     return agg
 
 
 def optimizer_stage(state: TrainState, cfg: RLConfig) -> tuple[bool, float]:
-    """[step] clip, skip non-finite updates (counted), AdamW step, scheduler step. Returns (applied, grad norm)."""
-    params = [p for p in state.model.parameters() if p.grad is not None]
-    norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if params else 0.0
+    """[step] clip, skip non-finite updates (counted), AdamW step. Returns (applied, grad norm).
+
+    Several ranks: gradients summed into each parameter's owner, clipped by the global norm (the skip decision is
+    the same on every rank), the owner steps, then broadcasts its new weights."""
+    env = state.env
+    if env.active:
+        params = list(state.model.parameters())
+        norm = reduce_and_clip(env, params, state.owners, cfg.grad_clip)
+    else:
+        params = [p for p in state.model.parameters() if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if params else 0.0
     if not math.isfinite(norm):
         state.optimizer.zero_grad(set_to_none=True)
         state.nonfinite_in_row += 1
@@ -288,57 +351,77 @@ def optimizer_stage(state: TrainState, cfg: RLConfig) -> tuple[bool, float]:
     state.nonfinite_in_row = 0
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
+    if env.active:
+        broadcast_from_owners(env, params, state.owners)
     return True, norm
 
 
 def train_step(state: TrainState, tokenizer, task: Task, train_examples: list, cfg: RLConfig,
                scfg: SamplerConfig, log: Callable[[str], None] | None = None) -> dict:
-    """One RL step; returns its metrics. The stages, in order:"""
+    """One RL step; returns its metrics (global over the ranks of a data-parallel run). The stages, in order:"""
     t_start = time.perf_counter()
-    model = state.model
-    mcfg = model.config
+    env = state.env
     # generate -> score -> filter/refill
     groups, rstats = collect_groups(state, tokenizer, task, train_examples, cfg, scfg)
-    first: Groups = rstats.pop("first_round")
-    metrics = {"step": state.step + 1, "acc": sum(first.accuracy) / len(first), "tpf": sum(first.tpf) / len(first),
-               "groups_kept": len(groups) // cfg.group_size, **rstats}
-    if len(groups) == 0:  # no update: the step counts, the learning-rate warm-up does not advance
+    first: Groups | None = rstats.pop("first_round")
+    sums = all_sum(env, [sum(first.accuracy) if first else 0.0, sum(first.tpf) if first else 0.0,
+                         len(first) if first else 0, rstats["tokens"], rstats["forwards"], len(groups),
+                         sum(groups.accuracy), sum(groups.tpf)])
+    n_first, n_kept = max(1, int(sums[2])), int(sums[5])
+    rollout_s, rounds = all_max(env, [rstats["rollout_s"], rstats["rounds"]])
+    metrics = {"step": state.step + 1, "acc": sums[0] / n_first, "tpf": sums[1] / n_first,
+               "groups_kept": n_kept // cfg.group_size, "rollout_s": rollout_s, "tokens": int(sums[3]),
+               "forwards": int(sums[4]), "rounds": int(rounds)}
+    if n_kept == 0:  # no update: the step counts, the learning-rate warm-up does not advance
         state.step += 1
         metrics.update(skipped="no group carried signal", step_s=time.perf_counter() - t_start)
         return metrics
+    metrics.update(update_stage(state, groups, cfg))
+    state.scheduler.step()
+    state.step += 1
+    metrics.update(lr=state.scheduler.get_last_lr()[0], step_s=time.perf_counter() - t_start,
+                   kept_acc=sums[6] / n_kept, kept_tpf=sums[7] / n_kept)
+    return metrics
+
+
+def update_stage(state: TrainState, groups: Groups, cfg: RLConfig) -> dict:
+    """[advantages -> log-probs -> loss/backward -> step] on one rollout batch (this rank's groups; the other
+    ranks' share the collectives). Returns the update's metrics (loss terms summed over the ranks)."""
+    model, env = state.model, state.env
+    mcfg = model.config
+    metrics: dict = {}
     # advantages
-    adv = advantage_stage(groups, cfg)  # [S]
+    adv = advantage_stage(groups, cfg, env)  # [S] this rank's samples
     correct = torch.tensor(groups.accuracy) > 0  # [S] verifier-correct (and finished)
     # log-probs: layout, old policy (only needed with several updates per rollout batch), frozen reference
     t0 = time.perf_counter()
-    lb = layout_stage(groups, mcfg.block_size, mcfg.mask_token_id, cfg.logprob_mode)
-    adv_tok = adv[lb.tgt_row]  # [T]
+    lb = layout_stage(groups, mcfg.block_size, mcfg.mask_token_id, cfg.logprob_mode) if len(groups) else None
+    adv_tok = adv[lb.tgt_row] if lb is not None else None  # [T]
     model.eval()
-    n_updates = cfg.updates_per_step * cfg.epochs_per_step
-    old = logprob_stage(model, lb, cfg.micro_batch_tokens) if n_updates > 1 else None
-    ref = logprob_stage(state.ref_model, lb, cfg.micro_batch_tokens) if state.ref_model is not None else None
+    several = cfg.updates_per_step * cfg.epochs_per_step > 1
+    old = logprob_stage(model, lb, cfg.micro_batch_tokens) if several and lb is not None else None
+    ref = (reference_stage(state, lb, cfg) if state.ref_model is not None and lb is not None else None)
     metrics["logprob_s"] = time.perf_counter() - t0
-    # loss -> backward -> step: `epochs_per_step` passes, each `updates_per_step` mini-batches of whole groups
+    # loss -> backward -> step: `epochs_per_step` passes, each up to `updates_per_step` mini-batches of whole
+    # groups (every rank runs the same number of them: the largest rank's count)
     t0 = time.perf_counter()
     model.train()
     n_groups = len(groups) // cfg.group_size
-    per = -(-n_groups // cfg.updates_per_step) * cfg.group_size
-    applied, losses = 0, {}
+    per = max(1, -(-n_groups // cfg.updates_per_step)) * cfg.group_size
+    n_mb = int(all_max(env, [-(-len(groups) // per)])[0])
+    n_updates = n_mb * cfg.epochs_per_step
+    applied, losses, gnorm = 0, {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0}, 0.0
     for _epoch in range(cfg.epochs_per_step):
-        for u0 in range(0, len(groups), per):
-            rows = range(u0, min(len(groups), u0 + per))
-            agg = loss_backward_stage(model, lb, rows, adv_tok, old, ref, correct, cfg)
+        for u in range(n_mb):
+            rows = range(min(len(groups), u * per), min(len(groups), (u + 1) * per))
+            agg = loss_backward_stage(model, lb, rows, adv_tok, old, ref, correct, cfg, env)
             ok, gnorm = optimizer_stage(state, cfg)
             applied += ok
             for k, v in agg.items():
-                losses[k] = losses.get(k, 0.0) + v / n_updates
-            losses["grad_norm"] = gnorm
+                losses[k] += v / n_updates
     model.eval()
-    state.scheduler.step()
-    state.step += 1
-    metrics.update(losses, updates=applied, train_s=time.perf_counter() - t0, lr=state.scheduler.get_last_lr()[0],
-                   step_s=time.perf_counter() - t_start, kept_acc=sum(groups.accuracy) / len(groups),
-                   kept_tpf=sum(groups.tpf) / len(groups))
+    losses = dict(zip(losses, all_sum(env, list(losses.values()))))  # each rank holds its share of the loss
+    metrics.update(losses, grad_norm=gnorm, updates=applied, train_s=time.perf_counter() - t0)
     if applied < n_updates:
         metrics["nonfinite_skipped"] = n_updates - applied
     return metrics

@@ -1,0 +1,271 @@
+"""[data parallel] One RL run over several GPUs: one process per GPU (`torchrun`), each with the whole model.
+
+    torchrun --nproc-per-node 4 -m lightningrl_fast.train --model DIR ...
+
+What each rank does (rank r of W):
+  * rollouts: it decodes its share of each step's prompts on its own copy of the weights (the sampler and the
+    trainer still share one set of parameters per process: no weight copy through disk or across processes);
+    the data stream, its cursor and the refill rounds of dynamic sampling are global (every rank draws the same
+    indices and takes its slice), a group never straddles two ranks;
+  * advantages: the group z-scores are per group (local); the batch z-score is over every rank's samples
+    (the rewards are all-gathered, a few floats per sample);
+  * loss: the Seq-Tok-Tok totals (sequences, tokens, correct sequences and tokens of a mini-batch) are summed
+    over the ranks before the loss, so each rank's loss is its share of the global mini-batch loss and the
+    summed gradients equal a single process's gradient of the whole batch;
+  * optimizer (ZeRO-1): every parameter tensor has one owner rank (`partition`: largest first, to the least
+    loaded rank). Gradients are summed into the owner in fp32 (`dist.reduce`), the global gradient norm is one
+    all-reduce of the owners' partial sums, the owner clips and steps (fp32 master weights and Adam moments
+    exist on the owner only: 12 bytes per bf16 parameter / W instead of 12), then broadcasts the new weights.
+    The weights of all ranks therefore stay bitwise identical.
+  * checkpoints: rank 0 writes the model and the trainer state (its own optimizer shard inside); rank r > 0
+    writes `optimizer-rank<r>.pt` (its shard and RNG states), moved into the same atomic checkpoint folder.
+    A checkpoint resumes on any number of ranks (rl/checkpointing.py redistributes the shards).
+`DistEnv` says who this process is; every function here is a no-op (or the identity) when `world == 1`, so the
+single-process path runs the same code. Collectives use NCCL on CUDA and gloo on CPU (the tests: 2 CPU processes).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Who this process is in a data-parallel run (world 1: a plain single-process run)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: str = "cpu"  # where this rank's collectives put their tensors (cuda:<local_rank> under NCCL)
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+SINGLE = DistEnv()
+
+
+def env_from_environment(environ: dict[str, str] | None = None) -> DistEnv:
+    """The torchrun variables (WORLD_SIZE, RANK, LOCAL_RANK); world 1 when they are absent."""
+    e = os.environ if environ is None else environ
+    raw = {k: e.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    if raw["WORLD_SIZE"] is None:
+        return SINGLE
+    try:
+        world, rank = int(raw["WORLD_SIZE"]), int(raw["RANK"] or 0)
+        local = int(raw["LOCAL_RANK"] if raw["LOCAL_RANK"] is not None else rank)
+    except ValueError:
+        raise ValueError(f"torchrun environment: WORLD_SIZE, RANK and LOCAL_RANK must be integers, got {raw}") from None
+    if world < 1 or not 0 <= rank < world or local < 0:
+        raise ValueError(f"torchrun environment: need 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0, got {raw}")
+    return DistEnv(rank=rank, world=world, local_rank=local)
+
+
+def init(env: DistEnv, device: torch.device, timeout_min: float = 60.0) -> tuple[DistEnv, torch.device]:
+    """Join the process group (MASTER_ADDR/MASTER_PORT from torchrun). CUDA: one GPU per rank, cuda:<local_rank>
+    (an explicit 'cuda:N' is refused: with several ranks the device comes from LOCAL_RANK), NCCL; CPU: gloo."""
+    if not env.active:
+        return env, device
+    if device.type == "cuda":
+        if device.index is not None:
+            raise ValueError(f"--device {device}: with {env.world} ranks each rank uses cuda:<LOCAL_RANK>; "
+                             "give --device cuda (or auto)")
+        n = torch.cuda.device_count()
+        if env.local_rank >= n:
+            raise ValueError(f"rank {env.rank}: LOCAL_RANK {env.local_rank} but this node has {n} GPU(s); "
+                             "start at most one process per GPU (torchrun --nproc-per-node)")
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    elif device.type == "cpu":
+        backend = "gloo"
+    else:
+        raise ValueError(f"data-parallel runs support cuda and cpu devices, got {device}")
+    if not dist.is_initialized():
+        kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world,
+                                timeout=datetime.timedelta(minutes=timeout_min), **kw)
+    env = DistEnv(env.rank, env.world, env.local_rank, str(device))
+    return env, device
+
+
+def shutdown(env: DistEnv) -> None:
+    if env.active and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# small collectives (identity with one rank)
+# ------------------------------------------------------------------------------------------------------------
+
+def barrier(env: DistEnv) -> None:
+    if env.active:
+        dist.barrier()
+
+
+def all_sum(env: DistEnv, values: Sequence[float]) -> list[float]:
+    """Element-wise sum over the ranks of a few numbers (float64)."""
+    if not env.active:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(env: DistEnv, values: Sequence[float]) -> list[float]:
+    if not env.active:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def all_gather(env: DistEnv, obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order."""
+    if not env.active:
+        return [obj]
+    out: list[Any] = [None] * env.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(env: DistEnv, obj: Any, src: int = 0) -> Any:
+    """`obj` of rank `src` on every rank."""
+    if not env.active:
+        return obj
+    box = [obj if env.rank == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+@torch.no_grad()
+def broadcast_params(env: DistEnv, module: torch.nn.Module, src: int = 0) -> None:
+    """Make every rank's parameters and buffers equal to rank `src`'s (in place: views and packing survive)."""
+    if not env.active:
+        return
+    for t in list(module.parameters()) + list(module.buffers()):
+        dist.broadcast(t.data, src=src)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# ZeRO-1: parameter owners, gradient reduction, weight broadcast
+# ------------------------------------------------------------------------------------------------------------
+
+def partition(sizes: Sequence[int], world: int) -> list[int]:
+    """Owner rank of each tensor: largest first, each to the least loaded rank (ties: lower index / rank).
+    Deterministic, so every rank computes the same plan."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if world > 1 and len(sizes) < world:
+        raise ValueError(f"{world} ranks but only {len(sizes)} parameter tensors: every rank must own at least one")
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-int(sizes[i]), i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += int(sizes[i])
+    return owner
+
+
+def owned(params: Sequence[torch.nn.Parameter], owners: Sequence[int] | None, env: DistEnv) -> list:
+    """The parameters this rank updates (all of them with one rank)."""
+    if owners is None or not env.active:
+        return list(params)
+    return [p for p, o in zip(params, owners) if o == env.rank]
+
+
+@torch.no_grad()
+def reduce_and_clip(env: DistEnv, params: Sequence[torch.nn.Parameter], owners: Sequence[int],
+                    max_norm: float) -> float:
+    """Sum every gradient into its owner (fp32), clip by the global norm; returns that norm (inf/nan when not
+    finite: then every rank's gradients are cleared and the caller skips the update, consistently).
+
+    Afterwards an owner's `p.grad` holds the clipped global gradient in p's dtype; other ranks' are None."""
+    sq = torch.zeros((), dtype=torch.float64, device=env.device)
+    kept: list[torch.nn.Parameter] = []
+    for p, o in zip(params, owners):  # one parameter at a time: the fp32 copy is transient
+        g = (p.grad.detach().to(torch.float32, copy=True) if p.grad is not None
+             else torch.zeros_like(p, dtype=torch.float32))
+        dist.reduce(g, dst=o)
+        p.grad = None
+        if o == env.rank:
+            sq += g.square().sum(dtype=torch.float64)
+            p.grad = g.to(p.dtype)
+            kept.append(p)
+        del g
+    dist.all_reduce(sq)
+    norm = math.sqrt(float(sq))
+    if not math.isfinite(norm):
+        for p in kept:
+            p.grad = None
+        return norm
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in kept:
+            p.grad.mul_(coef)
+    return norm
+
+
+@torch.no_grad()
+def broadcast_from_owners(env: DistEnv, params: Sequence[torch.nn.Parameter], owners: Sequence[int]) -> None:
+    """Each owner's updated weights to every rank (in place)."""
+    for p, o in zip(params, owners):
+        dist.broadcast(p.data, src=o)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# memory plan
+# ------------------------------------------------------------------------------------------------------------
+
+def training_bytes(n_params: int, param_bytes: int, world: int, reference: bool) -> dict[str, int]:
+    """Bytes per rank of what RL training keeps resident, before activations and the rollout KV cache:
+    weights, gradients (transient in backward, full size), optimizer state (fp32 moments, plus fp32 master
+    weights for non-fp32 parameters, 1/world of it per rank) and the frozen reference copy (kl_beta > 0)."""
+    opt_per_param = 8 + (0 if param_bytes == 4 else 4)  # rl/optim.make_optimizer: master copy unless fp32
+    return {"weights": n_params * param_bytes, "gradients": n_params * param_bytes,
+            "optimizer": -(-n_params * opt_per_param // world), "reference": n_params * param_bytes if reference else 0}
+
+
+def memory_problem(n_params: int, param_bytes: int, world: int, reference: bool, total: int) -> str | None:
+    """Why the resident training state (`training_bytes`) cannot fit `total` bytes of GPU memory, with the options
+    that would fit; None when it fits (within 95%)."""
+    plan = training_bytes(n_params, param_bytes, world, reference)
+    need = sum(plan.values())
+    if need <= 0.95 * total:
+        return None
+    gib = 2.0 ** 30
+    parts = ", ".join(f"{k} {v / gib:.1f}" for k, v in plan.items() if v)
+    opts = []
+    if reference and sum(training_bytes(n_params, param_bytes, world, False).values()) <= 0.8 * total:
+        opts.append("--reference-offload (the frozen reference in host memory) or --kl-beta 0 (no reference)")
+    n_more = next((w for w in range(world + 1, 257)
+                   if sum(training_bytes(n_params, param_bytes, w, reference).values()) <= 0.8 * total), None)
+    if n_more:
+        opts.append(f"more GPUs: torchrun --nproc-per-node {n_more} (the optimizer state is sharded over the ranks)")
+    return (f"training state needs {need / gib:.1f} GiB per GPU ({parts} GiB; {n_params / 1e9:.2f} B parameters, "
+            f"{world} rank(s)) but the GPU has {total / gib:.1f} GiB, before activations and the rollout KV cache; "
+            "options: " + ("; ".join(opts) if opts else "a smaller model"))
+
+
+def check_training_memory(model: torch.nn.Module, device: torch.device, world: int, reference: bool) -> dict[str, int]:
+    """Refuse (torch.cuda.OutOfMemoryError, before the first rollout) a run whose resident training state cannot
+    fit the GPU: an OOM in the first optimizer step would come after a whole step of rollouts. Returns the plan."""
+    n = sum(p.numel() for p in model.parameters())
+    pb = next(model.parameters()).element_size()
+    if device.type == "cuda":
+        problem = memory_problem(n, pb, world, reference, torch.cuda.get_device_properties(device).total_memory)
+        if problem:
+            raise torch.cuda.OutOfMemoryError(f"{device}: {problem}")
+    return training_bytes(n, pb, world, reference)
