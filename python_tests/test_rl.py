@@ -7,14 +7,17 @@ import torch
 
 from lightningrl_fast.model import SDARConfig, build_model
 from lightningrl_fast.rl.advantages import Scored, compute_advantages, keep_groups, score_rollout
-from lightningrl_fast.rl.logprobs import batch_logprobs, build_layout_batch
+from lightningrl_fast.rl.logprobs import batch_logprobs, build_layout_batch, host_copy, streamed_logprobs
 from lightningrl_fast.rl.trainer import (
     Groups,
     RLConfig,
     example_stream,
     layout_stage,
+    logprob_stage,
     loss_backward_stage,
     make_state,
+    micro_batches,
+    reference_stage,
     rollout_stage,
     train_step,
 )
@@ -218,3 +221,64 @@ def test_rl_config_validation():
         RLConfig(group_size=1).validate()
     with pytest.raises(ValueError, match="logprob_mode"):
         RLConfig(logprob_mode="exact").validate()
+
+
+def reference_batch(model, mode="block_proxy"):
+    """A LayoutBatch of 8 sampled rows (prompts of lengths 2..7) and a one-group-per-pair Groups."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(10, 100, (n,), generator=g).tolist() for n in [2, 5, 7, 3]]
+    ro = generate(model, [p for p in prompts for _ in range(2)],
+                  SamplerConfig(threshold=0.5, temperature=1.0, max_new_tokens=10, eos_ids=(3,), seed=2))
+    return build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, 4, MASK, mode)
+
+
+@pytest.mark.parametrize("mode", ["block_proxy", "trace"])
+def test_streamed_reference_equals_the_per_micro_batch_forward(mode):
+    """Layer-major evaluation of a host copy (chunks of micro-batches, one resident layer) gives the log-probs of
+    the usual forward; the copy shares no storage with the policy."""
+    model = tiny_model(dtype=torch.float64)
+    lb = reference_batch(model, mode)
+    per_row = lb.input_ids.shape[1]
+    ranges = micro_batches(lb, range(8), 3 * per_row)  # micro-batches of 3, 3, 2 rows
+    assert ranges == [(0, 3), (3, 6), (6, 8)]
+    want = logprob_stage(model, lb, 3 * per_row)
+    ref = host_copy(model, pin=False)
+    for chunk_tokens in (1, 6 * per_row, 10**9):  # a chunk per micro-batch, two chunks, one chunk
+        got = streamed_logprobs(ref, lb, ranges, torch.device("cpu"), chunk_tokens)
+        torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-6)
+    assert not any(p.requires_grad for p in ref.parameters())
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # the policy moves, the copy does not
+    assert not torch.equal(next(model.parameters()), next(ref.parameters()))
+
+
+def test_reference_offload_state_and_tied_embeddings():
+    tied = SDARConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, block_size=4, mask_token_id=MASK, torch_dtype="float32",
+                      tie_word_embeddings=True)
+    model = build_model(tied, dtype=torch.float32, seed=1).eval()
+    state = make_state(model, RLConfig(kl_beta=0.01, reference_offload=True, group_size=2))
+    ref = state.ref_model
+    assert ref.lm_head.weight is ref.model.embed_tokens.weight  # tie kept
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(model.parameters(), ref.parameters()))
+    lb = reference_batch(tiny_model(dtype=torch.float32))  # ids < V: valid for this model too
+    rc = RLConfig(micro_batch_tokens=10**6)
+    torch.testing.assert_close(reference_stage(state, lb, rc), logprob_stage(model, lb, rc.micro_batch_tokens))
+
+
+@pytest.mark.gpu
+def test_gpu_reference_stages_on_cuda():
+    """The policy on the GPU: the old-policy pass takes the host LayoutBatch to the device, and a host-resident
+    reference streamed layer by layer gives the log-probs of the same reference held on the GPU."""
+    import copy
+
+    model = tiny_model(dtype=torch.float32)
+    lb = reference_batch(model)
+    cpu = logprob_stage(model, lb, 10**6)
+    gpu_model = copy.deepcopy(model).cuda()
+    torch.testing.assert_close(logprob_stage(gpu_model, lb, 10**6), cpu, rtol=0, atol=2e-4)
+    state = make_state(gpu_model, RLConfig(kl_beta=0.01, reference_offload=True, group_size=2,
+                                           micro_batch_tokens=lb.input_ids.shape[1] * 3))
+    assert next(state.ref_model.parameters()).device.type == "cpu"
+    torch.testing.assert_close(reference_stage(state, lb, RLConfig(micro_batch_tokens=lb.input_ids.shape[1] * 3)),
+                               cpu, rtol=0, atol=2e-4)
