@@ -112,6 +112,29 @@ def test_microbatched_backward_equals_one_batch(mode):
     assert grads[0][1] == pytest.approx(grads[1][1], rel=1e-9)
 
 
+def test_bf16_model_keeps_fp32_advantages():
+    """A bf16 policy: the advantages reach the loss in fp32. On-policy with no KL or NLL the loss is
+    -(weighted mean advantage), so a constant advantage 1 + 2^-10 (1.0 in bf16) must scale the loss by itself."""
+    model = tiny_model(dtype=torch.bfloat16, peaky=20.0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 100, (n,), generator=g).tolist() for n in [3, 6]]
+    ro = generate(model, [p for p in prompts for _ in range(2)],
+                  SamplerConfig(threshold=0.5, temperature=1.0, max_new_tokens=8, eos_ids=(3,)))
+    groups = Groups(sequences=list(ro.sequences), step_maps=list(ro.seq_step_map), prompt_lens=ro.prompt_lens.tolist(),
+                    resp_lens=ro.lengths.tolist(), accuracy=[1.0, 0.0] * 2, tpf=ro.tpf.tolist(),
+                    group_ids=[0, 0, 1, 1], texts=[""] * 4)
+    lb = layout_stage(groups, 4, MASK, "block_proxy")
+    correct = torch.tensor(groups.accuracy) > 0
+    cfg = RLConfig(kl_beta=0.0, nll_weight=0.0, group_size=2, prompts_per_step=2)
+    losses = []
+    for c in (1.0, 1.0 + 2.0**-10):
+        model.zero_grad()
+        adv_tok = torch.full((lb.num_tokens,), c, dtype=torch.float32)
+        losses.append(loss_backward_stage(model, lb, range(4), adv_tok, None, None, correct, cfg)["loss"])
+    assert losses[0] != 0.0
+    assert losses[1] / losses[0] == pytest.approx(1.0 + 2.0**-10, rel=1e-6)
+
+
 class HalfRightTask(SyntheticArithmetic):
     """A random model is never right on arithmetic; call a response right when its length is even."""
 

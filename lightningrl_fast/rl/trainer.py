@@ -316,7 +316,7 @@ def loss_backward_stage(model, lb: LayoutBatch | None, rows: range, adv_tok, old
         # elsewhere); old_logp None = on-policy (ratio 1 with its gradient)
         loss, stats, _ = fused_linear_grpo_loss(
             h, model.lm_head.weight, sub.targets.to(dev), old[sel].to(dev) if old is not None else None,
-            ref[sel].to(dev) if ref is not None else None, adv_tok[sel].to(dev).to(h.dtype),
+            ref[sel].to(dev) if ref is not None else None, adv_tok[sel].to(dev),
             lb.tgt_row[sel].to(dev), lb.input_ids.shape[0], correct.to(dev), eps_low=cfg.eps_low,
             eps_high=cfg.eps_high, beta=cfg.kl_beta if ref is not None else 0.0, mu=cfg.nll_weight,
             reduction=cfg.reduction, totals=totals, suppress_token=model.config.mask_token_id)
