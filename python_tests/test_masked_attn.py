@@ -90,6 +90,55 @@ def test_bad_inputs():
         masked_attention(q, k, k, MaskLayout.block_causal(8, 4, torch.tensor([3, 4])))
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("n,copies,bs,lengths", [(97, 2, 4, [97, 61]), (128, 1, 8, None), (123, 3, 3, [1, 123])])
+def test_padded_flex_path_matches_reference(n, copies, bs, lengths):
+    """The CUDA path's padding (flex_length, the padded block mask, zero-padded q/k/v cut back to N) run with
+    eager flex_attention on CPU (forward only: flex has no CPU backward) equals the reference."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from lightningrl_fast.ops.masked_attn import block_mask, flex_length, flex_masked_attention
+
+    torch.manual_seed(n + copies)
+    N = n * copies
+    assert flex_length(N) % 128 == 0 and 0 <= flex_length(N) - N < 128
+    lens = torch.tensor(lengths) if lengths is not None else None
+    lay = MaskLayout(n, copies, bs, lens)
+    q = torch.randn(2, 4, N, 16, dtype=torch.float64)
+    k = torch.randn(2, 2, N, 16, dtype=torch.float64)
+    v = torch.randn(2, 2, N, 16, dtype=torch.float64)
+    plan = block_mask(lay, 2, torch.device("cpu"))
+    assert tuple(plan.shape[-2:]) == (flex_length(N), flex_length(N))
+    got = flex_masked_attention(flex_attention, q, k, v, plan, 0.3)
+    want = masked_attention_reference(q, k, v, lay, 0.3)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.gpu
+def test_flex_compiles_past_the_default_recompile_limit():
+    """A training run meets many (rows, length) shapes: more than dynamo's default 8 compiles of flex_attention
+    must still run the fused kernel (the unfused fallback would warn and materialize the scores)."""
+    import contextlib
+    import warnings
+
+    import torch._dynamo
+
+    torch.manual_seed(2)
+    strict = (torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+              if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit") else contextlib.nullcontext())
+    with warnings.catch_warnings(), strict:
+        warnings.simplefilter("error")  # eager flex_attention warns that it materializes the scores
+        for i in range(12):
+            rows, n = 1 + i % 3, 40 + 64 * i
+            q = torch.randn(rows, 4, n * 2, 64, dtype=torch.bfloat16, device="cuda")
+            k = torch.randn(rows, 2, n * 2, 64, dtype=torch.bfloat16, device="cuda")
+            lay = MaskLayout.block_proxy(n, 4, torch.full((rows,), n - 3, device="cuda"))
+            got = masked_attention(q, k, k, lay).double()
+            want = masked_attention_reference(q.double(), k.double(), k.double(), lay)
+            assert (got - want).abs().max().item() < 0.05
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flex_matches_reference_on_gpu(dtype):

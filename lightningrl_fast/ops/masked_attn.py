@@ -15,7 +15,8 @@ Keys at in-copy positions >= lengths[b] are padding and never attended.
 
 Two implementations of the same predicate:
   * CUDA: FlexAttention with a `mask_mod`; the block mask is built once per layout (`prepare`) and
-    reused by every layer.
+    reused by every layer. The sequence runs padded to a multiple of 128 (`flex_length`) to bound the shapes
+    torch.compile specializes on.
   * elsewhere (CPU, float64 tests): SDPA over query tiles, the boolean mask of each tile computed from
     the predicate, so memory stays O(tile x N), never a dense N x N mask for long sequences.
 Rows with no visible key (an empty padded row) produce zeros in both.
@@ -32,6 +33,9 @@ import torch.nn.functional as F
 from ._common import check_tensor
 
 _TILE_ELEMS = 1 << 22  # mask elements per query tile in the reference path
+_FLEX_BLOCK = 128  # FlexAttention's block: the CUDA path pads the sequence to a multiple of it
+# compiles of flex_attention one run may make (one per batch rows x padded length), and of every function
+_FLEX_RECOMPILES = {"recompile_limit": 128, "accumulated_recompile_limit": 1024}
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,19 +84,30 @@ class MaskLayout:
         return allow
 
 
+def flex_length(total: int) -> int:
+    """The length the CUDA path runs at: `total` rounded up to FlexAttention's 128-token block, so that a training
+    run whose sequence lengths vary step to step compiles for a few lengths, not for every one."""
+    return -(-total // _FLEX_BLOCK) * _FLEX_BLOCK
+
+
 def prepare(layout: MaskLayout, batch: int, device: torch.device):
     """Build what `masked_attention` reuses across layers: a FlexAttention BlockMask on CUDA, else None."""
-    if device.type != "cuda":
-        return None
+    return block_mask(layout, batch, device) if device.type == "cuda" else None
+
+
+def block_mask(layout: MaskLayout, batch: int, device: torch.device):
+    """The layout's FlexAttention BlockMask over `flex_length(layout.total)` positions (any device); the padding
+    past `total` sees nothing and is seen by nothing."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     lengths = layout.lengths.to(device) if layout.lengths is not None else None
     lay = MaskLayout(layout.n, layout.num_copies, layout.block_size, lengths)
+    total, padded = lay.total, flex_length(lay.total)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return lay.allow(b, q_idx, kv_idx)
+        return lay.allow(b, q_idx, kv_idx) & (q_idx < total) & (kv_idx < total)
 
-    return create_block_mask(mask_mod, batch if lengths is not None else None, None, lay.total, lay.total, device=device)
+    return create_block_mask(mask_mod, batch if lengths is not None else None, None, padded, padded, device=device)
 
 
 @functools.cache
@@ -100,6 +115,27 @@ def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_masked_attention(flex, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan,
+                          softmax_scale: float | None = None) -> torch.Tensor:
+    """`flex` (flex_attention, compiled or not) at the padded length of `plan`: q/k/v are zero-padded along the
+    sequence to flex_length(N) and the output is cut back to N (the padded rows see no key and give zeros).
+
+    A compiled flex_attention specializes on every shape (batch rows, padded length) it meets; dynamo's default
+    limit of 8 recompiles would make it fall back, silently, to the unfused path that materializes the scores
+    (out of memory at training lengths), so the limit is raised for this call only."""
+    n = q.shape[2]
+    padded = plan.shape[-2] if plan is not None else flex_length(n)
+    if padded != n:
+        q, k, v = (F.pad(t, (0, 0, 0, padded - n)) for t in (q, k, v))
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    limits = {name: max(getattr(cfg, name), want) for name, want in _FLEX_RECOMPILES.items() if hasattr(cfg, name)}
+    with cfg.patch(**limits):
+        out = flex(q, k, v, block_mask=plan, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[:, :, :n]
 
 
 def masked_attention_reference(
@@ -149,5 +185,5 @@ def masked_attention(
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
         if plan is None:
             plan = prepare(layout, q.shape[0], q.device)
-        return _compiled_flex()(q, k, v, block_mask=plan, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        return flex_masked_attention(_compiled_flex(), q, k, v, plan, softmax_scale)
     return masked_attention_reference(q, k, v, layout, softmax_scale)
