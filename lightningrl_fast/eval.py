@@ -485,10 +485,13 @@ def run(args) -> dict:
         env, device = distributed.init(distributed.env_from_environment(), resolve_device(args.device))
     except ValueError as e:
         raise CLIError(str(e)) from None
+    ok = False
     try:
-        return _run_on(args, env, device, thresholds, model_dir, overlays, task, examples)
+        out = _run_on(args, env, device, thresholds, model_dir, overlays, task, examples)
+        ok = True
+        return out
     finally:
-        distributed.shutdown(env)
+        distributed.shutdown(env, ok)
 
 
 def _run_on(args, env: DistEnv, device, thresholds, model_dir, overlays, task, examples) -> dict:

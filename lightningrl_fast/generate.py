@@ -367,10 +367,13 @@ def run(args) -> dict:
         env, device = distributed.init(distributed.env_from_environment(), resolve_device(args.device))
     except ValueError as e:
         raise CLIError(str(e)) from None
+    ok = False
     try:
-        return _generate(args, env, device, model_dir, rows)
+        out = _generate(args, env, device, model_dir, rows)
+        ok = True
+        return out
     finally:
-        distributed.shutdown(env)
+        distributed.shutdown(env, ok)
 
 
 def _generate(args, env, device, model_dir: Path, rows: list) -> dict:

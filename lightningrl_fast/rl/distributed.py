@@ -101,9 +101,19 @@ def init(env: DistEnv, device: torch.device, timeout_min: float = 60.0) -> tuple
     return env, device
 
 
-def shutdown(env: DistEnv) -> None:
-    if env.active and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(env: DistEnv, ok: bool = True) -> None:
+    """Leave the process group. After a normal run (`ok`) the ranks first meet at a barrier, so that none tears
+    its end down and exits while another still works (a rank with nothing to write finishes first; one such rank
+    was aborted by SIGABRT in its teardown while rank 0 was still writing). After an error there is no barrier
+    (the other ranks may never reach it): a gloo group is destroyed at once, an NCCL group is left to the launcher,
+    which stops the other ranks (destroying it can block on a peer stuck in a collective)."""
+    if not (env.active and dist.is_initialized()):
+        return
+    if ok:
+        dist.barrier()
+    elif dist.get_backend() == "nccl":
+        return
+    dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------------------------
