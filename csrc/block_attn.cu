@@ -139,9 +139,12 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   CHECK_SAME_DEVICE(q, chunk_lens);
   CHECK_CONTIGUOUS(cache_lens);
   CHECK_CONTIGUOUS(chunk_lens);
+  CHECK_NO_INTERNAL_OVERLAP(k_cache);
+  CHECK_NO_INTERNAL_OVERLAP(v_cache);
+  CHECK_NO_OVERLAP(k_cache, v_cache);
 
   LRF_CHECK(D == 64 || D == 128, "block_attention: head_dim must be 64 or 128, got ", D);
-  LRF_CHECK(Hkv > 0 && Hq % Hkv == 0, "block_attention: q heads (", Hq, ") must be a multiple of the cache's kv heads (",
+  LRF_CHECK(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, "block_attention: q heads (", Hq, ") must be a multiple of the cache's kv heads (",
               Hkv, ")");
   LRF_CHECK(block_size > 0 && block_size <= std::numeric_limits<int>::max(),
               "block_attention: block_size must be positive, got ", block_size);
@@ -191,6 +194,7 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   p.m_rows = static_cast<int>(C * p.group);
   p.m_tiles = (p.m_rows + kernels::kBlockAttnBM - 1) / kernels::kBlockAttnBM;
   p.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
+  LRF_CHECK(std::isfinite(p.scale_log2), "block_attention: softmax_scale ", softmax_scale, " is out of the fp32 range");
 
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   if (bf16 && D == 128) dispatch_splits<kernels::Bf16, 128>(p, num_splits, device);

@@ -13,6 +13,7 @@
 // without a stream; the text is the same as the stream would give ("[2, 3]", "BFloat16", "cuda:0", "%g").
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
@@ -105,3 +106,16 @@ inline bool dtype_in(const at::Tensor& t, std::initializer_list<at::ScalarType> 
 #define CHECK_SHAPE(x, ...)                                                                  \
   LRF_CHECK((x).sizes() == at::IntArrayRef({__VA_ARGS__}), #x " must have shape [" #__VA_ARGS__ "] = ", \
               at::IntArrayRef({__VA_ARGS__}), ", got ", (x).sizes())
+
+// A tensor the kernel writes in place: no two of its elements may share memory (an expanded, stride-0 view
+// would make the kernel's rows race). Layouts too complex to decide are let through.
+#define CHECK_NO_INTERNAL_OVERLAP(x)                                                                        \
+  LRF_CHECK(at::has_internal_overlap(x) != at::MemOverlap::Yes, #x                                           \
+              " is written in place and must not have elements that share memory (an expanded view?), got strides ", \
+              (x).strides())
+
+// Two tensors the kernel writes in place must not share memory.
+#define CHECK_NO_OVERLAP(x, y)                                                                               \
+  LRF_CHECK(at::get_overlap_status(x, y) != at::MemOverlapStatus::Full &&                                     \
+                at::get_overlap_status(x, y) != at::MemOverlapStatus::Partial,                                \
+            #x " and " #y " are both written in place and must not share memory")

@@ -64,7 +64,8 @@ std::tuple<int64_t, int64_t, int64_t> check_lm_head(const at::Tensor& hidden, co
   const int64_t T = hidden.size(0), H = hidden.size(1), V = weight.size(0);
   LRF_CHECK(weight.size(1) == H, "weight must have shape [V, ", H, "] (hidden has ", H, " features), got ",
               weight.sizes());
-  LRF_CHECK(V >= 1 && V < (int64_t(1) << 31), "weight must have 1 <= V < 2^31 rows, got ", V);
+  LRF_CHECK(V >= 1 && V <= (int64_t(1) << 31) - (int64_t(1) << 16), "weight must have 1 <= V <= 2^31 - 2^16 rows, got ",
+            V);
   check_token_vector(targets, "targets", T, at::kLong, hidden);
   LRF_CHECK(suppress_token >= -1 && suppress_token < V, "suppress_token must be -1 (none) or in [0, ", V,
               "), got ", suppress_token);

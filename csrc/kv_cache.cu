@@ -81,6 +81,9 @@ void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
   CHECK_LAST_DIM_CONTIGUOUS(v);
   CHECK_CONTIGUOUS(cache_lens);
   CHECK_CONTIGUOUS(chunk_lens);
+  CHECK_NO_INTERNAL_OVERLAP(k_cache);
+  CHECK_NO_INTERNAL_OVERLAP(v_cache);
+  CHECK_NO_OVERLAP(k_cache, v_cache);
 
   int32_t* flag = nullptr;
   if (maybe_error_flag.has_value()) {

@@ -5,15 +5,16 @@
 // device), and launches once on the current stream. No host synchronization: seed, offset, step, quota and
 // the mask are read on the device only, so the call is CUDA-graph capturable (bump `offset` between replays).
 //
-// Allocation per call: the two [B] bool outputs only. The cross-CTA workspace is two persistent buffers per
-// device that grow geometrically: the per-sequence and per-row arrival counters (int32, zeroed when
-// allocated; the kernel leaves them at zero) and the per-chunk partials (~32 bytes per chunk, never read before written). They are
+// Allocation per call: the two [B] bool outputs only. The cross-CTA workspace is two persistent buffers that
+// grow geometrically: the per-sequence and per-row arrival counters (int32, zeroed when allocated; the kernel
+// leaves them at zero) and the per-chunk partials (~32 bytes per chunk, never read before written). They are
 // separate so that a launch with a larger batch never reads an earlier launch's partials as counters (found
-// on an H100: a counter that is not zero on entry means no CTA is last and the rows stay masked). Growing a
-// buffer while the stream is being
-// captured is refused (run the op once eagerly first, as torch's graph recipe does), and a replaced
-// workspace is never freed, because a captured graph may still point at it. Calls on one device must be
-// stream-ordered (the workspace is shared); concurrent launches on different streams are not supported.
+// on an H100: a counter that is not zero on entry means no CTA is last and the rows stay masked).
+// Eager launches use one workspace per stream, so launches on two streams may overlap (a shared counter would
+// be left off zero for good). Launches being captured into a CUDA graph share one workspace per device (the
+// replays of a device's graphs must therefore be stream-ordered, as the sampler's are); an eager launch grows
+// it too, and growing it while a stream is being captured is refused (run the op once eagerly first, as
+// torch's graph recipe does). A replaced workspace is never freed, because a captured graph may point at it.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -58,11 +59,16 @@ KernelFn pick_kernel(at::ScalarType dtype, int mode) {
   }
 }
 
+struct Workspace {
+  at::Tensor counters;  // uint8, zero-initialized, zero between launches
+  at::Tensor partials;  // uint8, scratch
+};
+
 struct DeviceInfo {
   int sms = 0;
   std::map<std::pair<KernelFn, int64_t>, int> occupancy;  // (kernel, dynamic smem) -> resident CTAs per SM
-  at::Tensor counters;                                     // uint8, zero-initialized, zero between launches
-  at::Tensor partials;                                     // uint8, scratch
+  std::map<cudaStream_t, Workspace> eager;                 // one per stream launched on outside a capture
+  Workspace graph;                                         // shared by the launches captured into graphs
   std::vector<at::Tensor> retired;                         // earlier buffers, kept for captured graphs
 };
 
@@ -81,14 +87,12 @@ int resident_ctas(DeviceInfo& info, KernelFn fn, int64_t smem) {
 }
 
 // `buf` holds at least `bytes` bytes (zeroed when (re)allocated) on return.
-uint8_t* grow(DeviceInfo& info, at::Tensor& buf, int64_t bytes, const at::Device& device, cudaStream_t stream,
+uint8_t* grow(DeviceInfo& info, at::Tensor& buf, int64_t bytes, const at::Device& device, bool capturing,
               const char* what) {
   if (buf.defined() && buf.numel() >= bytes) return buf.data_ptr<uint8_t>();
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  LRF_CHECK(capture == cudaStreamCaptureStatusNone, "threshold_unmask: its ", what, " workspace must grow to ",
-              bytes, " bytes, which cannot happen while a CUDA graph is being captured; call the op once eagerly "
-              "with the same (or a larger) batch before capturing");
+  LRF_CHECK(!capturing, "threshold_unmask: its ", what, " workspace must grow to ", bytes, " bytes, which cannot "
+            "happen while a CUDA graph is being captured; call the op once eagerly with the same (or a larger) "
+            "batch before capturing");
   int64_t size = std::max<int64_t>(bytes, 1 << 12);
   if (buf.defined()) {
     size = std::max(size, 2 * buf.numel());
@@ -150,6 +154,11 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
   CHECK_SAME_DEVICE(logits, eos_ids);
   CHECK_SAME_DEVICE(logits, seed);
   CHECK_SAME_DEVICE(logits, offset);
+  CHECK_NO_INTERNAL_OVERLAP(tokens);
+  CHECK_NO_INTERNAL_OVERLAP(masked);
+  CHECK_NO_INTERNAL_OVERLAP(step_map);
+  CHECK_NO_INTERNAL_OVERLAP(logp);
+  CHECK_NO_INTERNAL_OVERLAP(conf);
   LRF_CHECK(S >= 1 && V >= 1, "logits must have at least one position and one token, got shape ", logits.sizes());
   LRF_CHECK(S <= kernels::kUnmaskMaxPositions, "threshold_unmask kernel: at most ",
               kernels::kUnmaskMaxPositions, " positions per row (logits.size(1)), got ", S,
@@ -178,6 +187,10 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
   const int64_t per_vec = 16 / logits.element_size();
   const int64_t rows = B * S;
 
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+
   UnmaskParams p{};
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -187,14 +200,20 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
     }
     const int64_t slots = int64_t(info.sms) * resident_ctas(info, fn, smem);
     p.nsplit = kernels::unmask_choose_split(rows, kernels::unmask_max_split(V, per_vec, mode), slots);
-    uint8_t* counters =
-        grow(info, info.counters, kernels::unmask_counter_bytes(B, rows), logits.device(), stream, "counter");
+    LRF_CHECK(rows * p.nsplit <= std::numeric_limits<int32_t>::max(), "threshold_unmask: too many rows: ", rows);
+    const int64_t counter_bytes = kernels::unmask_counter_bytes(B, rows);
+    const int64_t partial_bytes = kernels::unmask_partial_bytes(rows, p.nsplit);
+    if (!capturing) {  // a later capture of this launch finds the graph workspace large enough
+      grow(info, info.graph.counters, counter_bytes, logits.device(), false, "counter");
+      grow(info, info.graph.partials, partial_bytes, logits.device(), false, "partials");
+    }
+    Workspace& ws = capturing ? info.graph : info.eager[stream];
+    uint8_t* counters = grow(info, ws.counters, counter_bytes, logits.device(), capturing, "counter");
     p.counters = reinterpret_cast<int32_t*>(counters);
     p.row_counters = reinterpret_cast<int32_t*>(counters + kernels::unmask_seq_counter_bytes(B));
     p.partials = reinterpret_cast<kernels::UnmaskPartial*>(
-        grow(info, info.partials, kernels::unmask_partial_bytes(rows, p.nsplit), logits.device(), stream, "partials"));
+        grow(info, ws.partials, partial_bytes, logits.device(), capturing, "partials"));
   }
-  LRF_CHECK(rows * p.nsplit <= std::numeric_limits<int32_t>::max(), "threshold_unmask: too many rows: ", rows);
 
   p.logits = logits.data_ptr();
   p.logits_sb = logits.stride(0);

@@ -349,10 +349,14 @@ def test_gpu_launcher_checks_inputs(cuda_kernels):
         (dict(cache_lens=cl.long()), "cache_lens must have dtype"),
         (dict(chunk_lens=nl.cpu()), "chunk_lens is on"),
         (dict(cache_lens=torch.zeros(4, dtype=torch.int32, device="cuda")[::2]), "cache_lens must be contiguous"),
-        (dict(q=q[:, :, :3]), "must be a multiple of the cache's kv heads"),
+        (dict(q=q[:, :, :3]), "must be a positive multiple of the cache's kv heads"),
         (dict(block_size=0), "block_size must be positive"),
         (dict(softmax_scale=float("nan")), "softmax_scale must be finite"),
         (dict(num_splits=65), "num_splits must be in"),
+        (dict(softmax_scale=1e39), "out of the fp32 range"),
+        (dict(q=q[:, :, :0]), "must be a positive multiple of the cache's kv heads"),
+        (dict(k_cache=kc[:1].expand(kc.shape)), "k_cache is written in place and must not"),
+        (dict(v_cache=kc), "k_cache and v_cache are both written in place"),
     ]:
         with pytest.raises(RuntimeError, match=match):
             kernel(**(a | change))

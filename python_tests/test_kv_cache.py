@@ -220,6 +220,10 @@ def test_launcher_checks_inputs(cuda_ext_with):
         (dict(k=torch.zeros(2, 3, 4, 2).transpose(2, 3)), "k must have a contiguous last dimension"),
         (dict(error_flag=torch.zeros(1)), "error_flag must have dtype Int"),
         (dict(error_flag=torch.zeros(0, dtype=torch.int32)), "error_flag must have at least one element"),
+        # caches written in place: no element shared within one, nor between the two
+        (dict(k_cache=torch.zeros(1, 10, 2, 4).expand(2, 10, 2, 4)), "k_cache is written in place and must not"),
+        (dict(v_cache=torch.zeros(2, 10, 1, 4).expand(2, 10, 2, 4)), "v_cache is written in place and must not"),
+        (dict(v_cache=a["k_cache"]), "k_cache and v_cache are both written in place"),
         ({}, "k_cache must be a CUDA tensor, got device cpu"),
     ]
     for change, match in cases:

@@ -829,6 +829,32 @@ def test_gpu_launcher_checks_inputs(cuda_kernels):
     with pytest.raises(RuntimeError, match="at most 1024 positions"):
         big, big_extra = case(1, 1025, 8, torch.float32, seed=1, device="cuda")
         kernel(*big, *big_extra, *opts)
+    with pytest.raises(RuntimeError, match="tokens is written in place and must not"):
+        call(1, state[1][:1].expand(2, 4))
+
+
+@pytest.mark.gpu
+def test_gpu_launches_on_two_streams_may_overlap(cuda_kernels):
+    """Eager launches on two streams, not ordered with each other, each use their own workspace: every launch
+    finishes its rows as the reference does, and so does a launch after them (a workspace shared by the two
+    would leave its arrival counters off zero for good)."""
+    state, extra = case(64, 8, 4099, torch.float32, seed=5, device="cuda")
+    ref = clone(state)
+    want = threshold_unmask_reference(*ref, *extra, 0.9, 1.0, 0, 1.0, True)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    runs = []
+    torch.cuda.synchronize()
+    for _ in range(20):
+        for st in streams:
+            got = clone(state)
+            st.wait_stream(torch.cuda.current_stream())  # the clone is ready; the two streams race each other
+            with torch.cuda.stream(st):
+                runs.append((got, threshold_unmask(*got, *extra, threshold=0.9, greedy=True)))
+    torch.cuda.synchronize()
+    for got, flags in runs:
+        assert_same_step(got, flags, ref, want, rtol=1e-4, atol=1e-5)
+    got = clone(state)
+    assert_same_step(got, threshold_unmask(*got, *extra, threshold=0.9, greedy=True), ref, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.gpu

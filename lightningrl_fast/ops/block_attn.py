@@ -146,8 +146,8 @@ def block_attention(
     check_tensor("v", v, shape=(bsz, c, hkv, d), dtypes=(q.dtype,), device=dev)
     check_tensor("cache_lens", cache_lens, shape=(bsz,), dtypes=(torch.int32,), device=dev)
     check_tensor("chunk_lens", chunk_lens, shape=(bsz,), dtypes=(torch.int32,), device=dev)
-    if hq % hkv:
-        raise ValueError(f"q heads ({hq}) must be a multiple of the cache's kv heads ({hkv})")
+    if hq == 0 or hkv == 0 or hq % hkv:
+        raise ValueError(f"q heads ({hq}) must be a positive multiple of the cache's kv heads ({hkv})")
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if check_lengths is None:
