@@ -14,11 +14,12 @@
      `model.init_buffers(device)` when the model has it (computed buffers such as a RoPE cache), and checks
      nothing is left on the meta device. The model is returned in eval mode.
 
-`save_model(model, config, path, max_shard_bytes=5 GiB, tokenizer=None)`
+`save_model(model, config, path, max_shard_bytes=5 GiB, tokenizer=None, code_dir=None)`
   writes config.json (model_type "sdar", architectures ["SDARForCausalLM"], torch_dtype = the weights' dtype,
   unknown keys kept), `model.safetensors` or `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json`
   (`metadata.total_size`, sorted `weight_map`), safetensors metadata {"format": "pt"}, tied weights once (as
-  `model.embed_tokens.weight`, no `lm_head.weight`: the HF convention), and the tokenizer files when given.
+  `model.embed_tokens.weight`, no `lm_head.weight`: the HF convention), the tokenizer files when given, and
+  the remote-code modules (*.py of `code_dir`, by default the tokenizer's source folder) that `auto_map` names.
   ATOMIC: everything is written and fsynced into a hidden sibling folder, which then replaces `path` in one
   step (`renameat2(RENAME_EXCHANGE)` on Linux; elsewhere two renames, the previous folder kept as a hidden
   `.name.old-*` sibling until the new one is in place). A save killed at any point leaves the previous
@@ -346,9 +347,46 @@ def _copy_tokenizer(tokenizer: Any, folder: Path) -> None:
         shutil.copyfile(src / name, folder / name)
 
 
+def auto_map_modules(cfg: dict) -> list[str]:
+    """The code files (`name.py`) an `auto_map` (config.json or tokenizer_config.json) names, in order."""
+    refs: list[str] = []
+    for v in (cfg.get("auto_map") or {}).values():
+        refs += [v] if isinstance(v, str) else [x for x in v if isinstance(x, str)] if isinstance(v, list) else []
+    mods = [r.split("--")[-1].rsplit(".", 1)[0] + ".py" for r in refs if "." in r]  # "repo--module.Class" too
+    return list(dict.fromkeys(mods))
+
+
+def _code_source(code_dir: str | Path | None, tokenizer: Any) -> Path | None:
+    if code_dir is not None:
+        return Path(code_dir)
+    if tokenizer is None:
+        return None
+    src = getattr(tokenizer, "source_dir", tokenizer)
+    return Path(src) if isinstance(src, (str, Path)) else None
+
+
+def _copy_code(src: Path | None, folder: Path) -> list[str]:
+    """Copy the top-level *.py files of `src` (the remote code of an SDAR folder: configuration_sdar.py,
+    modeling_sdar.py, tokenization_qwen2.py and what they import) into `folder`. Returns the modules that the
+    saved config.json / tokenizer_config.json name in `auto_map` but that are still missing."""
+    if src is not None and src.is_dir():
+        for f in sorted(src.glob("*.py")):
+            if f.is_file() and not (folder / f.name).exists():
+                shutil.copyfile(f, folder / f.name)
+    names: list[str] = []
+    for cfg_name in (CONFIG_NAME, "tokenizer_config.json"):
+        if (folder / cfg_name).is_file():
+            names += auto_map_modules(json.loads((folder / cfg_name).read_text(encoding="utf-8")))
+    return [n for n in dict.fromkeys(names) if not (folder / n).is_file()]
+
+
 def save_model(model: torch.nn.Module, config: Any, path: str | Path, max_shard_bytes: int = 5 * 2**30,
-               tokenizer: Any = None) -> Path:
-    """Write an SDAR checkpoint folder atomically (see the module docstring). Returns the folder."""
+               tokenizer: Any = None, code_dir: str | Path | None = None) -> Path:
+    """Write an SDAR checkpoint folder atomically (see the module docstring). Returns the folder.
+
+    `code_dir`: the folder whose *.py files (the `trust_remote_code` modules the config's `auto_map` names) are
+    copied along, so that the official SDAR code loads the saved folder; by default the tokenizer's source
+    folder (the checkpoint it came from). A module named in `auto_map` that is not found gets a warning."""
     final = Path(path).absolute()
     if final.exists() and not final.is_dir():
         raise FileExistsError(f"{final} exists and is not a folder")
@@ -389,8 +427,9 @@ def save_model(model: torch.nn.Module, config: Any, path: str | Path, max_shard_
                         tmp / INDEX_NAME)
         if tokenizer is not None:
             _copy_tokenizer(tokenizer, tmp)
-            for f in tmp.iterdir():
-                _fsync(f)
+        missing = _copy_code(_code_source(code_dir, tokenizer), tmp)
+        for f in tmp.iterdir():
+            _fsync(f)
         _fsync(tmp)
         if not final.exists():
             os.rename(tmp, final)
@@ -409,4 +448,8 @@ def save_model(model: torch.nn.Module, config: Any, path: str | Path, max_shard_
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if missing:
+        warnings.warn(f"{final}: auto_map names {', '.join(missing)}, which were not found (give save_model a "
+                      "code_dir holding them): transformers' trust_remote_code loading of this folder will fail",
+                      stacklevel=2)
     return final

@@ -52,8 +52,11 @@ QWEN2_PRETOKENIZE_PATTERN = (
 
 ENDOFTEXT, IM_START, IM_END, MASK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"
 
-# Files a tokenizer folder may carry besides tokenizer.json / tokenizer_config.json (copied by `save`).
-_EXTRA_FILES = ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+# Files a tokenizer folder may carry besides tokenizer.json / tokenizer_config.json (copied by `save`): the
+# slow tokenizer's vocab.json / merges.txt / added_tokens.json are what the `auto_map` Qwen2Tokenizer of an
+# SDAR folder reads under transformers' trust_remote_code.
+_EXTRA_FILES = ("vocab.json", "merges.txt", "added_tokens.json", "special_tokens_map.json", "chat_template.jinja",
+                "generation_config.json")
 
 
 def chat_prompt(user_text: str, system: str | None = None) -> str:
@@ -182,14 +185,17 @@ class Tokenizer:
         return cfg
 
     def save(self, folder: str | Path) -> None:
-        """Write tokenizer.json + tokenizer_config.json (and the source folder's template/map files)."""
+        """Write tokenizer.json + tokenizer_config.json, and from the source folder its vocabulary, template and map
+        files and the tokenizer code module its `auto_map` names."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(folder / "tokenizer.json"), pretty=True)
         (folder / "tokenizer_config.json").write_text(json.dumps(self._tokenizer_config(), indent=2, ensure_ascii=False) + "\n",
                                                       encoding="utf-8")
         if self.source_dir is not None:
-            for name in _EXTRA_FILES:
+            from .checkpoint import auto_map_modules
+
+            for name in (*_EXTRA_FILES, *auto_map_modules(self.config)):
                 src = self.source_dir / name
                 if src.is_file() and not (folder / name).exists():
                     shutil.copyfile(src, folder / name)

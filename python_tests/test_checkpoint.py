@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,9 @@ from safetensors.torch import save_file
 from lightningrl_fast import checkpoint as ckpt
 from lightningrl_fast.checkpoint import CheckpointError, load_model, read_config, save_model
 from lightningrl_fast.model import SDARConfig, SDARForCausalLM
+
+# TINY's config names a remote-code module that its tests do not provide: save_model's warning is expected
+pytestmark = pytest.mark.filterwarnings("ignore:.*auto_map names")
 
 META = Path("/work/shared/sdar-meta")
 REPO = Path(__file__).resolve().parents[1]
@@ -134,6 +138,47 @@ def test_save_with_tokenizer(tmp_path):
     with pytest.raises(FileNotFoundError):
         save_model(model, cfg, tmp_path / "ck3", tokenizer=tmp_path / "nowhere")
     assert not (tmp_path / "ck3").exists()
+
+
+@pytest.mark.skipif(not (META / "SDAR-4B-Chat" / "vocab.json").is_file(), reason="sdar-meta tokenizer files absent")
+def test_saved_folder_carries_the_remote_code_and_slow_tokenizer_files(tmp_path):
+    """What transformers' trust_remote_code loading of a saved folder reads: the modules config.json's and
+    tokenizer_config.json's auto_map name (copied from the source checkpoint, whatever else it imports too) and
+    the slow Qwen2Tokenizer's vocab.json / merges.txt / added_tokens.json."""
+    import shutil
+
+    from lightningrl_fast.tokenizer import load_tokenizer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in (META / "SDAR-4B-Chat").iterdir():
+        if f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copyfile(f, src / f.name)
+    code = {"configuration_sdar.py": "# config\n", "modeling_sdar.py": "from .fused import x\n",
+            "fused.py": "x = 1\n", "tokenization_qwen2.py": "# tokenizer\n"}
+    for name, text in code.items():
+        (src / name).write_text(text)
+    model, cfg = tiny_model()
+    assert ckpt.auto_map_modules({"auto_map": {"AutoConfig": "configuration_sdar.SDARConfig",
+                                               "AutoModel": "modeling_sdar.SDARModel",
+                                               "AutoTokenizer": ["tokenization_qwen2.Qwen2Tokenizer", None]}}) == [
+        "configuration_sdar.py", "modeling_sdar.py", "tokenization_qwen2.py"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing missing: no warning
+        out = save_model(model, cfg, tmp_path / "out", tokenizer=load_tokenizer(src))
+    for name, text in code.items():
+        assert (out / name).read_text() == text, name
+    for name in ("vocab.json", "merges.txt", "added_tokens.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).is_file(), name
+    assert (out / "vocab.json").read_bytes() == (src / "vocab.json").read_bytes()
+    # a re-save of the saved folder (the next RL checkpoint) keeps them: its tokenizer's source is that folder
+    again = save_model(model, cfg, tmp_path / "again", tokenizer=load_tokenizer(out))
+    assert all((again / name).is_file() for name in code)
+    # an explicit code_dir, and a folder whose auto_map modules cannot be found: a warning names them
+    bare = save_model(model, cfg, tmp_path / "bare", code_dir=src)
+    assert (bare / "configuration_sdar.py").is_file() and not (bare / "vocab.json").exists()
+    with pytest.warns(UserWarning, match="configuration_sdar.py"):
+        save_model(model, cfg, tmp_path / "nocode")
 
 
 def test_streams_one_shard_at_a_time(tmp_path, monkeypatch):
