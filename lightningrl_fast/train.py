@@ -293,6 +293,10 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistE
 
     # rollout sampler config
     bs = cfg.sampler.block_size or model.config.block_size
+    if bs != model.config.block_size:  # the policy is trained for the block size it decodes with
+        say(f"block size {bs} (the checkpoint's is {model.config.block_size}): rollouts and training use {bs}, "
+            f"and the checkpoints this run writes record block_size {bs}")
+        model.config.block_size = bs
     eos = tuple(sorted(i for i in tokenizer.eos_token_ids if i < model.config.vocab_size))
     if not eos:
         raise ValueError(f"the tokenizer's eos ids {sorted(tokenizer.eos_token_ids)} are outside the model's "

@@ -67,13 +67,15 @@ def test_example_stream_is_resumable():
     assert a == b and sorted(a[:10]) == list(range(10)) and a[:10] != a[10:20]
 
 
-def test_trace_logprobs_equal_the_sampler_logprobs():
+@pytest.mark.parametrize("block", [4, 8])  # the model's block size (4), and decoding with another one
+def test_trace_logprobs_equal_the_sampler_logprobs(block):
     model = tiny_model()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 100, (n,), generator=g).tolist() for n in [1, 3, 4, 5, 9]]
-    ro = generate(model, prompts, SamplerConfig(threshold=0.5, temperature=1.0, max_new_tokens=14, eos_ids=(3,)))
+    ro = generate(model, prompts, SamplerConfig(threshold=0.5, temperature=1.0, max_new_tokens=14, eos_ids=(3,),
+                                                block_size=block))
     assert float(ro.tpf.max()) > 1.5  # several tokens per step, so rounds matter
-    lb = build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, 4, MASK, "trace")
+    lb = build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, block, MASK, "trace")
     assert lb.layout.num_copies > 2
     with torch.no_grad():
         lp = batch_logprobs(model, lb)
@@ -81,7 +83,7 @@ def test_trace_logprobs_equal_the_sampler_logprobs():
     assert lb.num_tokens == int(ro.lengths.sum())
     torch.testing.assert_close(lp.float(), recorded, rtol=0, atol=1e-5)
     # block proxy reads every response token with its whole block masked: a different (cheaper) estimate
-    lbp = build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, 4, MASK, "block_proxy")
+    lbp = build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, block, MASK, "block_proxy")
     assert lbp.layout.num_copies == 2 and torch.equal(lbp.targets, lb.targets)
     with pytest.raises(ValueError, match="logprob mode"):
         build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, 4, MASK, "exact")
@@ -174,6 +176,29 @@ def test_train_step_updates_the_weights_the_sampler_uses():
     torch.testing.assert_close(lp_new, ro_after.logp[lb.tgt_row, lb.resp_pos], atol=1e-5, rtol=0)
     assert not torch.allclose(lp_new, lp_ref)
     assert ro_before.tokens.shape == ro_after.tokens.shape
+
+
+def test_train_step_trains_under_the_rollout_block_size(monkeypatch):
+    """Rollouts decoded with another block size than the checkpoint's (SamplerConfig.block_size): the training
+    layout uses the rollout's, the mask the samples were drawn under."""
+    import lightningrl_fast.rl.trainer as trainer_mod
+
+    seen = []
+
+    def spy(groups, block_size, mask_id, mode):
+        seen.append(block_size)
+        return layout_stage(groups, block_size, mask_id, mode)
+
+    monkeypatch.setattr(trainer_mod, "layout_stage", spy)
+    task = HalfRightTask(max_operand=4)
+    tok = task.tokenizer
+    model = build_model(half_right_config(tok), dtype=torch.float32, seed=0).eval()  # block 8
+    scfg = SamplerConfig(threshold=0.9, temperature=1.0, max_new_tokens=16, eos_ids=tuple(sorted(tok.eos_token_ids)),
+                         block_size=4)
+    rc = RLConfig(steps=1, prompts_per_step=2, group_size=4, lr=1e-3, filter_groups=False, max_refill_rounds=0,
+                  logprob_mode="trace")
+    train_step(make_state(model, rc), tok, task, task.train, rc, scfg)
+    assert seen and set(seen) == {4}
 
 
 def test_rollout_in_chunks_of_rollout_batch_size():

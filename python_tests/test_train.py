@@ -286,10 +286,13 @@ def test_cli_smoke_subprocess(tmp_path, cache_dir):
         assert (out / "training.png").stat().st_size > 0 and (out / "sweep.png").stat().st_size > 0
     else:
         assert "plots skipped: matplotlib is not installed" in r.stdout
-    # the trained checkpoint is a valid --model for a further run (no preset, tiny explicit settings)
+    # the trained checkpoint is a valid --model for a further run (no preset, tiny explicit settings), here with
+    # another block size than the checkpoint's: the policy is trained for it and its checkpoints record it
     assert T.main(["--model", str(final), "--out", str(tmp_path / "again"), "--steps", "1", "--group-size", "2",
                    "--prompts-per-step", "1", "--max-new-tokens", "16", "--eval-limit", "2", "--eval-thresholds", "0.9",
-                   "--no-plots", "--threads", "1", "--progress", "off", "--kl-beta", "0"]) == 0
+                   "--no-plots", "--threads", "1", "--progress", "off", "--kl-beta", "0", "--block-size", "4"]) == 0
+    again = json.loads((tmp_path / "again" / "summary.json").read_text())["final_checkpoint"]
+    assert load_model(again)[1].block_size == 4
 
 
 def test_cli_resume_is_bit_exact_and_reuses_sft_cache(tmp_path, cache_env, capsys):

@@ -376,7 +376,7 @@ def train_step(state: TrainState, tokenizer, task: Task, train_examples: list, c
         state.step += 1
         metrics.update(skipped="no group carried signal", step_s=time.perf_counter() - t_start)
         return metrics
-    metrics.update(update_stage(state, groups, cfg))
+    metrics.update(update_stage(state, groups, cfg, scfg.block_size or state.model.config.block_size))
     state.scheduler.step()
     state.step += 1
     metrics.update(lr=state.scheduler.get_last_lr()[0], step_s=time.perf_counter() - t_start,
@@ -384,9 +384,12 @@ def train_step(state: TrainState, tokenizer, task: Task, train_examples: list, c
     return metrics
 
 
-def update_stage(state: TrainState, groups: Groups, cfg: RLConfig) -> dict:
+def update_stage(state: TrainState, groups: Groups, cfg: RLConfig, block_size: int | None = None) -> dict:
     """[advantages -> log-probs -> loss/backward -> step] on one rollout batch (this rank's groups; the other
-    ranks' share the collectives). Returns the update's metrics (loss terms summed over the ranks)."""
+    ranks' share the collectives). Returns the update's metrics (loss terms summed over the ranks).
+
+    `block_size`: the block size the rollouts were decoded with (default: the model's); the training layout
+    must use it, or the log-probs are taken under another mask than the one the samples were drawn under."""
     model, env = state.model, state.env
     mcfg = model.config
     metrics: dict = {}
@@ -395,7 +398,8 @@ def update_stage(state: TrainState, groups: Groups, cfg: RLConfig) -> dict:
     correct = torch.tensor(groups.accuracy) > 0  # [S] verifier-correct (and finished)
     # log-probs: layout, old policy (only needed with several updates per rollout batch), frozen reference
     t0 = time.perf_counter()
-    lb = layout_stage(groups, mcfg.block_size, mcfg.mask_token_id, cfg.logprob_mode) if len(groups) else None
+    bs = block_size or mcfg.block_size
+    lb = layout_stage(groups, bs, mcfg.mask_token_id, cfg.logprob_mode) if len(groups) else None
     adv_tok = adv[lb.tgt_row] if lb is not None else None  # [T]
     model.eval()
     several = cfg.updates_per_step * cfg.epochs_per_step > 1
