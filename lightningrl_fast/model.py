@@ -40,6 +40,9 @@ from .ops.silu_mul import silu_mul
 DEFAULT_MASK_TOKEN_ID = 151669
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# What the official SDARConfig (a Qwen3Config) takes for a key that config.json leaves out; `from_dict` follows
+# it so that such a folder means the same model here and under transformers.
+_OFFICIAL_DEFAULTS = {"num_key_value_heads": 32, "head_dim": 128, "rope_theta": 10000.0}
 
 
 @dataclass
@@ -85,6 +88,9 @@ class SDARConfig:
             raise ValueError(f"config.mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
         if self.hidden_act != "silu":
             raise ValueError(f"config.hidden_act {self.hidden_act!r} is not supported (SDAR uses 'silu')")
+        if isinstance(self.rope_scaling, dict) and self.rope_scaling.get("rope_type",
+                                                                           self.rope_scaling.get("type")) == "default":
+            self.rope_scaling = None  # plain RoPE, spelled out
         if self.rope_scaling:
             raise ValueError(f"config.rope_scaling {self.rope_scaling!r} is not supported (SDAR checkpoints use none)")
         if self.torch_dtype not in _DTYPES:
@@ -101,11 +107,19 @@ class SDARConfig:
             raise KeyError(f"config is missing required key(s): {', '.join(missing)}")
         known = {f.name for f in fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in d.items() if k in known}
+        for k, v in _OFFICIAL_DEFAULTS.items():
+            if kwargs.get(k) is None and not (k == "num_key_value_heads" and k in d):  # an explicit null: = heads
+                kwargs[k] = v
         if kwargs.get("mask_token_id") is None:
             kwargs["mask_token_id"] = DEFAULT_MASK_TOKEN_ID
-        if isinstance(kwargs.get("torch_dtype"), str) is False and "torch_dtype" in kwargs:
-            kwargs["torch_dtype"] = str(kwargs["torch_dtype"]).replace("torch.", "")
-        return cls(**kwargs, extra={k: v for k, v in d.items() if k not in known})
+        if kwargs.get("torch_dtype") is None and d.get("dtype") is not None:  # newer transformers write `dtype`
+            kwargs["torch_dtype"] = d["dtype"]
+        if "torch_dtype" in kwargs and not isinstance(kwargs["torch_dtype"], str):
+            kwargs["torch_dtype"] = str(kwargs["torch_dtype"])
+        if isinstance(kwargs.get("torch_dtype"), str):
+            kwargs["torch_dtype"] = kwargs["torch_dtype"].replace("torch.", "")
+        extra = {k: v for k, v in d.items() if k not in known and k != "dtype"}  # torch_dtype carries `dtype`
+        return cls(**kwargs, extra=extra)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "SDARConfig":

@@ -192,6 +192,26 @@ def test_config_roundtrip_and_errors(tmp_path):
         SDARConfig.from_json(tmp_path / "nowhere")
 
 
+def test_config_keys_left_out_mean_what_the_official_config_assumes():
+    """A config.json without head_dim / rope_theta / num_key_value_heads: the official SDARConfig (a Qwen3Config)
+    takes 128 / 10000 / 32; rope_scaling spelled as the default is plain RoPE; transformers' newer `dtype` key
+    stands for torch_dtype and is not kept as a second, possibly conflicting entry."""
+    base = dict(vocab_size=111, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=32)
+    cfg = SDARConfig.from_dict(base)
+    assert (cfg.head_dim, cfg.rope_theta, cfg.num_key_value_heads) == (128, 10000.0, 32)
+    null_kv = {**base, "num_attention_heads": 8, "num_key_value_heads": None}
+    assert SDARConfig.from_dict(null_kv).num_key_value_heads == 8  # an explicit null: as many as the q heads
+    assert SDARConfig.from_dict({**base, "num_key_value_heads": 8, "head_dim": 16}).head_dim == 16
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        SDARConfig.from_dict({**base, "num_attention_heads": 4})  # 4 heads, 32 kv heads by default
+    for spelled in ({"rope_type": "default"}, {"type": "default"}, {}):
+        assert SDARConfig.from_dict({**base, "rope_scaling": spelled}).rope_scaling is None
+    cfg = SDARConfig.from_dict({**base, "dtype": "float32"})
+    assert cfg.torch_dtype == "float32" and "dtype" not in cfg.to_dict()
+    cfg = SDARConfig.from_dict({**base, "dtype": "float16", "torch_dtype": "bfloat16"})
+    assert cfg.torch_dtype == "bfloat16" and "dtype" not in cfg.to_dict()
+
+
 def test_bad_model_inputs():
     cfg = tiny_config()
     model = build_model(cfg, dtype=torch.float32)
