@@ -196,7 +196,8 @@ def test_config_keys_left_out_mean_what_the_official_config_assumes():
     """A config.json without head_dim / rope_theta / num_key_value_heads: the official SDARConfig (a Qwen3Config)
     takes 128 / 10000 / 32; rope_scaling spelled as the default is plain RoPE; transformers' newer `dtype` key
     stands for torch_dtype and is not kept as a second, possibly conflicting entry."""
-    base = dict(vocab_size=111, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=32)
+    base = dict(vocab_size=111, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=32,
+                mask_token_id=110)
     cfg = SDARConfig.from_dict(base)
     assert (cfg.head_dim, cfg.rope_theta, cfg.num_key_value_heads) == (128, 10000.0, 32)
     null_kv = {**base, "num_attention_heads": 8, "num_key_value_heads": None}
