@@ -88,9 +88,10 @@ class SDARConfig:
             raise ValueError(f"config.mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
         if self.hidden_act != "silu":
             raise ValueError(f"config.hidden_act {self.hidden_act!r} is not supported (SDAR uses 'silu')")
-        if isinstance(self.rope_scaling, dict) and self.rope_scaling.get("rope_type",
-                                                                           self.rope_scaling.get("type")) == "default":
-            self.rope_scaling = None  # plain RoPE, spelled out
+        if isinstance(self.rope_scaling, dict):
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind == "default":
+                self.rope_scaling = None  # plain RoPE, spelled out (or an empty dict)
         if self.rope_scaling:
             raise ValueError(f"config.rope_scaling {self.rope_scaling!r} is not supported (SDAR checkpoints use none)")
         if self.torch_dtype not in _DTYPES:
