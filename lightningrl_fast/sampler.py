@@ -32,6 +32,11 @@ synchronization; the "all finished?" test reads one flag every `sync_every` step
 step is captured once per working-set size and replayed. The random stream is Philox keyed by `seed`
 with a per-step offset, so the same seed gives the same tokens.
 
+The mask token is taken out of the distribution (logit -inf) before picks and confidences, so a position is
+never "unmasked" to it; SDAR's reference `block_diffusion_generate` keeps it in the softmax, so where a model
+puts mass on it there the confidences are lower and a position near tau may wait a step longer. The trainer's
+log-probs leave it out the same way, so rollouts and training agree.
+
 Recorded per generated token: the step that unmasked it (`step_map`, counted per row from 0), its sampled
 log-prob and its confidence. TPF = tokens up to and including the first EOS / distinct steps that
 unmasked them. `forwards` counts the forwards a row took part in (prefill and commit forwards included).
