@@ -144,8 +144,8 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   CHECK_NO_OVERLAP(k_cache, v_cache);
 
   LRF_CHECK(D == 64 || D == 128, "block_attention: head_dim must be 64 or 128, got ", D);
-  LRF_CHECK(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, "block_attention: q heads (", Hq, ") must be a multiple of the cache's kv heads (",
-              Hkv, ")");
+  LRF_CHECK(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, "block_attention: q heads (", Hq,
+            ") must be a positive multiple of the cache's kv heads (", Hkv, ")");
   LRF_CHECK(block_size > 0 && block_size <= std::numeric_limits<int>::max(),
               "block_attention: block_size must be positive, got ", block_size);
   LRF_CHECK(std::isfinite(softmax_scale), "block_attention: softmax_scale must be finite, got ", softmax_scale);

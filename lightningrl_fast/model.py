@@ -113,12 +113,9 @@ class SDARConfig:
                 kwargs[k] = v
         if kwargs.get("mask_token_id") is None:
             kwargs["mask_token_id"] = DEFAULT_MASK_TOKEN_ID
-        if kwargs.get("torch_dtype") is None and d.get("dtype") is not None:  # newer transformers write `dtype`
-            kwargs["torch_dtype"] = d["dtype"]
-        if "torch_dtype" in kwargs and not isinstance(kwargs["torch_dtype"], str):
-            kwargs["torch_dtype"] = str(kwargs["torch_dtype"])
-        if isinstance(kwargs.get("torch_dtype"), str):
-            kwargs["torch_dtype"] = kwargs["torch_dtype"].replace("torch.", "")
+        dtype = kwargs.pop("torch_dtype", None) or d.get("dtype")  # newer transformers write `dtype`
+        if dtype is not None:
+            kwargs["torch_dtype"] = str(dtype).replace("torch.", "")
         extra = {k: v for k, v in d.items() if k not in known and k != "dtype"}  # torch_dtype carries `dtype`
         return cls(**kwargs, extra=extra)
 
