@@ -210,10 +210,15 @@ class RunContext:
     env: DistEnv = SINGLE  # this process's rank (data-parallel runs)
 
 
-def _load_examples(path: str, fmt: str | None, limit: int | None, say) -> list:
+def _load_examples(path: str, fmt: str | None, limit: int | None, say, task: str | None = None) -> list:
     from .tasks import load_examples
+    from .tasks.data import DataFormatError
 
     res = load_examples(path, fmt=fmt, limit=limit)
+    wrong = [e for e in res.examples if task is not None and e.kind != task]
+    if wrong:
+        raise DataFormatError(f"{path}: {len(wrong)} of {len(res.examples)} examples are {wrong[0].kind!r} problems, "
+                              f"not {task!r} (e.g. {wrong[0].id}); pick the matching --task")
     say(f"data: {len(res)} examples from {path} (format {res.fmt}" + (f", {res.skipped} malformed rows skipped)" if res.skipped else ")"))
     return list(res.examples)
 
@@ -286,8 +291,8 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistE
         if d.max_train_examples:
             train_examples = train_examples[: d.max_train_examples]
     else:
-        train_examples = _load_examples(d.train_data, d.data_format, d.max_train_examples, say)
-        eval_examples = _load_examples(d.eval_data, d.data_format, None, say) if d.eval_data else []
+        train_examples = _load_examples(d.train_data, d.data_format, d.max_train_examples, say, d.task)
+        eval_examples = _load_examples(d.eval_data, d.data_format, None, say, d.task) if d.eval_data else []
     if cfg.eval.eval_limit:
         eval_examples = eval_examples[: cfg.eval.eval_limit]
 

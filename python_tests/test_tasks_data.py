@@ -75,6 +75,25 @@ def test_gsm8k_jsonl(tmp_path):
     assert res[1].answer == "2400"  # thousands separators removed
 
 
+def test_utf8_byte_order_mark_is_read(tmp_path):
+    """Files saved with a BOM (Windows tools): the first JSONL row and a JSON document load, nothing skipped."""
+    (tmp_path / "gsm8k_bom.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in GSM).encode())
+    res = load_examples(tmp_path / "gsm8k_bom.jsonl")
+    assert len(res) == 2 and res.skipped == 0 and res[0].answer == "7"
+    (tmp_path / "m.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(MATH).encode())
+    assert [e.answer for e in load_examples(tmp_path / "m.json")] == ["\\frac{3}{4}", "8"]
+
+
+def test_train_refuses_data_of_another_task(tmp_path):
+    from lightningrl_fast.tasks.data import DataFormatError
+    from lightningrl_fast.train import _load_examples
+
+    path = write_jsonl(tmp_path / "mbpp.jsonl", MBPP)
+    with pytest.raises(DataFormatError, match="'code' problems, not 'math'"):
+        _load_examples(str(path), None, None, lambda _m: None, "math")
+    assert len(_load_examples(str(path), None, None, lambda _m: None, "code")) == 1
+
+
 def test_math500_json_list_and_data_wrapper(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(MATH))
     (tmp_path / "b.json").write_text(json.dumps({"data": MATH}))

@@ -177,7 +177,7 @@ def _iter_raw_rows(path: Path) -> Iterator[tuple[dict[str, Any] | None, RowError
                     if not raw.strip():
                         continue
                     try:
-                        obj = json.loads(raw.decode("utf-8"))
+                        obj = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))  # a BOM may lead
                     except UnicodeDecodeError as e:
                         yield None, RowError(spath, f"not UTF-8 ({e.reason} at byte {e.start})", line=lineno)
                         continue
@@ -194,7 +194,7 @@ def _iter_raw_rows(path: Path) -> Iterator[tuple[dict[str, Any] | None, RowError
             if not data.strip():
                 return
             try:
-                doc = json.loads(data.decode("utf-8"))
+                doc = json.loads(data.decode("utf-8-sig"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
                 raise DataFormatError(f"{path}: not valid JSON{where}: {e}") from None
