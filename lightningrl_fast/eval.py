@@ -67,10 +67,10 @@ from .generate import (
     decode_block_size,
     decode_texts,
     eos_ids_for,
+    join_ranks,
     load_model_checked,
     load_tokenizer_checked,
     progress,
-    resolve_device,
     resolve_dtype,
 )
 from .rl import distributed
@@ -481,17 +481,9 @@ def run(args) -> dict:
     overlays = [load_results(p) for p in args.overlay]
     task = make_task(args.task, args.workers)
     examples = load_data(args, task)
-    try:
-        env, device = distributed.init(distributed.env_from_environment(), resolve_device(args.device))
-    except ValueError as e:
-        raise CLIError(str(e)) from None
-    ok = False
-    try:
-        out = _run_on(args, env, device, thresholds, model_dir, overlays, task, examples)
-        ok = True
-        return out
-    finally:
-        distributed.shutdown(env, ok)
+    env, device = join_ranks(args.device)
+    with distributed.joined(env):
+        return _run_on(args, env, device, thresholds, model_dir, overlays, task, examples)
 
 
 def _run_on(args, env: DistEnv, device, thresholds, model_dir, overlays, task, examples) -> dict:

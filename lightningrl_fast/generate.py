@@ -173,6 +173,17 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def join_ranks(device_name: str):
+    """(env, device) of this process for a CLI: under torchrun its rank joined to the process group (one GPU per
+    rank), else the single process on `--device`. Leave the group with `distributed.joined(env)`."""
+    from .rl import distributed
+
+    try:
+        return distributed.init(distributed.env_from_environment(), resolve_device(device_name))
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -363,17 +374,9 @@ def run(args) -> dict:
     rows = read_prompts(args.prompts)
     if args.out is not None and Path(args.out).is_dir():
         raise CLIError(f"--out {args.out} is a folder; give a file name")
-    try:
-        env, device = distributed.init(distributed.env_from_environment(), resolve_device(args.device))
-    except ValueError as e:
-        raise CLIError(str(e)) from None
-    ok = False
-    try:
-        out = _generate(args, env, device, model_dir, rows)
-        ok = True
-        return out
-    finally:
-        distributed.shutdown(env, ok)
+    env, device = join_ranks(args.device)
+    with distributed.joined(env):
+        return _generate(args, env, device, model_dir, rows)
 
 
 def _generate(args, env, device, model_dir: Path, rows: list) -> dict:

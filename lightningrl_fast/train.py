@@ -532,13 +532,8 @@ def run(cfg: TrainConfig, say: Callable[[str], None] = log) -> int:
         env, device = distributed.init(env, resolve_device(cfg.data.device), cfg.run.dist_timeout_min)
     except ValueError as ex:
         raise ConfigError(str(ex)) from None
-    ok = False
-    try:
-        out = _run(cfg, say if env.main else (lambda _msg: None), env, device)
-        ok = True
-        return out
-    finally:
-        distributed.shutdown(env, ok)
+    with distributed.joined(env):
+        return _run(cfg, say if env.main else (lambda _msg: None), env, device)
 
 
 def _run(cfg: TrainConfig, say: Callable[[str], None], env: DistEnv, device: torch.device) -> int:

@@ -26,6 +26,7 @@ single-process path runs the same code. Collectives use NCCL on CUDA and gloo on
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -114,6 +115,18 @@ def shutdown(env: DistEnv, ok: bool = True) -> None:
     elif dist.get_backend() == "nccl":
         return
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def joined(env: DistEnv):
+    """The body of a run that `init` joined to the group: leaves it on exit (`shutdown`, ok when no exception
+    escaped)."""
+    try:
+        yield
+    except BaseException:
+        shutdown(env, ok=False)
+        raise
+    shutdown(env, ok=True)
 
 
 # ------------------------------------------------------------------------------------------------------------
