@@ -409,25 +409,31 @@ def make_task(name: str, workers: int | None):
     return get_task(name, workers=workers) if name == "code" else get_task(name)
 
 
-def load_data(args, task) -> list:
+def load_data(args, task) -> tuple[list, dict]:
+    """(examples, provenance): the rows evaluated and, for the results JSON, the file's row count and the
+    malformed rows that were skipped (each named by file and line; the first 100 listed)."""
+    info: dict = {"rows": None, "skipped": 0, "skipped_rows": []}
     if args.task == "synthetic":
         exs = load_synthetic(args.data, task)
+        info["rows"] = len(exs)
     else:
         if args.data is None:
             raise CLIError(f"--task {args.task} needs --data FILE (a benchmark file; nothing is downloaded)")
         from .tasks.data import DataFormatError, load_examples
 
         try:
-            exs = list(load_examples(args.data, fmt=args.format, limit=args.limit))
+            loaded = load_examples(args.data, fmt=args.format, limit=args.limit)
         except FileNotFoundError:
             raise CLIError(f"data file {args.data} does not exist") from None
         except (DataFormatError, ValueError) as e:
             raise CLIError(str(e)) from None
+        exs = list(loaded)
+        info.update(rows=loaded.n_rows, skipped=loaded.skipped, skipped_rows=[str(e) for e in loaded.errors[:100]])
         wrong = [e for e in exs if e.kind != args.task]
         if wrong:
             raise CLIError(f"{args.data}: {len(wrong)} of {len(exs)} examples are {wrong[0].kind!r} problems, "
                            f"not {args.task!r} (e.g. {wrong[0].id}); pick the matching --task")
-    return exs[: args.limit] if args.limit else exs
+    return (exs[: args.limit] if args.limit else exs), info
 
 
 def parse_thresholds(text: str) -> list[float]:
@@ -480,13 +486,13 @@ def run(args) -> dict:
     model_dir = check_model_dir(args.model)
     overlays = [load_results(p) for p in args.overlay]
     task = make_task(args.task, args.workers)
-    examples = load_data(args, task)
+    examples, data_info = load_data(args, task)
     env, device = join_ranks(args.device)
     with distributed.joined(env):
-        return _run_on(args, env, device, thresholds, model_dir, overlays, task, examples)
+        return _run_on(args, env, device, thresholds, model_dir, overlays, task, examples, data_info)
 
 
-def _run_on(args, env: DistEnv, device, thresholds, model_dir, overlays, task, examples) -> dict:
+def _run_on(args, env: DistEnv, device, thresholds, model_dir, overlays, task, examples, data_info) -> dict:
     dtype = resolve_dtype(args.dtype, device)
     tokenizer = load_tokenizer_checked(model_dir)
     if args.max_new_tokens is None:
@@ -503,6 +509,7 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, overlays, task, e
     except ValueError as e:
         raise CLIError(str(e)) from None
     res.update(label=label, task=args.task, model=str(model_dir), data=args.data or "synthetic:test",
+               data_rows=data_info,
                device=str(device), dtype=str(dtype)[6:], date=datetime.datetime.now().isoformat(timespec="seconds"))
 
     runs = [res, *overlays]
@@ -524,7 +531,8 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, overlays, task, e
     plotted = plot_curves(runs, png_path, title=f"{args.task}: accuracy vs tokens per forward")
 
     ranks = f" x {env.world} ranks" if env.active else ""
-    print(f"{label} on {args.task} ({len(examples)} examples, {device}{ranks}, {res['dtype']}, "
+    skipped = f" ({data_info['skipped']} malformed rows skipped)" if data_info["skipped"] else ""
+    print(f"{label} on {args.task} ({len(examples)} examples{skipped}, {device}{ranks}, {res['dtype']}, "
           f"block {res['sampler']['block_size']}, max_new_tokens {cfg.max_new_tokens})")
     print(format_table(res))
     print(f"AUP {res['aup']:.2f} (y_max {res['aup_y_max']:.2f}; accuracy in %, TPF x accuracy units)")

@@ -161,25 +161,13 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        raise CLIError(f"--device {name!r}: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError(f"--device {name}: CUDA is not available on this machine")
-    return dev
-
-
 def join_ranks(device_name: str):
     """(env, device) of this process for a CLI: under torchrun its rank joined to the process group (one GPU per
     rank), else the single process on `--device`. Leave the group with `distributed.joined(env)`."""
     from .rl import distributed
 
     try:
-        return distributed.init(distributed.env_from_environment(), resolve_device(device_name))
+        return distributed.init(distributed.env_from_environment(), distributed.resolve_device(device_name))
     except ValueError as e:
         raise CLIError(str(e)) from None
 

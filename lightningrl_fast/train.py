@@ -60,12 +60,6 @@ def log(msg: str) -> None:
 # setup helpers
 # ------------------------------------------------------------------------------------------------------------
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda" and checkpoint_dtype is not None:
@@ -229,7 +223,7 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistE
     model (rank 0 alone trains or loads the embedded SFT warm-up) and then takes rank 0's weights."""
     from .checkpoint import load_model, read_config
     from .rl.checkpointing import resolve_checkpoint
-    from .rl.distributed import broadcast, broadcast_params
+    from .rl.distributed import broadcast, broadcast_params, resolve_device
     from .sampler import SamplerConfig
     from .tokenizer import load_tokenizer
 
@@ -529,7 +523,7 @@ def run(cfg: TrainConfig, say: Callable[[str], None] = log) -> int:
         env = distributed.env_from_environment()
         if env.active and cfg.run.baseline == "rft":
             raise ValueError("--baseline rft runs in one process; start it without torchrun")
-        env, device = distributed.init(env, resolve_device(cfg.data.device), cfg.run.dist_timeout_min)
+        env, device = distributed.init(env, distributed.resolve_device(cfg.data.device), cfg.run.dist_timeout_min)
     except ValueError as ex:
         raise ConfigError(str(ex)) from None
     with distributed.joined(env):

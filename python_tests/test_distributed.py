@@ -48,6 +48,21 @@ def test_partition_balances_and_is_deterministic():
         D.partition([5, 6], 3)
 
 
+def test_resolve_device_names_the_problem(monkeypatch):
+    assert D.resolve_device("cpu") == torch.device("cpu")
+    assert D.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="--device 'gpu7'"):
+        D.resolve_device("gpu7")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device cuda:0: CUDA is not available"):
+        D.resolve_device("cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert D.resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="--device cuda:2: this machine has 2 GPU"):
+        D.resolve_device("cuda:2")
+
+
 def test_training_bytes_and_env_parsing():
     b = D.training_bytes(8_000_000_000, 2, 4, reference=True)
     assert b == {"weights": 16e9, "gradients": 16e9, "optimizer": 24e9, "reference": 16e9}

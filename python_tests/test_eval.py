@@ -188,6 +188,7 @@ def test_cli_synthetic_json_png_and_overlay(synth_ckpt, tmp_path, capsys):
     base = json.loads((out / "base.synthetic.json").read_text())
     assert base["label"] == "base" and base["task"] == "synthetic" and base["data"] == "synthetic:test"
     assert len(base["points"]) == 2 and base["n_examples"] == 5
+    assert base["data_rows"] == {"rows": len(SyntheticArithmetic().test), "skipped": 0, "skipped_rows": []}
     for p in base["points"]:
         assert 0 <= p["accuracy"] <= 1 and 1 <= p["mean_tpf"] <= BLOCK and p["forwards"] > 0
     assert base["sampler"]["max_new_tokens"] == SyntheticArithmetic().max_response_tokens()
@@ -206,6 +207,21 @@ def test_cli_synthetic_json_png_and_overlay(synth_ckpt, tmp_path, capsys):
     assert res["overlays"]["base"]["aup"] == pytest.approx(base["aup"])
     assert "fake" in printed and "base" in printed
     assert (out / "trained.synthetic.png").is_file() == _has_matplotlib()
+
+
+def test_load_data_reports_skipped_rows(tmp_path):
+    import argparse
+
+    rows = tmp_path / "m.jsonl"
+    rows.write_text("\n".join([json.dumps({"prompt": "1+1?", "answer": "2"}), "{broken",
+                               json.dumps({"prompt": "2+2?", "answer": ""}), json.dumps({"prompt": "3?", "answer": 3})]))
+    args = argparse.Namespace(task="math", data=str(rows), format=None, limit=None)
+    with pytest.warns(UserWarning, match="skipped 2 malformed"):
+        exs, info = ev.load_data(args, ev.make_task("math", None))
+    assert [e.answer for e in exs] == ["2", "3"]
+    assert info["rows"] == 4 and info["skipped"] == 2
+    assert info["skipped_rows"][0].startswith(f"{rows}:2: bad JSON") and f"{rows}:3: plain: key 'answer' is empty" \
+        == info["skipped_rows"][1]
 
 
 @pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib is not installed")

@@ -254,6 +254,67 @@ def test_code_row_type_errors(tmp_path):
         load_examples(he, on_error="raise")
 
 
+def test_reference_answers_must_be_usable(tmp_path):
+    rows = [
+        {"prompt": "a?", "answer": ""},                               # 1: empty
+        {"prompt": "b?", "answer": "   "},                            # 2: blank
+        {"prompt": "c?", "answer": float("nan")},                     # 3: NaN (json.dumps writes NaN)
+        {"prompt": "d?", "answer": float("inf")},                     # 4: Infinity
+        {"prompt": "e?", "answer": -2.5},                             # 5: fine
+    ]
+    with pytest.warns(UserWarning, match=r"skipped 4 malformed row\(s\) of 5"):
+        res = load_examples(write_jsonl(tmp_path / "p.jsonl", rows))
+    assert [e.answer for e in res] == ["-2.5"]
+    msgs = [e.message for e in res.errors]
+    assert "'answer' is empty" in msgs[0] and "'answer' is empty" in msgs[1]
+    assert "nan, not a finite number" in msgs[2] and "inf, not a finite number" in msgs[3]
+    with pytest.raises(DataFormatError, match=r"m\.json\[row 0\]: math500: key 'answer' is empty"):
+        load_examples(_write_json(tmp_path / "m.json", [dict(MATH[0], answer="")]), on_error="raise")
+
+
+def _write_json(path: Path, rows) -> Path:
+    path.write_text(json.dumps(rows), encoding="utf-8")
+    return path
+
+
+def test_gsm8k_final_answer_must_be_a_number(tmp_path):
+    good = ["#### 7", "#### -3", "#### 1,000", "#### $18.", "#### 0.25", "#### .5", "#### 3/4"]
+    bad = ["#### seven", "#### 7 apples", "#### 1.2.3", "#### x=3"]
+    rows = [{"question": f"q{i}", "answer": f"work\n{a}"} for i, a in enumerate(good + bad)]
+    with pytest.warns(UserWarning, match=rf"skipped {len(bad)} malformed"):
+        res = load_examples(write_jsonl(tmp_path / "g.jsonl", rows))
+    assert [e.answer for e in res] == ["7", "-3", "1000", "18", "0.25", ".5", "3/4"]
+    assert [e.line for e in res.errors] == list(range(len(good) + 1, len(rows) + 1))
+    assert "ends in '#### seven', which is not a number" in res.errors[0].message
+
+
+def test_plain_code_rows_need_tests(tmp_path):
+    asserts = {"prompt": "Write add(a, b).", "answer": "def add(a, b): return a + b", "kind": "code",
+               "test_list": ["assert add(1, 2) == 3"], "test_setup_code": "import math"}
+    check = {"prompt": "Write inc(x).", "answer": "def inc(x): return x + 1", "kind": "code",
+             "test": "def check(f):\n    assert f(1) == 2\n", "entry_point": "inc"}
+    rows = [asserts, check,
+            {"prompt": "Write f.", "answer": "def f(): pass", "kind": "code"},                      # 3: no tests
+            dict(check, entry_point=None),                                                          # 4: test alone
+            dict(check, test=None),                                                                 # 5: entry alone
+            dict(check, entry_point="not valid"),                                                   # 6
+            dict(asserts, test_list="assert add(1, 2) == 3")]                                       # 7: not a list
+    with pytest.warns(UserWarning, match=r"skipped 5 malformed"):
+        res = load_examples(write_jsonl(tmp_path / "c.jsonl", rows))
+    a, c = res
+    assert a.kind == c.kind == "code" and a.test_list == asserts["test_list"] and a.test_setup_code == "import math"
+    assert c.test == check["test"] and c.entry_point == "inc" and not c.test_list
+    msgs = [e.message for e in res.errors]
+    assert "needs tests" in msgs[0] and "needs 'entry_point' too" in msgs[1] and "needs 'entry_point' too" in msgs[2]
+    assert "not a Python identifier" in msgs[3] and "should be list or tuple" in msgs[4]
+    # the author's prompt is used as written, and the rows are scored by their tests
+    assert code_prompt(a) == "<|im_start|>user\nWrite add(a, b).<|im_end|>\n<|im_start|>assistant\n"
+    from lightningrl_fast.tasks.code import build_program
+
+    assert build_program("```python\ndef add(a, b):\n    return a + b\n```", a).tests == asserts["test_list"]
+    assert "check(inc)" in build_program("```python\ndef inc(x):\n    return x + 1\n```", c).tests[0]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow is not installed")
 def test_parquet_round_trip(tmp_path):
     import pyarrow as pa

@@ -76,6 +76,12 @@ def test_extract_answer_fallbacks():
         (r"\text{(B)}", "(b)"),
         ("7.", "7"),
         ("1,2", "1,2"),  # not a thousands separator: a tuple stays a tuple
+        (r"6\text{ or }2", "6or2"),  # words in \text{} then a bare digit: not a unit, nothing dropped
+        (r"5\text{ or 6}", "5or6"),  # a \text{} holding a number is not a unit
+        ("4 m^2", "4"),
+        ("4 m²", "4"),
+        (r"\Pi + X", r"\Pi+x"),  # letters fold to lower case, command names keep theirs
+        (r"2\pi R", r"2\pir"),
     ],
 )
 def test_normalize_answer(raw, norm):
@@ -130,6 +136,15 @@ ROWS = [
 @pytest.mark.parametrize("response, reference, expected", ROWS)
 def test_verify_math_rows(response, reference, expected):
     assert verify_math(response, reference) is expected
+
+
+def test_normalizer_false_positives_are_gone():
+    assert answers_match(r"6\text{ or }2", "6") is not True
+    assert verify_math(r"\boxed{6\text{ or }2}", "6", mode="off") is False
+    assert verify_math(r"\boxed{6\text{ cm}^2}", "6", mode="off") is True
+    assert answers_match(r"\Pi", r"\pi") is None and answers_match(r"\Delta", r"\delta") is None
+    assert answers_match(r"\Rightarrow", r"\rightarrow") is None
+    assert answers_match(r"\text{(B)}", "(b)") is True and answers_match(r"\mathrm{A}", "a") is True
 
 
 def test_cheap_path_decides_numbers_without_math_verify():

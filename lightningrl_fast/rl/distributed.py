@@ -74,6 +74,23 @@ def env_from_environment(environ: dict[str, str] | None = None) -> DistEnv:
     return DistEnv(rank=rank, world=world, local_rank=local)
 
 
+def resolve_device(name: str) -> torch.device:
+    """The torch device a `--device` value names ('auto': cuda when available, else cpu). ValueError (which the
+    CLIs report as a usage error) for a malformed name or a CUDA device this machine does not have."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r}: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return dev
+
+
 def init(env: DistEnv, device: torch.device, timeout_min: float = 60.0) -> tuple[DistEnv, torch.device]:
     """Join the process group (MASTER_ADDR/MASTER_PORT from torchrun). CUDA: one GPU per rank, cuda:<local_rank>
     (an explicit 'cuda:N' is refused: with several ranks the device comes from LOCAL_RANK), NCCL; CPU: gloo."""

@@ -7,6 +7,8 @@ A completion is turned into a `CodeProgram` (setup, solution, list of tests) by 
   valid function, so the completion's definition replaces it while the prompt's imports and helpers
   stay); one test: the benchmark's ``test`` source followed by ``check(<entry_point>)``.
 * MBPP: setup = ``test_setup_code``, solution = the completion, one test per assert of ``test_list``.
+* plain code rows (tasks/data.py): the completion alone is the solution, tested as above by their
+  ``test`` + ``entry_point`` (no stub is prepended: the prompt is prose) or their ``test_list``.
 
 Model text goes through `extract_code` first (the last fenced block that defines the expected function,
 else the last Python block; an unterminated fence is taken to the end; ChatML end tokens are dropped).
@@ -170,7 +172,9 @@ def build_program(completion: str, example: Example, extract: bool = True) -> Co
     ep = example.entry_point
     code = extract_code(completion, ep or None) if extract else completion
     if ep and example.test:
-        if re.search(rf"^def\s+{re.escape(ep)}\s*\(", code, re.M):
+        if example.source != "humaneval":  # a plain row's prompt is prose, not a stub to complete
+            solution = code
+        elif re.search(rf"^def\s+{re.escape(ep)}\s*\(", code, re.M):
             solution = example.prompt + "\n" + code
         else:
             solution = example.prompt + code

@@ -18,10 +18,12 @@ mbpp        ``task_id``, ``text`` (or ``prompt``), ``code``, ``test_list``,     
             ``test_setup_code`` (optional; ``test_imports`` of the sanitized set)
 humaneval   ``task_id``, ``prompt``, ``canonical_solution``, ``test``,             code
             ``entry_point``
-plain       ``prompt``, ``answer`` (optional ``id``, ``kind``)                      math
+plain       ``prompt``, ``answer`` (optional ``id``, ``kind``; a ``"code"`` row also   math
+            needs ``test_list`` or ``test`` + ``entry_point``)
 ==========  =====================================================================  ======
 
-Malformed rows (bad JSON, not an object, a missing key, a wrong type, a GSM8K answer without ``####``)
+Malformed rows (bad JSON, not an object, a missing key, a wrong type, an empty or non-finite reference answer,
+a GSM8K answer without a number after ``####``, a code row without tests)
 become `RowError`s naming the file and the line (JSONL) or the row index (JSON, Parquet). With
 ``on_error="raise"`` the first one raises `DataFormatError`; with ``on_error="skip"`` (default) they are
 skipped, counted in `LoadResult.errors`, and summarized in one warning and one log line — never dropped
@@ -38,6 +40,8 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,11 +260,18 @@ def _get(row: dict[str, Any], key: str, types: tuple[type, ...] = (str,), defaul
 
 
 def _text_answer(value: Any, key: str) -> str:
-    if isinstance(value, str):
-        return value.strip()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A reference answer as text: a non-empty string, or a finite number (a math answer is never NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise _BadRow(f"key {key!r} should be str or a number, got {type(value).__name__}")
-    return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _BadRow(f"key {key!r} is {value!r}, not a finite number")
+    text = value.strip() if isinstance(value, str) else str(value)
+    if not text:
+        raise _BadRow(f"key {key!r} is empty")
+    return text
+
+
+_GSM8K_NUMBER_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
 
 
 def parse_gsm8k_reference(answer: str) -> str | None:
@@ -288,6 +299,8 @@ def _from_gsm8k(row: dict[str, Any], default_id: str) -> Example:
     final = parse_gsm8k_reference(solution)
     if final is None:
         raise _BadRow("GSM8K 'answer' has no '#### <number>' final line")
+    if not _GSM8K_NUMBER_RE.fullmatch(final):
+        raise _BadRow(f"GSM8K 'answer' ends in '#### {final[:40]}', which is not a number")
     return Example(_row_id(row, default_id), question, final, "math", "gsm8k", solution=solution)
 
 
@@ -339,7 +352,21 @@ def _from_plain(row: dict[str, Any], default_id: str) -> Example:
     kind = _get(row, "kind", default="math")
     if kind not in ("math", "code"):
         raise _BadRow(f"'kind' should be 'math' or 'code', got {kind!r}")
-    return Example(_row_id(row, default_id), prompt, answer, kind, "plain")
+    if kind == "math":
+        return Example(_row_id(row, default_id), prompt, answer, kind, "plain")
+    # a code row is scored by running tests: MBPP-style asserts, or a HumanEval-style check(entry_point)
+    tests = _str_list(row, "test_list", default=[])
+    setup = _get(row, "test_setup_code", default="")
+    test = _get(row, "test", default="")
+    entry = _get(row, "entry_point", default="")
+    if bool(test) != bool(entry):
+        raise _BadRow("a code row with 'test' needs 'entry_point' too (and the other way round)")
+    if entry and not entry.isidentifier():
+        raise _BadRow(f"'entry_point' {entry!r} is not a Python identifier")
+    if not tests and not test:
+        raise _BadRow("a 'code' row needs tests: 'test_list' (asserts) or 'test' + 'entry_point'")
+    return Example(_row_id(row, default_id), prompt, answer, kind, "plain", test_list=tests,
+                   test_setup_code=setup, test=test, entry_point=entry)
 
 
 _CONVERTERS: dict[str, Callable[[dict[str, Any], str], Example]] = {
@@ -435,8 +462,11 @@ def code_prompt_text(example: Example) -> str:
     """The user message for a code example (no chat wrapping).
 
     MBPP: the statement, then its asserts as examples of the required signature. HumanEval: the function
-    stub to complete. Other code rows: the prompt as is. The model is asked for one fenced Python block.
+    stub to complete. The model is asked for one fenced Python block. Plain rows: the prompt as its author
+    wrote it (their tests are not shown).
     """
+    if example.source == "plain":
+        return example.prompt
     if example.source == "humaneval" or example.entry_point:
         return (
             "Complete the following Python function. Reply with the whole function in one ```python code block.\n"

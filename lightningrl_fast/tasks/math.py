@@ -7,9 +7,10 @@ r"""Math answer extraction and verification (the accuracy reward of GSM8K / MATH
    a response without a box falls back to ``#### n``, then "the answer is n", then its last number.
    No answer, or one longer than 1000 characters -> False.
 2. Normalize both sides (`normalize_answer`): drop ``$``, ``\left``/``\right``, spacing commands,
-   ``\text{}``/``\mathrm{}`` wrappers, degree signs, ``\%``/``%``, trailing unit words after a number,
-   thousands separators (``1,000``), ``x =`` prefixes, trailing ``.0``; ``\dfrac``/``\tfrac`` -> ``\frac``.
-   Equal strings -> True.
+   ``\text{}``/``\mathrm{}`` wrappers, degree signs, ``\%``/``%``, trailing unit words after a number
+   (bare or in ``\text{}``, with an optional ``^2``/``^3``; ``²``/``³`` read as ``^2``/``^3``), thousands
+   separators (``1,000``), ``x =`` prefixes, trailing ``.0``; ``\dfrac``/``\tfrac`` -> ``\frac``; letters
+   fold to lower case, LaTeX command names keep theirs (``\Pi`` != ``\pi``). Equal strings -> True.
 3. Numbers: when both sides are plain numbers (integers, decimals, scientific, ``a/b``, ``\frac{a}{b}``,
    with sign) they are compared as exact fractions (``\frac{1}{2}`` == 0.5 == 1/2) and the result is
    final. Percent signs are stripped, not divided: "50%" == "50" but "50%" != "0.5".
@@ -148,10 +149,14 @@ _UNIT_WORDS = (
     "units?|sq|square|cubic|hours?|hrs?|minutes?|mins?|seconds?|secs?|days?|weeks?|months?|years?|"
     "dollars?|cents?|pounds?|lbs?|kg|grams?|g|liters?|l|ml|gallons?|mph|percent|points?|people|students?"
 )
+# a number followed by unit words, bare or in \text{} (words only: "6\text{ or }2" keeps its "or 2"), and
+# an optional ^2 / ^3 on the unit (with its caret: a bare trailing digit is another number)
 _TRAILING_UNITS_RE = re.compile(
-    r"^([-+]?(?:\d|\.\d)[\d.,/]*)\s*(?:(?:\\text|\\mbox|\\mathrm)\{[^{}]*\}|(?:" + _UNIT_WORDS + r")\b)+(?:\^?\{?[23]\}?)?$",
+    r"^([-+]?(?:\d|\.\d)[\d.,/]*)\s*(?:(?:\\text|\\mbox|\\mathrm)\{[^{}\d]*\}|(?:" + _UNIT_WORDS + r")\b)+"
+    r"(?:\^\{?[23]\}?)?$",
     re.IGNORECASE,
 )
+_CASE_RE = re.compile(r"\\[A-Za-z]+|\\.|[^\\]+")
 _TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
 _THOUSANDS_RE = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _VAR_PREFIX_RE = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*=\s*(?=[^=])")
@@ -180,6 +185,7 @@ def normalize_answer(s: str) -> str:
     s = s.replace("\\ ", " ").replace("\\left", "").replace("\\right", "").replace("\\displaystyle", "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("^{\\circ}", "").replace("^\\circ", "").replace("°", "")
+    s = s.replace("²", "^2").replace("³", "^3")
     s = s.replace("\\%", "").replace("%", "").replace("\\$", "").replace("$", "")
     s = s.strip()
     m = _TRAILING_UNITS_RE.match(s)
@@ -196,7 +202,10 @@ def normalize_answer(s: str) -> str:
         s = s.split(".")[0]
     if s.startswith("+"):
         s = s[1:]
-    return s.replace(" ", "").lower()
+    # case-insensitive letters ("X" == "x", "A" == "a"), but LaTeX command names keep their case (\Pi != \pi);
+    # cased while the spaces still end the command names ("\pi R" is \pi times r)
+    s = _CASE_RE.sub(lambda m: m.group(0) if m.group(0).startswith("\\") else m.group(0).lower(), s)
+    return s.replace(" ", "")
 
 
 _DEC_RE = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?", re.IGNORECASE)
