@@ -199,6 +199,24 @@ def test_json_rows_are_reported_by_index(tmp_path):
         load_examples(scalar)
 
 
+def test_json_file_holding_json_lines(tmp_path):
+    path = tmp_path / "export.json"
+    path.write_text("\n" + json.dumps(MATH[0]) + "\n" + '{"problem": "x"}' + "\n\n" + json.dumps(MATH[1]) + "\n")
+    with pytest.warns(UserWarning, match="skipped 1"):
+        res = load_examples(path)
+    assert [e.answer for e in res] == ["\\frac{3}{4}", "8"] and [e.line for e in res.errors] == [3]
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(MATH[1]))
+    assert [e.answer for e in load_examples(one)] == ["8"]
+    pretty = tmp_path / "pretty.json"  # an indented {"data": [...]} is still one JSON document
+    pretty.write_text(json.dumps({"data": MATH}, indent=2))
+    assert len(load_examples(pretty)) == 2
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"data": 3}))
+    with pytest.raises(DataFormatError, match="expected a JSON list"):
+        load_examples(wrapped)
+
+
 def test_empty_and_all_bad_files(tmp_path):
     for name in ("empty.jsonl", "empty.json"):
         (tmp_path / name).write_text("")

@@ -3,7 +3,8 @@
 Users bring their own files (nothing is downloaded). Supported containers, chosen by file name:
 
 * ``.jsonl`` / ``.jsonl.gz``: one JSON object per line (blank lines are ignored);
-* ``.json`` / ``.json.gz``: a list of objects, or ``{"data": [...]}``;
+* ``.json`` / ``.json.gz``: a list of objects, or ``{"data": [...]}`` (a ``.json`` file of one object per line
+  is read as JSON Lines);
 * ``.parquet``: needs ``pyarrow`` (an optional dependency; a clear error says so when it is missing).
 
 Supported row formats (REFERENCE.md §6), detected per file from the keys of its first object, or forced
@@ -170,11 +171,31 @@ def _container(path: Path) -> str:
     raise DataFormatError(f"{path}: unknown file type (expected .jsonl, .jsonl.gz, .json, .json.gz or .parquet)")
 
 
+def _holds_json_lines(path: Path) -> bool:
+    """A ``.json`` file that is really JSON Lines (what many dataset exports write): its first non-blank line is
+    a whole JSON object and something follows it."""
+    with _open_bytes(path) as f:
+        first = b""
+        for raw in f:
+            if raw.strip():
+                first = raw
+                break
+        rest = any(raw.strip() for raw in f)
+    if not rest or not first.lstrip().startswith(b"{"):
+        return False
+    try:
+        return isinstance(json.loads(first.decode("utf-8-sig")), dict)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+
+
 def _iter_raw_rows(path: Path) -> Iterator[tuple[dict[str, Any] | None, RowError | None]]:
     """Yield (row, None) or (None, error) for every row of the file, in order."""
     kind = _container(path)
     spath = str(path)
     try:
+        if kind == "json" and _holds_json_lines(path):
+            kind = "jsonl"
         if kind == "jsonl":
             with _open_bytes(path) as f:
                 for lineno, raw in enumerate(f, start=1):
@@ -204,6 +225,8 @@ def _iter_raw_rows(path: Path) -> Iterator[tuple[dict[str, Any] | None, RowError
                 raise DataFormatError(f"{path}: not valid JSON{where}: {e}") from None
             if isinstance(doc, dict) and isinstance(doc.get("data"), list):
                 doc = doc["data"]
+            elif isinstance(doc, dict) and "data" not in doc:
+                doc = [doc]  # one row (a one-line JSON Lines export named .json)
             if not isinstance(doc, list):
                 raise DataFormatError(f'{path}: expected a JSON list of objects or {{"data": [...]}}')
             for i, obj in enumerate(doc):
