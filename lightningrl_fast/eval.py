@@ -380,8 +380,12 @@ def load_synthetic(path: str | Path | None, task):
     path = Path(path)
     if not path.is_file():
         raise CLIError(f"data file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark may lead
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{path}: not UTF-8 text ({e})") from None
     out, errors = [], []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -392,7 +396,7 @@ def load_synthetic(path: str | Path | None, task):
         ops = row.get("operands") if isinstance(row, dict) else None
         if ops is None and isinstance(row, dict) and isinstance(row.get("prompt"), str) and _SYNTH_PROMPT.match(row["prompt"]):
             ops = [int(x) for x in re.findall(r"\d+", row["prompt"])]
-        if not (isinstance(ops, list) and len(ops) >= 2 and all(isinstance(x, int) and x >= 0 for x in ops)):
+        if not (isinstance(ops, list) and len(ops) >= 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ops)):
             errors.append(f"{path}:{lineno}: expected {{\"operands\": [a, b, ...]}} or {{\"prompt\": \"a+b+c?\"}}")
             continue
         out.append(ArithExample(tuple(ops)))

@@ -78,7 +78,7 @@ def read_prompts(path: str | Path) -> list[PromptRow]:
     if not path.is_file():
         raise CLIError(f"prompts file {path} is not a file")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark may lead
     except UnicodeDecodeError as e:
         raise CLIError(f"{path}: not UTF-8 text ({e})") from None
     rows: list[PromptRow] = []

@@ -164,6 +164,14 @@ def test_make_task_and_synthetic_data(tmp_path):
     f.write_text(json.dumps({"operands": [1, 2]}) + "\n" + json.dumps({"prompt": "hello"}) + "\n")
     with pytest.raises(ev.CLIError, match=f"{f}:2:"):
         ev.load_synthetic(f, None)
+    f.write_bytes(b"\xef\xbb\xbf" + json.dumps({"operands": [7, 8]}).encode() + b"\n")  # a BOM leads
+    assert ev.load_synthetic(f, None) == [ArithExample((7, 8))]
+    f.write_text(json.dumps({"operands": [True, 2]}))
+    with pytest.raises(ev.CLIError, match=f"{f}:1: expected"):
+        ev.load_synthetic(f, None)
+    f.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ev.CLIError, match="not UTF-8"):
+        ev.load_synthetic(f, None)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -114,6 +114,15 @@ def test_cli_stdout_when_no_out_and_chat_template(ckpt, tmp_path, capsys):
     assert ids[0] == CharTokenizer().encode(chat_prompt("hi"))
 
 
+def test_prompts_files_may_start_with_a_byte_order_mark(tmp_path):
+    j = tmp_path / "p.jsonl"
+    j.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "hi", "id": 3}).encode() + b"\n")
+    t = tmp_path / "p.txt"
+    t.write_bytes(b"\xef\xbb\xbfhello\n")
+    assert [(r.text, r.id) for r in gen.read_prompts(j)] == [("hi", 3)]
+    assert [r.text for r in gen.read_prompts(t)] == ["hello"]
+
+
 def test_errors_missing_model_and_prompts(ckpt, tmp_path, capsys):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "x"})])
     assert gen.main(["--model", str(tmp_path / "nope"), "--prompts", str(prompts)]) == 2
