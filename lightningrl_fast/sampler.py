@@ -45,6 +45,7 @@ unmasked them. `forwards` counts the forwards a row took part in (prefill and co
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -86,7 +87,8 @@ class Rollout:
     """Decoded sequences. Per-token tensors are [N, R] with R = max_new_tokens (response positions only)."""
 
     prompt_ids: list[list[int]]
-    sequences: torch.Tensor  # [N, Ltot] int64: prompt + decoded blocks (tokens past the response are padding)
+    sequences: torch.Tensor  # [N, Ltot] int64: prompt + decoded blocks (the EOS block's tokens after the EOS are
+    #   kept as decoded, the context trace replay needs; mask_id past the last decoded block)
     seq_step_map: torch.Tensor  # [N, Ltot] int32 over `sequences`: -1 prompt, -2 never decoded, else the step
     prompt_lens: torch.Tensor  # [N] int64
     tokens: torch.Tensor  # [N, R] int64 response tokens; pad_id after the response
@@ -166,6 +168,14 @@ def _validate(model: SDARForCausalLM, prompts, cfg: SamplerConfig, bs: int) -> i
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.rule not in ("threshold", "quota"):
         raise ValueError(f"rule must be 'threshold' or 'quota', got {cfg.rule!r}")
+    if cfg.steps_per_block is not None and (isinstance(cfg.steps_per_block, bool) or cfg.steps_per_block < 1):
+        raise ValueError(f"steps_per_block must be >= 1 (or None: the block size), got {cfg.steps_per_block}")
+    for name in ("sync_every", "max_length"):
+        v = getattr(cfg, name)
+        if v is not None and (isinstance(v, bool) or v < 1):
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if not (math.isfinite(cfg.threshold) and math.isfinite(cfg.temperature)):
+        raise ValueError(f"threshold and temperature must be finite, got {cfg.threshold}, {cfg.temperature}")
     if not cfg.eos_ids or any(not 0 <= e < vocab for e in cfg.eos_ids):
         raise ValueError(f"eos_ids {cfg.eos_ids} must be non-empty and inside the vocabulary [0, {vocab})")
     if cfg.top_k < 0 or not 0 < cfg.top_p <= 1:

@@ -245,6 +245,15 @@ def test_bad_requests(model):
         generate(model, [[5]], dataclasses.replace(cfg, rule="fast"))
     with pytest.raises(ValueError, match="noise must be one of"):
         generate(model, [[5]], dataclasses.replace(cfg, noise="bucket"))
+    for s in (0, -1):  # a negative S decoded every block in one step, 0 fell back to the block size, silently
+        with pytest.raises(ValueError, match=f"steps_per_block must be >= 1 .*got {s}"):
+            generate(model, [[5]], dataclasses.replace(cfg, rule="quota", steps_per_block=s))
+    for name in ("sync_every", "max_length"):  # sync_every 0 divided by zero on CUDA; max_length 0 meant "no cap"
+        with pytest.raises(ValueError, match=f"{name} must be >= 1, got 0"):
+            generate(model, [[5]], dataclasses.replace(cfg, **{name: 0}))
+    for bad in ({"threshold": float("nan")}, {"temperature": float("nan")}, {"temperature": float("inf")}):
+        with pytest.raises(ValueError, match="threshold and temperature must be finite"):
+            generate(model, [[5]], dataclasses.replace(cfg, **bad))
 
 
 def test_sampler_block_size_overrides_the_model_config(model):
