@@ -18,7 +18,7 @@ namespace lrf {
 // block_attn.cu
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                            at::Tensor v_cache, const at::Tensor& cache_lens, const at::Tensor& chunk_lens,
-                           int64_t block_size, double softmax_scale, int64_t num_splits);
+                           int64_t block_size, double softmax_scale, int64_t num_splits, int64_t variant);
 
 // grpo_loss.cu
 std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
@@ -83,9 +83,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("block_attention", &lrf::block_attention,
         "Block-causal attention of a chunk against the KV cache; writes the chunk's K/V into the caches "
-        "(see ARCHITECTURE.md). num_splits: KV splits, 0 = chosen from the shapes and the device.",
+        "(see ARCHITECTURE.md). num_splits: KV splits, 0 = chosen from the shapes and the device. variant: 0 = "
+        "automatic (mma.sync for now), 1 = mma.sync, 2 = wgmma (sm_90; not yet verified on hardware).",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_lens"),
-        py::arg("chunk_lens"), py::arg("block_size"), py::arg("softmax_scale"), py::arg("num_splits") = 0);
+        py::arg("chunk_lens"), py::arg("block_size"), py::arg("softmax_scale"), py::arg("num_splits") = 0,
+        py::arg("variant") = 0);
   m.def("fused_linear_grpo_loss", &lrf::fused_linear_grpo_loss,
         "GRPO loss from hidden states and the LM head, forward and backward fused per token chunk -> "
         "(logp [T], terms [4, T] (policy term, k3, ratio, clipped), entropy [T] | None, grad_hidden | None, "

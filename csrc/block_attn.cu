@@ -2,7 +2,9 @@
 // Contract: ARCHITECTURE.md (block_attention).
 //
 // Checks every input, then one launch writes the chunk's K/V into the caches and attends (S == 1), or that
-// launch writes per-split partials and a second one merges them (S > 1). The split count comes from the
+// launch writes per-split partials and a second one merges them (S > 1). `variant` picks the CTA's tensor-core
+// path: 1 = mma.sync, 2 = wgmma (sm_90 only), 0 = automatic, which is mma.sync for now: the wgmma variant has
+// passed the CPU emulator and the CUTLASS layout check but has not yet run on an H100 (profiling/RESULTS.md). The split count comes from the
 // shapes and the device (SM count x resident CTAs per SM), never from the lengths: nothing here reads a
 // device value on the host, so the call is CUDA-graph capturable. Lengths out of range are handled on the
 // device (that row writes nothing and outputs zeros); the Python wrapper raises on them when it may sync.
@@ -17,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "checks.h"
 #include "kernels/block_attn.cuh"
@@ -45,14 +48,14 @@ bool aligned16(const at::Tensor& t) {
 }
 
 // Per device and kernel instantiation: dynamic shared memory raised once, resident CTAs per SM x SMs.
-template <typename T, int D>
+template <typename T, int D, bool WG>
 int64_t resident_ctas(int device) {
   static std::atomic<int64_t> cache[kMaxDevices];
   LRF_CHECK(device >= 0 && device < kMaxDevices, "block_attention: device index ", device, " out of range");
   int64_t r = cache[device].load(std::memory_order_relaxed);
   if (r > 0) return r;
-  const int smem = kernels::block_attn_smem_bytes(D);
-  auto kernel = kernels::block_attn_kernel<T, D>;
+  const int smem = kernels::block_attn_smem_bytes(D, WG);
+  auto kernel = kernels::block_attn_kernel<T, D, WG>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int sms = 0, per_sm = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -62,12 +65,12 @@ int64_t resident_ctas(int device) {
   return r;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool WG>
 void launch(const kernels::BlockAttnParams& p, int device, cudaStream_t stream) {
-  resident_ctas<T, D>(device);  // raises the shared-memory limit on this device first
+  resident_ctas<T, D, WG>(device);  // raises the shared-memory limit on this device first
   const int64_t grid = int64_t(p.m_tiles) * p.num_splits * p.batch * p.hkv;
-  kernels::block_attn_kernel<T, D>
-      <<<static_cast<unsigned>(grid), kernels::kBlockAttnThreads, kernels::block_attn_smem_bytes(D), stream>>>(p);
+  kernels::block_attn_kernel<T, D, WG>
+      <<<static_cast<unsigned>(grid), kernels::kBlockAttnThreads, kernels::block_attn_smem_bytes(D, WG), stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.num_splits > 1) {
     const int64_t rows = int64_t(p.batch) * p.chunk * p.hq;
@@ -95,14 +98,14 @@ void launch(const kernels::BlockAttnParams& p, int device, cudaStream_t stream) 
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool WG>
 void dispatch_splits(kernels::BlockAttnParams& p, int64_t requested, int device) {
   if (requested > 0) {
     p.num_splits = static_cast<int>(requested);
   } else {
     const int rows_per_cta = p.m_rows < kernels::kBlockAttnBM ? p.m_rows : kernels::kBlockAttnBM;
     p.num_splits = kernels::block_attn_num_splits(int64_t(p.m_tiles) * p.batch * p.hkv, p.capacity, rows_per_cta,
-                                                  resident_ctas<T, D>(device));
+                                                  resident_ctas<T, D, WG>(device));
   }
 }
 
@@ -110,7 +113,7 @@ void dispatch_splits(kernels::BlockAttnParams& p, int64_t requested, int device)
 
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                            at::Tensor v_cache, const at::Tensor& cache_lens, const at::Tensor& chunk_lens,
-                           int64_t block_size, double softmax_scale, int64_t num_splits) {
+                           int64_t block_size, double softmax_scale, int64_t num_splits, int64_t variant) {
   CHECK_CUDA(q);
   CHECK_DIM(q, 4);
   CHECK_DIM(k_cache, 4);
@@ -151,6 +154,8 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   LRF_CHECK(std::isfinite(softmax_scale), "block_attention: softmax_scale must be finite, got ", softmax_scale);
   LRF_CHECK(num_splits >= 0 && num_splits <= kernels::kBlockAttnMaxSplits, "block_attention: num_splits must be in [0, ",
               kernels::kBlockAttnMaxSplits, "] (0 = automatic), got ", num_splits);
+  LRF_CHECK(variant >= 0 && variant <= 2, "block_attention: variant must be 0 (automatic), 1 (mma.sync) or 2 (wgmma), got ",
+            variant);
   // The kernel indexes keys, rows and CTAs in int32: tile starts reach L + BN - 1, row tiles C * G + BM - 1.
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   constexpr int64_t kIndexMax = kIntMax - kernels::kBlockAttnBN;
@@ -196,11 +201,30 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   p.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   LRF_CHECK(std::isfinite(p.scale_log2), "block_attention: softmax_scale ", softmax_scale, " is out of the fp32 range");
 
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  if (bf16 && D == 128) dispatch_splits<kernels::Bf16, 128>(p, num_splits, device);
-  else if (bf16) dispatch_splits<kernels::Bf16, 64>(p, num_splits, device);
-  else if (D == 128) dispatch_splits<kernels::Fp16, 128>(p, num_splits, device);
-  else dispatch_splits<kernels::Fp16, 64>(p, num_splits, device);
+  const bool wg = variant == 2;
+  if (wg) {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    LRF_CHECK(major == 9, "block_attention: the wgmma variant needs an sm_90 GPU (H100/H200), got compute capability ",
+              major, ".x");
+  }
+  // One call per instantiation (dtype x head dim x variant): `f` is called with the tag types of the kernel.
+  auto instantiation = [&](auto&& f) {
+    const bool bf16 = q.scalar_type() == at::kBFloat16;
+    auto by_variant = [&](auto tag, auto dim) {
+      if (wg) f(tag, dim, std::true_type{});
+      else f(tag, dim, std::false_type{});
+    };
+    using D128 = std::integral_constant<int, 128>;
+    using D64 = std::integral_constant<int, 64>;
+    if (bf16 && D == 128) by_variant(kernels::Bf16{}, D128{});
+    else if (bf16) by_variant(kernels::Bf16{}, D64{});
+    else if (D == 128) by_variant(kernels::Fp16{}, D128{});
+    else by_variant(kernels::Fp16{}, D64{});
+  };
+  instantiation([&](auto tag, auto dim, auto wg_tag) {
+    dispatch_splits<decltype(tag), decltype(dim)::value, decltype(wg_tag)::value>(p, num_splits, device);
+  });
 
   const int64_t grid = int64_t(p.m_tiles) * p.num_splits * B * Hkv;
   LRF_CHECK(grid <= kIntMax, "block_attention: too many CTAs (", grid, "); split the batch");
@@ -215,10 +239,9 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     p.lse_part = lse_part.data_ptr<float>();
   }
 
-  if (bf16 && D == 128) launch<kernels::Bf16, 128>(p, device, stream);
-  else if (bf16) launch<kernels::Bf16, 64>(p, device, stream);
-  else if (D == 128) launch<kernels::Fp16, 128>(p, device, stream);
-  else launch<kernels::Fp16, 64>(p, device, stream);
+  instantiation([&](auto tag, auto dim, auto wg_tag) {
+    launch<decltype(tag), decltype(dim)::value, decltype(wg_tag)::value>(p, device, stream);
+  });
   return out;
 }
 

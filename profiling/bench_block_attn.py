@@ -13,7 +13,10 @@ timed as device time: back-to-back calls captured in one CUDA graph (common.grap
 enough copies of the inputs that their K/V span 2x the L2 cache, so no call finds its keys in L2 and no host
 launch gap is counted ("graph"); a call that cannot be captured is timed eagerly ("eager"). Columns
 (microseconds):
-  kernel_us  _C.block_attention (chunk write + attention; split count chosen by the launcher), device time
+  kernel_us  _C.block_attention (chunk write + attention; split count chosen by the launcher), device time,
+             the automatic variant (mma.sync)
+  wgmma_us   the same with the wgmma variant (sm_90 GPUs; "-" elsewhere); wg_x = kernel_us / wgmma_us (> 1: the
+             wgmma variant is faster)
   call_us    the same, one eager call between CUDA events (what the first lease measured: it includes the
              host's argument checks, output / partial allocation and launches whenever the GPU waits for them)
   ref_us     the op's PyTorch reference (cache write + masked SDPA over the whole cache)
@@ -23,6 +26,7 @@ launch gap is counted ("graph"); a call that cannot be captured is timed eagerly
   flex_us    FlexAttention (torch.compile'd, block mask built once per shape); attention only
   fa_us      flash_attn_with_kvcache when flash-attn is installed (appends k/v like the kernel; causal=True
              within a two-block chunk, i.e. a stricter mask than block-causal); else "-"
+  best          the faster of our variants (mma / wgmma); the columns below use its time
   GB/s, %copy   K/V bytes read by the kernel / kernel time, against the measured device copy bandwidth
                 (bytes read + written per second, profiling/common.py)
   TFLOP/s       4 * D * (query, key) pairs allowed by the mask / kernel time
@@ -45,7 +49,7 @@ from common import (copy_bandwidth_gbs, device_name, emit_json, graph_time_us, p
                     time_fn)
 
 from lightningrl_fast import _ext  # noqa: E402
-from lightningrl_fast.ops.block_attn import block_attention_reference  # noqa: E402
+from lightningrl_fast.ops.block_attn import VARIANTS, block_attention_reference  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 # (batch, cache, block, chunk): decode rows
@@ -218,6 +222,9 @@ def bench_row(kind, B, L, bs, C, dtype, device, kernels, bw, baselines=True):
         kern = _ext.ext().block_attention
         row["kernel_us"] = device_time(lambda s: (lambda: kern(*s, bs, scale)), sets, device)
         row["call_us"] = time_or_none(lambda: kern(q, k, v, kc, vc, cl, nl, bs, scale), device)
+        if has_wgmma(device):
+            wg = VARIANTS["wgmma"]
+            row["wgmma_us"] = device_time(lambda s: (lambda: kern(*s, bs, scale, 0, wg)), sets, device)
     ref_bytes = 2 * B * HQ * (L + C) * D * q.element_size()
     row["ref_us"] = time_or_none(lambda: block_attention_reference(q, k, v, kc, vc, cl, nl, bs, scale), device) \
         if ref_bytes <= REF_MAX_BYTES else None
@@ -225,36 +232,48 @@ def bench_row(kind, B, L, bs, C, dtype, device, kernels, bw, baselines=True):
         row["sdpa_us"], row["sdpa"] = sdpa_baseline(sets, L, C, bs, device)
         row["flex_us"] = flex_baseline(sets, L, C, bs, device)
         row["fa_us"] = fa_baseline(sets, C, bs, device)
-    main = row.get("kernel_us") or row.get("ref_us")
+    ours = {n: row.get(c) for n, c in (("mma", "kernel_us"), ("wgmma", "wgmma_us")) if row.get(c)}
+    if ours:
+        row["best"] = min(ours, key=ours.get)
+        row["best_us"] = ours[row["best"]]
+    if row.get("kernel_us") and row.get("wgmma_us"):
+        row["wg_x"] = row["kernel_us"] / row["wgmma_us"]
+    main = row.get("best_us") or row.get("ref_us")
     if main:
         row["GB/s"] = kv_bytes / (main * 1e-6) / 1e9
         row["%copy"] = 100 * row["GB/s"] / bw
         row["TFLOP/s"] = flops / (main * 1e-6) / 1e12
     base = [row.get(c) for c in ("sdpa_us", "flex_us", "fa_us") if row.get(c)]
-    if row.get("kernel_us") and base:
-        row["vs_best"] = row["kernel_us"] / min(base)
-    if row.get("kernel_us") and row.get("flex_us"):
-        row["vs_flex"] = row["kernel_us"] / row["flex_us"]
+    if row.get("best_us") and base:
+        row["vs_best"] = row["best_us"] / min(base)
+    if row.get("best_us") and row.get("flex_us"):
+        row["vs_flex"] = row["best_us"] / row["flex_us"]
     del t, q, k, v, kc, vc, sets
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
 
 
+def has_wgmma(device) -> bool:
+    """The wgmma variant runs on sm_90 GPUs (H100 / H200) only."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def ncu_mode(args, device, dtype):
     """One shape, a few calls, each inside an NVTX range named block_attn (ncu --nvtx-include block_attn/)."""
     q, k, v, kc, vc, cl, nl = make(args.batch, args.cache, args.chunk or args.block, dtype, device)
     kern = _ext.ext().block_attention
+    variant = VARIANTS[args.variant]
     for _ in range(3):  # warm up: lazy module load, shared-memory attribute
-        kern(q, k, v, kc, vc, cl, nl, args.block, D**-0.5)
+        kern(q, k, v, kc, vc, cl, nl, args.block, D**-0.5, 0, variant)
     torch.cuda.synchronize()
     for _ in range(args.ncu_calls):
         torch.cuda.nvtx.range_push("block_attn")
-        kern(q, k, v, kc, vc, cl, nl, args.block, D**-0.5)
+        kern(q, k, v, kc, vc, cl, nl, args.block, D**-0.5, 0, variant)
         torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     emit_json("block_attention_ncu", device=device_name(device), batch=args.batch, cache=args.cache, block=args.block,
-              chunk=args.chunk or args.block, calls=args.ncu_calls)
+              chunk=args.chunk or args.block, calls=args.ncu_calls, variant=args.variant)
 
 
 def main() -> None:
@@ -269,6 +288,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=0, help="chunk length (default: one block)")
     ap.add_argument("--ncu-calls", type=int, default=2)
+    ap.add_argument("--variant", choices=tuple(VARIANTS), default="auto", help="--ncu: the kernel variant profiled")
     args = ap.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
@@ -298,12 +318,12 @@ def main() -> None:
         rows.append(bench_row("decode", B, L, bs, C, dtype, device, kernels, bw, not args.no_baselines))
     for B, P, bs in prefill:
         rows.append(bench_row("prefill", B, 0, bs, P, dtype, device, kernels, bw, not args.no_baselines))
-    cols = ["kind", "B", "cache", "block", "C", "sets", "kernel_us", "call_us", "ref_us", "sdpa_us", "sdpa", "flex_us",
-            "fa_us", "GB/s", "%copy", "TFLOP/s", "vs_best", "vs_flex"]
+    cols = ["kind", "B", "cache", "block", "C", "sets", "kernel_us", "wgmma_us", "wg_x", "call_us", "ref_us", "sdpa_us",
+            "sdpa", "flex_us", "fa_us", "best", "GB/s", "%copy", "TFLOP/s", "vs_best", "vs_flex"]
     table = [{c: ("-" if r.get(c) is None else r[c]) for c in cols} for r in rows]
     print_table(table)
 
-    dec = [r for r in rows if r["kind"] == "decode" and r.get("kernel_us")]
+    dec = [r for r in rows if r["kind"] == "decode" and r.get("best_us")]
     summary = {}
     if dec:
         long = [r for r in dec if r["cache"] >= 2048]
@@ -312,6 +332,8 @@ def main() -> None:
         summary["decode_max_vs_best"] = round(max(vs), 3) if vs else None
     pre = [r["vs_flex"] for r in rows if r["kind"] == "prefill" and r.get("vs_flex")]
     summary["prefill_max_vs_flex"] = round(max(pre), 3) if pre else None
+    wx = [r["wg_x"] for r in rows if r.get("wg_x")]
+    summary["wgmma_speedup_min_max"] = [round(min(wx), 3), round(max(wx), 3)] if wx else None
     print(f"timing: {', '.join(sorted(TIMINGS)) or 'eager'} (graph = CUDA-graph device time over rotating input "
           "copies; eager = CUDA events around one call)")
     emit_json("block_attention", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:], hq=HQ, hkv=HKV,

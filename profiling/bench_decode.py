@@ -29,6 +29,9 @@ also timed with half the new tokens, and (forwards difference) / (time differenc
 first (eager) step and the graph captures, which both calls pay alike (`--no-steady` skips it); `steady %bw`
 against the same bound; `peakGB` peak allocated device memory.
 
+Attention kernel: `--attn mma,wgmma` times the kernel rows once per block-attention variant (column `attn`; the
+variant is set through LRF_BLOCK_ATTN_VARIANT for that combination, ops/block_attn.py); default `auto`.
+
 Reference vs kernels: kernel rows run in this process. Reference rows run in a child process started with
 LRF_DISABLE_KERNELS=1, which the ops must honour (the child checks that `ops._common.cuda_kernel` then returns
 None; if it does not, the reference rows are reported as unavailable rather than silently timing kernels).
@@ -60,6 +63,8 @@ from common import copy_bandwidth_gbs, device_name, emit_json, print_table  # no
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import SDARConfig, SDARForCausalLM, build_model  # noqa: E402
+from lightningrl_fast.ops.block_attn import VARIANT_ENV as ATTN_ENV  # noqa: E402
+from lightningrl_fast.ops.block_attn import VARIANTS  # noqa: E402
 from lightningrl_fast.profiling import Timer, nvtx_range  # noqa: E402
 from lightningrl_fast.sampler import Decoder, SamplerConfig  # noqa: E402
 
@@ -241,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per combination (median); 3 GPU / 1 CPU")
     ap.add_argument("--graphs", choices=("both", "on", "off"), default="both", help="CUDA graphs (GPU only)")
     ap.add_argument("--impl", choices=("both", "kernels", "reference"), default="both")
+    ap.add_argument("--attn", type=attn_variants, default=["auto"],
+                    help="block-attention kernel variants for the kernel rows, comma-separated: auto, mma, wgmma")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (tiny config, reference ops)")
     ap.add_argument("--torch-trace", default=None, help="Chrome trace of the first combination's timed call")
     ap.add_argument("--no-steady", dest="steady", action="store_false",
@@ -310,12 +317,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     trace = args.torch_trace
     for impl in local:
-        for batch in args.batches:
-            for block in args.blocks:
-                for g in graphs:
-                    rows.append(run_combo(model, device, batch, block, g, impl, args, trace))
-                    print(f"done: {rows[-1]}", file=sys.stderr, flush=True)  # progress, in case a later one hangs
-                    trace = None
+        for attn in args.attn if impl == "kernels" else ["-"]:
+            for batch in args.batches:
+                for block in args.blocks:
+                    for g in graphs:
+                        with attn_variant(attn):
+                            rows.append({**run_combo(model, device, batch, block, g, impl, args, trace), "attn": attn})
+                        print(f"done: {rows[-1]}", file=sys.stderr, flush=True)  # progress, if a later one hangs
+                        trace = None
     if args.child:
         emit_json("decode", rows=rows)
         return
@@ -333,6 +342,31 @@ def main(argv: list[str] | None = None) -> None:
               prompt_len=args.prompt_len, new_tokens=args.new_tokens, copy_gbs=round(args.copy_gbs, 1),
               weight_gb=round(wb / 1e9, 4), kernels=ks, reference_error=ref_error, notes=notes,
               rows=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
+
+
+def attn_variants(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in VARIANTS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"variants must be among {', '.join(VARIANTS)}, got {text!r}")
+    return names
+
+
+@contextlib.contextmanager
+def attn_variant(name: str):
+    """LRF_BLOCK_ATTN_VARIANT=name for the block (the model's attention reads it at every call / capture)."""
+    if name == "-":
+        yield
+        return
+    old = os.environ.get(ATTN_ENV)
+    os.environ[ATTN_ENV] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ATTN_ENV, None)
+        else:
+            os.environ[ATTN_ENV] = old
 
 
 def _strip_opt(argv: list[str], name: str) -> list[str]:

@@ -4,6 +4,7 @@
 #   bash profiling/ncu_block_attn.sh                          # batch 1, cache 4096, block 4 (split-KV + combine)
 #   BATCH=128 CACHE=2048 BLOCK=32 CHUNK=64 bash profiling/ncu_block_attn.sh
 #   OUT=/tmp/attn bash profiling/ncu_block_attn.sh            # report path (default ./block_attn_<shape>.ncu-rep)
+#   VARIANT=wgmma BATCH=128 CACHE=4096 BLOCK=32 bash profiling/ncu_block_attn.sh   # the wgmma variant (sm_90)
 #
 # profiling/bench_block_attn.py --ncu runs the shape a few times to warm up, then NCU_CALLS calls each inside
 # an NVTX range "block_attn"; ncu profiles only the kernels launched inside that range (--nvtx-include
@@ -15,7 +16,8 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BATCH="${BATCH:-1}" CACHE="${CACHE:-4096}" BLOCK="${BLOCK:-4}" CHUNK="${CHUNK:-0}" NCU_CALLS="${NCU_CALLS:-2}"
-OUT="${OUT:-block_attn_b${BATCH}_l${CACHE}_bs${BLOCK}_c${CHUNK}}"
+VARIANT="${VARIANT:-auto}"
+OUT="${OUT:-block_attn_${VARIANT}_b${BATCH}_l${CACHE}_bs${BLOCK}_c${CHUNK}}"
 NCU="${NCU:-$(command -v ncu || echo "${CUDA_HOME:-/usr/local/cuda}/bin/ncu")}"
 [ -x "$NCU" ] || { echo "ncu not found (set NCU=/path/to/ncu)"; exit 1; }
 
@@ -27,4 +29,4 @@ exec "$NCU" \
   --target-processes all \
   -f -o "$OUT" \
   "${PYTHON:-python3}" "$REPO/profiling/bench_block_attn.py" --ncu \
-    --batch "$BATCH" --cache "$CACHE" --block "$BLOCK" --chunk "$CHUNK" --ncu-calls "$NCU_CALLS"
+    --batch "$BATCH" --cache "$CACHE" --block "$BLOCK" --chunk "$CHUNK" --ncu-calls "$NCU_CALLS" --variant "$VARIANT"

@@ -64,14 +64,33 @@ def cuda_include() -> Path | None:
     return None
 
 
+def cutlass_include() -> Path | None:
+    """CUTLASS/CuTe's include folder from the nvidia-cutlass wheel (the build's headers, setup.py), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    inc = Path(next(iter(spec.submodule_search_locations))) / "source" / "include"
+    return inc if (inc / "cute" / "tensor.hpp").is_file() else None
+
+
+def skip_or_fail(reason: str):
+    """Skip, or fail under LRF_EXPECT_CUDA_BUILD=1 (CI, which installs the CUDA toolkit and the CUTLASS headers)."""
+    if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
+        pytest.fail(f"LRF_EXPECT_CUDA_BUILD=1 but {reason}")
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def emu_build(tmp_path_factory):
-    """`build(driver, shared=False, cuda_headers=False)` -> the path of csrc/emu/<driver> compiled with the host
-    compiler ($CXX or g++): an executable, or with `shared` a library for ctypes. Cached under build/emu/ per
-    version of csrc/emu and csrc/kernels, compiler and flags. Skips without a compiler, without the CUDA headers
-    when `cuda_headers` (the CUDA-builtins front-end includes cuda_fp16.h), or without _Float16."""
+    """`build(driver, shared=False, cuda_headers=False, cutlass=False)` -> the path of csrc/emu/<driver> compiled
+    with the host compiler ($CXX or g++): an executable, or with `shared` a library for ctypes. Cached under
+    build/emu/ per version of csrc/emu and csrc/kernels, compiler and flags. Skips without a compiler, without the
+    CUDA headers when `cuda_headers` (the CUDA-builtins front-end includes cuda_fp16.h), or without _Float16.
+    `cutlass` adds CUTLASS/CuTe and the CUDA toolkit's cccl headers (skipped without them, failed in CI)."""
 
-    def build(driver: str, shared: bool = False, cuda_headers: bool = False) -> Path:
+    def build(driver: str, shared: bool = False, cuda_headers: bool = False, cutlass: bool = False) -> Path:
         src = EMU_DIR / driver
         cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
         if not src.is_file() or cxx is None:
@@ -82,6 +101,11 @@ def emu_build(tmp_path_factory):
             if inc is None:
                 pytest.skip("the CUDA-builtins emulator needs the CUDA headers (cuda_fp16.h)")
             cmd.append(f"-I{inc}")
+        if cutlass:
+            inc, cute = cuda_include(), cutlass_include()
+            if inc is None or cute is None or not (inc / "cccl" / "cuda" / "std").is_dir():
+                skip_or_fail("the GMMA layout check needs the CUTLASS headers (nvidia-cutlass) and CUDA's cccl headers")
+            cmd += [f"-I{cute}", f"-I{inc}", f"-I{inc / 'cccl'}", "-w"]
         if shared:
             cmd += ["-shared", "-fPIC"]
         sources = sorted([*EMU_DIR.iterdir(), *(REPO / "csrc" / "kernels").iterdir()])
@@ -117,9 +141,7 @@ def cuda_ext_with():
         mod = _ext.ext()
         missing = [n for n in names if mod is None or not hasattr(mod, n)]
         if not _ext.has_cuda_kernels() or missing:
-            if os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1":
-                pytest.fail(f"LRF_EXPECT_CUDA_BUILD=1 but lightningrl_fast._C has no {', '.join(missing) or 'CUDA kernels'}")
-            pytest.skip("lightningrl_fast._C is not built with CUDA")
+            skip_or_fail(f"lightningrl_fast._C has no {', '.join(missing) or 'CUDA kernels'}")
         return mod
 
     return need

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightningrl_fast import _ext
-from lightningrl_fast.ops.block_attn import block_attention, block_attention_reference
+from lightningrl_fast.ops.block_attn import VARIANTS, block_attention, block_attention_reference
 
 
 def make_inputs(bsz, c, hq, hkv, d, cap, cache_lens, chunk_lens, dtype=torch.float64, device="cpu", seed=0):
@@ -72,6 +72,8 @@ def test_bad_inputs_raise_clear_errors():
         block_attention(q, k, v, kc, vc, cl.long(), nl, 4)
     with pytest.raises(ValueError, match="multiple of the cache's kv heads"):
         block_attention(q[:, :, :3], k, v, kc, vc, cl, nl, 4)
+    with pytest.raises(ValueError, match="variant must be one of auto, mma, wgmma, got 'tensor'"):
+        block_attention(q, k, v, kc, vc, cl, nl, 4, variant="tensor")
     with pytest.raises(ValueError, match="row 1: cache_lens \\+ chunk_lens = 13 exceeds the KV cache capacity 12"):
         block_attention(q, k, v, kc, vc, torch.tensor([0, 9], dtype=torch.int32), nl, 4)
     with pytest.raises(ValueError, match="chunk_lens <= chunk length 4"):
@@ -145,14 +147,15 @@ def emulator(emu_build):
     return emu_build("block_attn_emu.cpp")
 
 
-def emu_runner(exe, splits, defer=False, seed=0, tmp=None):
-    """A `run` for check_kernel that executes the emulated kernel (+ combine when splits > 1)."""
+def emu_runner(exe, splits, defer=False, seed=0, tmp=None, wgmma=False):
+    """A `run` for check_kernel that executes the emulated kernel (+ combine when splits > 1); `wgmma` runs the
+    wgmma variant of the CTA (warpgroup MMAs from shared-memory descriptors) instead of the mma.sync one."""
 
     def run(q, k, v, kc, vc, cl, nl, bs, scale):
         B, C, Hq, D = q.shape
         L, Hkv = kc.shape[1], kc.shape[2]
-        hdr = np.array([B, C, L, Hq, Hkv, D, bs, 0 if q.dtype == torch.bfloat16 else 1, splits, int(defer), seed],
-                       dtype=np.int32).tobytes() + np.array([scale], dtype=np.float32).tobytes()
+        hdr = np.array([B, C, L, Hq, Hkv, D, bs, 0 if q.dtype == torch.bfloat16 else 1, splits, int(defer), seed,
+                        int(wgmma)], dtype=np.int32).tobytes() + np.array([scale], dtype=np.float32).tobytes()
         payload = b"".join(bits(t).numpy().tobytes() for t in (q, k, v, kc, vc))
         lens = cl.numpy().astype(np.int32).tobytes() + nl.numpy().astype(np.int32).tobytes()
         fin, fout = tmp / "in.bin", tmp / "out.bin"
@@ -181,20 +184,25 @@ EMU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("variant", ["mma", "wgmma"])
 @pytest.mark.parametrize("dt,d,hq,hkv,c,cache_lens,chunk_lens,bs,splits,defer", EMU_CASES)
 def test_emulated_kernel_matches_reference(emulator, tmp_path, dt, d, hq, hkv, c, cache_lens, chunk_lens, bs, splits,
-                                           defer):
+                                           defer, variant):
+    """Deferred copies also defer the wgmma variant's MMAs to their wait (shared memory read as late as allowed,
+    accumulators NaN until then)."""
     cap = max(c0 + n for c0, n in zip(cache_lens, chunk_lens)) + 37
-    run = emu_runner(emulator, splits, defer, seed=len(cache_lens) + c, tmp=tmp_path)
+    run = emu_runner(emulator, splits, defer, seed=len(cache_lens) + c, tmp=tmp_path, wgmma=variant == "wgmma")
     check_kernel(run, DTYPES[dt], len(cache_lens), c, hq, hkv, d, cap, cache_lens, chunk_lens, bs, seed=c)
 
 
-def test_emulated_bad_row_writes_nothing_and_outputs_zeros(emulator, tmp_path):
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_emulated_bad_row_writes_nothing_and_outputs_zeros(emulator, tmp_path, wgmma):
     """Lengths past the capacity / negative / beyond C: that row writes nothing and outputs zeros; others run."""
     cache_lens, chunk_lens = [10, 60, -1, 3, 0], [4, 8, 2, 4, 5]  # row 1: 60 + 8 > 64; row 2: -1; row 4: 5 > C
     B, C, L = 5, 4, 64
     q, k, v, kc, vc, cl, nl = make_inputs(B, C, 4, 2, 64, L, cache_lens, chunk_lens, dtype=torch.bfloat16, seed=3)
-    got, kc_out, vc_out = emu_runner(emulator, 2, tmp=tmp_path)(q, k, v, kc.clone(), vc.clone(), cl, nl, 4, 0.125)
+    got, kc_out, vc_out = emu_runner(emulator, 2, tmp=tmp_path, wgmma=wgmma)(q, k, v, kc.clone(), vc.clone(), cl, nl, 4,
+                                                                           0.125)
     for b in (1, 2, 4):
         assert torch.equal(got[b], torch.zeros_like(got[b]))
         assert torch.equal(bits(kc_out[b]), bits(kc[b])) and torch.equal(bits(vc_out[b]), bits(vc[b]))
@@ -202,6 +210,15 @@ def test_emulated_bad_row_writes_nothing_and_outputs_zeros(emulator, tmp_path):
     want = block_attention_reference(*(t[good].double() for t in (q, k, v, kc, vc)), cl[good], nl[good], 4, 0.125)
     assert (got[good].double() - want).abs().max().item() < 2e-2
     assert torch.equal(bits(kc_out[0, 10:14]), bits(k[0])) and torch.equal(bits(vc_out[3, 3:7]), bits(v[3]))
+
+
+def test_wgmma_layouts_match_cutlass_gmma(emu_build):
+    """The wgmma variant's shared-memory tiles, descriptors and register fragments against CUTLASS/CuTe's SM90 GMMA
+    layouts and make_gmma_desc, and the emulator's descriptor decode against the same (csrc/emu/gmma_layout_check.cpp):
+    what the emulated kernel computes is what the hardware reads."""
+    exe = emu_build("gmma_layout_check.cpp", cutlass=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout.splitlines(), res.stderr[-4000:]
 
 
 @pytest.mark.parametrize("base,cap,rows,resident,want", [
@@ -226,20 +243,27 @@ def cuda_kernels(cuda_ext_with):
     cuda_ext_with("block_attention")
 
 
-def op_runner(q, k, v, kc, vc, cl, nl, bs, scale):
-    """The public op on CUDA (host length check + custom op + kernel)."""
-    args = [t.cuda() for t in (q, k, v, kc, vc, cl, nl)]
-    out = block_attention(*args, bs, scale)
-    return out, args[3], args[4]
+def op_runner(variant="auto"):
+    """The public op on CUDA (host length check + custom op + kernel) with the kernel variant `variant`."""
 
-
-def direct_runner(num_splits):
     def run(q, k, v, kc, vc, cl, nl, bs, scale):
         args = [t.cuda() for t in (q, k, v, kc, vc, cl, nl)]
-        out = _ext.ext().block_attention(*args, bs, scale, num_splits)
+        out = block_attention(*args, bs, scale, variant=variant)
         return out, args[3], args[4]
 
     return run
+
+
+def direct_runner(num_splits, variant="auto"):
+    def run(q, k, v, kc, vc, cl, nl, bs, scale):
+        args = [t.cuda() for t in (q, k, v, kc, vc, cl, nl)]
+        out = _ext.ext().block_attention(*args, bs, scale, num_splits, VARIANTS[variant])
+        return out, args[3], args[4]
+
+    return run
+
+
+KERNEL_VARIANTS = ["mma", "wgmma"]  # the wgmma one needs an sm_90 GPU (H100/H200), like the project's targets
 
 
 GPU_CASES = [
@@ -254,26 +278,47 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bs,c,cache_lens,chunk_lens", GPU_CASES)
-def test_gpu_matches_float64_reference(cuda_kernels, dtype, bs, c, cache_lens, chunk_lens):
+def test_gpu_matches_float64_reference(cuda_kernels, dtype, bs, c, cache_lens, chunk_lens, variant):
     cap = 4096 + 1025 + 3
-    check_kernel(op_runner, dtype, 4, c, 32, 8, 128, cap, cache_lens, chunk_lens, bs, device="cuda", seed=bs + c)
+    check_kernel(op_runner(variant), dtype, 4, c, 32, 8, 128, cap, cache_lens, chunk_lens, bs, device="cuda",
+                 seed=bs + c)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
 @pytest.mark.parametrize("bs,c,cache_lens,chunk_lens", [GPU_CASES[0], GPU_CASES[2], (4, 8, [0, 3000, 511, 64], [8, 8, 8, 5])])
-def test_gpu_forced_splits(cuda_kernels, num_splits, bs, c, cache_lens, chunk_lens):
-    check_kernel(direct_runner(num_splits), torch.bfloat16, 4, c, 32, 8, 128, 4096, cache_lens, chunk_lens, bs,
+def test_gpu_forced_splits(cuda_kernels, num_splits, bs, c, cache_lens, chunk_lens, variant):
+    check_kernel(direct_runner(num_splits, variant), torch.bfloat16, 4, c, 32, 8, 128, 4096, cache_lens, chunk_lens, bs,
                  device="cuda", seed=num_splits)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
 @pytest.mark.parametrize("d,hq,hkv", [(64, 16, 8), (128, 8, 8), (128, 64, 8), (64, 4, 1), (128, 12, 4)])
 @pytest.mark.parametrize("bs,c,cache_lens,chunk_lens", [(4, 8, [0, 97, 1024], [8, 4, 8]), (32, 97, [0, 64, 5], [97, 64, 3])])
-def test_gpu_head_dims_and_groups(cuda_kernels, d, hq, hkv, bs, c, cache_lens, chunk_lens):
-    check_kernel(op_runner, torch.float16, 3, c, hq, hkv, d, 1200, cache_lens, chunk_lens, bs, device="cuda", seed=d + hq)
+def test_gpu_head_dims_and_groups(cuda_kernels, d, hq, hkv, bs, c, cache_lens, chunk_lens, variant):
+    check_kernel(op_runner(variant), torch.float16, 3, c, hq, hkv, d, 1200, cache_lens, chunk_lens, bs, device="cuda",
+                 seed=d + hq)
+
+
+@pytest.mark.gpu
+def test_gpu_wgmma_variant_on_rollout_shapes(cuda_kernels):
+    """The shapes the wgmma variant is for (LightningRL rollouts: block 32, many rows, long caches; a prefill):
+    within the bf16 bound of the float64 reference, and within a few bf16 ulps of the mma.sync variant."""
+    for bsz, c, bs, cache_lens, chunk_lens, cap in (
+        (16, 64, 32, [2048 - 32 * i for i in range(16)], [64 - (i % 3) * 16 for i in range(16)], 2400),
+        (2, 1031, 32, [0, 0], [1031, 700], 1100),
+    ):
+        err, err_ref = check_kernel(direct_runner(0, "wgmma"), torch.bfloat16, bsz, c, 32, 8, 128, cap, cache_lens,
+                                    chunk_lens, bs, device="cuda", seed=c)
+        args = make_inputs(bsz, c, 32, 8, 128, cap, cache_lens, chunk_lens, dtype=torch.bfloat16, device="cuda", seed=c)
+        out_mma = direct_runner(0, "mma")(*[a.clone() for a in args], bs, 128**-0.5)[0].double()
+        out_wg = direct_runner(0, "wgmma")(*[a.clone() for a in args], bs, 128**-0.5)[0].double()
+        assert (out_wg - out_mma).abs().max().item() <= 4 * err_ref + 1e-6  # both within 2x of the reference
 
 
 @pytest.mark.gpu
@@ -353,6 +398,7 @@ def test_gpu_launcher_checks_inputs(cuda_kernels):
         (dict(block_size=0), "block_size must be positive"),
         (dict(softmax_scale=float("nan")), "softmax_scale must be finite"),
         (dict(num_splits=65), "num_splits must be in"),
+        (dict(variant=3), "variant must be 0 \\(automatic\\), 1 \\(mma.sync\\) or 2 \\(wgmma\\), got 3"),
         (dict(softmax_scale=1e39), "out of the fp32 range"),
         (dict(q=q[:, :, :0]), "must be a positive multiple of the cache's kv heads"),
         (dict(k_cache=kc[:1].expand(kc.shape)), "k_cache is written in place and must not"),
@@ -367,7 +413,7 @@ def test_gpu_launcher_checks_inputs(cuda_kernels):
     with pytest.raises(RuntimeError, match="k_cache must have a dense last dimension"):
         kernel(**(a | dict(k_cache=buf[1:].view(kc.shape))))
     before = kc.clone()
-    for change in (dict(q=q.float()), dict(num_splits=65)):  # a rejected call writes nothing
+    for change in (dict(q=q.float()), dict(num_splits=65), dict(variant=-1)):  # a rejected call writes nothing
         with pytest.raises(RuntimeError):
             kernel(**(a | change))
     assert torch.equal(bits(kc), bits(before))
@@ -383,6 +429,12 @@ def test_gpu_public_op_runs_the_kernel(cuda_kernels, monkeypatch):
     monkeypatch.setattr(mod, "block_attention_reference", no_reference)
     q, k, v, kc, vc, cl, nl = make_inputs(2, 4, 4, 2, 128, 16, [0, 4], [4, 4], dtype=torch.bfloat16, device="cuda")
     block_attention(q, k, v, kc, vc, cl, nl, 4)
+    for name in KERNEL_VARIANTS:  # the variant reaches the kernel: the public op equals the direct call bitwise
+        want = _ext.ext().block_attention(q, k, v, kc.clone(), vc.clone(), cl, nl, 4, 128**-0.5, 0, VARIANTS[name])
+        assert torch.equal(bits(block_attention(q, k, v, kc.clone(), vc.clone(), cl, nl, 4, variant=name)), bits(want))
+        monkeypatch.setenv("LRF_BLOCK_ATTN_VARIANT", name)
+        assert torch.equal(bits(block_attention(q, k, v, kc.clone(), vc.clone(), cl, nl, 4)), bits(want))
+    monkeypatch.delenv("LRF_BLOCK_ATTN_VARIANT")
     q, k, v, kc, vc, cl, nl = make_inputs(2, 4, 4, 2, 128, 16, [0, 4], [4, 4], dtype=torch.float32, device="cuda")
     with pytest.raises(AssertionError, match="reference ran"):  # fp32: not a kernel dtype, the reference path
         block_attention(q, k, v, kc, vc, cl, nl, 4)
@@ -395,8 +447,9 @@ def test_gpu_opcheck(cuda_kernels):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
 @pytest.mark.parametrize("B", [1, 24])  # batch 1 splits the keys (+ the combine launch); 24 rows may not
-def test_gpu_cuda_graph_capture(cuda_kernels, B):
+def test_gpu_cuda_graph_capture(cuda_kernels, B, variant):
     C, Hq, Hkv, D, L, bs = 8, 32, 8, 128, 2048, 4
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(B)
@@ -409,11 +462,11 @@ def test_gpu_cuda_graph_capture(cuda_kernels, B):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up outside the capture
-        block_attention(q, k, v, kc, vc, cl, nl, bs)
+        block_attention(q, k, v, kc, vc, cl, nl, bs, variant=variant)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = block_attention(q, k, v, kc, vc, cl, nl, bs)
+        out = block_attention(q, k, v, kc, vc, cl, nl, bs, variant=variant)
 
     for step in range(3):  # new values and lengths in the captured inputs
         q.copy_(rnd(B, C, Hq, D)), k.copy_(rnd(B, C, Hkv, D)), v.copy_(rnd(B, C, Hkv, D))

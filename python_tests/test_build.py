@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -60,3 +61,61 @@ def test_readme_quotes_ci_run_verbatim():
     text = readme.read_text()
     assert "The test command: `bash .ci/run`" in text
     assert f"```bash\n{script.read_text()}```" in text, "README's copy of .ci/run is out of date"
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from the CUDA toolkit, else the one the triton package ships (as .ci/run finds it)."""
+    import shutil
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    for root in (os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "cuobjdump").is_file():
+            return str(Path(root) / "bin" / "cuobjdump")
+    if shutil.which("cuobjdump"):
+        return shutil.which("cuobjdump")
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.submodule_search_locations:
+        exe = Path(next(iter(spec.submodule_search_locations))) / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if exe.is_file():
+            return str(exe)
+    return None
+
+
+def test_block_attention_sass_has_the_tensor_core_instructions():
+    """The sm_90a SASS of both block-attention variants (no GPU needed): the mma.sync kernel issues HMMA.16816,
+    the wgmma kernel HGMMA 64x64x16 (S = Q K^T, K-major B) and 64xDx16 with a transposed (MN-major) B (O += P V)
+    behind warpgroup fences and async-proxy fences; neither touches local memory (no spills)."""
+    import subprocess
+
+    C = _C_or_skip()
+    if not C.has_cuda():
+        pytest.skip("CPU-only build")
+    exe = _cuobjdump()
+    if exe is None:
+        if EXPECT_CUDA_BUILD:
+            pytest.fail("no cuobjdump (CUDA toolkit or triton package)")
+        pytest.skip("no cuobjdump")
+    sass = subprocess.run([exe, "--dump-sass", C.__file__], capture_output=True, text=True, timeout=600).stdout
+    funcs: dict[str, str] = {}
+    name = None
+    for line in sass.splitlines():
+        if "Function :" in line:
+            name = line.split("Function :", 1)[1].strip()
+            funcs[name] = ""
+        elif name is not None:
+            funcs[name] += line + "\n"
+    attn = {n: body for n, body in funcs.items() if "block_attn_kernel" in n}
+    wg = {n: b for n, b in attn.items() if "Lb1E" in n}
+    mma = {n: b for n, b in attn.items() if "Lb0E" in n}
+    assert len(wg) == 4 and len(mma) == 4, sorted(attn)  # bf16 / fp16 x head dim 64 / 128
+    for n, body in wg.items():
+        d = 128 if "Li128E" in n else 64
+        assert "HGMMA.64x64x16.F32" in body, n
+        assert f"HGMMA.64x{d}x16.F32" in body and ".tnspB" in body, n
+        assert "WARPGROUP.ARRIVE" in body and "WARPGROUP.DEPBAR" in body and "FENCE.VIEW.ASYNC.S" in body, n
+        assert "HMMA" not in body.replace("HGMMA", ""), n
+    for n, body in mma.items():
+        assert "HMMA.16816.F32" in body and "HGMMA" not in body, n
+    for n, body in attn.items():
+        assert "LDL" not in body and "STL" not in body, f"{n} uses local memory"

@@ -4,7 +4,8 @@
 //   g++ -std=c++20 -O2 -ffp-contract=off -DLRF_KERNEL_EMULATION -Icsrc csrc/emu/block_attn_emu.cpp -o block_attn_emu
 //
 //   block_attn_emu run IN OUT
-//     IN: int32 B, C, L, Hq, Hkv, D, block_size, dtype (0 bf16, 1 fp16), splits, defer_copies, seed;
+//     IN: int32 B, C, L, Hq, Hkv, D, block_size, dtype (0 bf16, 1 fp16), splits, defer_copies, seed,
+//         wgmma (0: the mma.sync variant, 1: the wgmma variant);
 //         float32 scale; then (16-bit elements, contiguous) q [B,C,Hq,D], k [B,C,Hkv,D], v, k_cache
 //         [B,L,Hkv,D], v_cache; int32 cache_lens [B], chunk_lens [B].
 //     OUT: out [B,C,Hq,D], k_cache, v_cache (16-bit), as the launcher would leave them.
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/block_attn.cuh"
@@ -28,14 +30,14 @@ void read_into(FILE* f, V& v, size_t n) {
   if (n && std::fread(v.data(), sizeof(v[0]), n, f) != n) lrf::emu::fail("short input file");
 }
 
-template <typename T, int D>
+template <typename T, int D, bool WG>
 void run(BlockAttnParams p, int splits_defer, uint32_t seed) {
   const int64_t grid = int64_t(p.m_tiles) * p.num_splits * p.batch * p.hkv;
   for (int64_t cta = 0; cta < grid; ++cta) {
     std::function<void(int)> body = [&](int tid) {
-      block_attn_cta<T, D>(p, cta, tid, lrf::emu::smem());
+      block_attn_cta<T, D, WG>(p, cta, tid, lrf::emu::smem());
     };
-    lrf::emu::run_cta(kBlockAttnThreads, block_attn_smem_bytes(D), body, splits_defer != 0,
+    lrf::emu::run_cta(kBlockAttnThreads, block_attn_smem_bytes(D, WG), body, splits_defer != 0,
                       seed + static_cast<uint32_t>(cta));
   }
   if (p.num_splits > 1) {
@@ -63,12 +65,13 @@ int main(int argc, char** argv) {
   FILE* in = std::fopen(argv[2], "rb");
   if (!in) lrf::emu::fail("cannot open input");
   std::vector<int32_t> hdr;
-  read_into(in, hdr, 11);
+  read_into(in, hdr, 12);
   std::vector<float> scale;
   read_into(in, scale, 1);
   const int B = hdr[0], C = hdr[1], L = hdr[2], Hq = hdr[3], Hkv = hdr[4], D = hdr[5], bs = hdr[6];
   const int dtype = hdr[7], S = hdr[8], defer = hdr[9];
   const uint32_t seed = static_cast<uint32_t>(hdr[10]);
+  const bool wg = hdr[11] != 0;
   std::vector<uint16_t> q, k, v, kc, vc;
   std::vector<int32_t> cl, nl;
   read_into(in, q, size_t(B) * C * Hq * D);
@@ -127,11 +130,16 @@ int main(int argc, char** argv) {
   p.scale_log2 = scale[0] * 1.4426950408889634f;
 
   if (B > 0 && C > 0) {
-    if (dtype == 0 && D == 128) run<Bf16, 128>(p, defer, seed);
-    else if (dtype == 0 && D == 64) run<Bf16, 64>(p, defer, seed);
-    else if (dtype == 1 && D == 128) run<Fp16, 128>(p, defer, seed);
-    else if (dtype == 1 && D == 64) run<Fp16, 64>(p, defer, seed);
-    else lrf::emu::fail("unsupported dtype / head_dim");
+    auto go = [&](auto wg_tag) {
+      constexpr bool WG = decltype(wg_tag)::value;
+      if (dtype == 0 && D == 128) run<Bf16, 128, WG>(p, defer, seed);
+      else if (dtype == 0 && D == 64) run<Bf16, 64, WG>(p, defer, seed);
+      else if (dtype == 1 && D == 128) run<Fp16, 128, WG>(p, defer, seed);
+      else if (dtype == 1 && D == 64) run<Fp16, 64, WG>(p, defer, seed);
+      else lrf::emu::fail("unsupported dtype / head_dim");
+    };
+    if (wg) go(std::true_type{});
+    else go(std::false_type{});
   }
 
   FILE* o = std::fopen(argv[3], "wb");

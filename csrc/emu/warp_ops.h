@@ -8,6 +8,13 @@
 //  * cp.async: by default a copy lands at issue time (the earliest the hardware may land it); with
 //    defer_copies it lands when the issuing thread's cp.async.wait_group retires its group (the latest).
 //    Running both brackets the hardware's timing. A thread that exits with copies in flight is an error.
+//  * wgmma.mma_async (RS: A in registers, B in shared memory through a 128B-swizzled matrix descriptor) is a
+//    warp collective too: warp w of a warpgroup computes its 16 rows of D from its lanes' A fragments and B
+//    decoded from the descriptor (gmma_smem_addr). Without defer_copies it runs at issue. With defer_copies it
+//    runs when wgmma.wait_group retires its group, as late as the hardware may: B is read from shared memory
+//    then, and the accumulators read NaN in between (a kernel that reads them before the wait, or writes them
+//    while the wgmma is in flight, fails). Every batch must follow a wgmma.fence (checked), and a thread may not
+//    exit with wgmma groups in flight.
 //  * A "shared address" is an offset into the core's shared memory (bounds and alignment checked). Global
 //    memory is host memory (16-, 8- and 4-byte accesses are alignment checked like the device).
 //  * run_cta(): one CTA, body(tid) per thread, threads interleaved at random from a seed.
@@ -19,6 +26,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #include <math.h>
@@ -37,6 +45,10 @@ inline constexpr char kLdmatrixTrans[] = "ldmatrix.x4.trans";
 inline constexpr char kMma[] = "mma.m16n8k16";
 inline constexpr char kShfl[] = "shfl.xor";
 inline constexpr char kBlockSync[] = "block_sync";
+inline constexpr char kWgmmaFence[] = "wgmma.fence";
+inline constexpr char kWgmma[] = "wgmma.mma_async";
+inline constexpr char kWgmmaCommit[] = "wgmma.commit_group";
+inline constexpr char kWgmmaWait[] = "wgmma.wait_group";
 
 struct Copy {
   uint32_t dst;
@@ -55,9 +67,37 @@ struct CopyQueue {
   }
 };
 
+// One warp's share of a wgmma.mma_async: its lanes' A fragments and accumulator arrays.
+struct WgmmaOp {
+  int n = 0;             // N of m64nNk16
+  bool trans_b = false;  // B MN-major
+  bool accumulate = true;
+  bool fp16 = false;     // else bf16
+  uint64_t desc = 0;
+  std::array<std::array<uint32_t, 4>, kWarpSize> a{};
+  std::array<float*, kWarpSize> d{};  // each lane's accumulator registers (n / 2 floats)
+};
+
+// wgmma state of one warp: fenced since its last wait, the open batch, committed groups; with deferred
+// execution the in-flight accumulator values live in `shadow` (keyed by lane 0's register array) and the
+// registers hold NaN.
+struct WgmmaWarp {
+  bool fenced = false;
+  std::vector<WgmmaOp> open;
+  std::deque<std::vector<WgmmaOp>> groups;
+  struct Shadow {
+    std::array<float*, kWarpSize> regs{};
+    std::vector<float> vals;  // [lane][n / 2]
+    int pending = 0;
+  };
+  std::vector<Shadow> shadows;
+  bool busy() const { return !open.empty() || !groups.empty(); }
+};
+
 struct WarpOpsState {
-  bool defer_copies = false;
+  bool defer_copies = false;  // also defers wgmma to its wait_group
   std::vector<CopyQueue> copies;  // per thread
+  std::vector<WgmmaWarp> wgmma;   // per warp
 };
 
 inline WarpOpsState& warp_ops_state() {
@@ -73,6 +113,7 @@ inline void run_cta(int nthreads, size_t smem_bytes, const std::function<void(in
   WarpOpsState& s = warp_ops_state();
   s.defer_copies = defer_copies;
   s.copies.assign(nthreads, CopyQueue{});
+  s.wgmma.assign(nthreads / kWarpSize, WgmmaWarp{});
   Launch launch;
   launch.nthreads = nthreads;
   launch.smem_bytes = smem_bytes;
@@ -81,6 +122,7 @@ inline void run_cta(int nthreads, size_t smem_bytes, const std::function<void(in
   const std::function<void()> thread = [&]() {
     body(tid());
     if (s.copies[tid()].pending()) fail("thread exited with cp.async copies in flight");
+    if (s.wgmma[warp()].busy()) fail("thread exited with wgmma.mma_async groups not waited for");
   };
   emu::run_cta(launch, thread);
 }
@@ -210,6 +252,164 @@ inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32
   });
   for (int e = 0; e < 4; ++e) d[e] = got[e];
 }
+
+// ------------------------------------------------------------------ wgmma (warp_ops.cuh's sm_90a functions)
+
+// Byte address in shared memory of element (n, k), k < 16, of a wgmma B operand described by a 128B-swizzled
+// matrix descriptor: the PTX ISA's canonical layouts (CuTe: GMMA::Layout_K_SW128_Atom / Layout_MN_SW128_Atom),
+//   K-major  (n % 8) * 128 B + (n / 8) * SBO + (k % 8) * 2 B + (k / 8) * 16 B
+//   MN-major (n % 64) * 2 B + (n / 64) * LBO + (k % 8) * 128 B + (k / 8) * SBO
+// from the start address, then the 128-byte swizzle of the address itself: bits 4-6 ^= bits 7-9.
+inline uint32_t gmma_smem_addr(uint64_t desc, bool mn_major, int n, int k) {
+  const uint32_t start = uint32_t(desc & 0x3FFFu) << 4;
+  const uint32_t lbo = uint32_t((desc >> 16) & 0x3FFFu) << 4;
+  const uint32_t sbo = uint32_t((desc >> 32) & 0x3FFFu) << 4;
+  if ((desc >> 62) != 1) emu::fail("wgmma descriptor: only the 128-byte swizzle is emulated");
+  if (((desc >> 49) & 7u) != 0) emu::fail("wgmma descriptor: base offset must be 0 (1024-byte aligned tiles)");
+  const uint32_t off = mn_major ? uint32_t(n % 64) * 2 + uint32_t(n / 64) * lbo + uint32_t(k % 8) * 128 + uint32_t(k / 8) * sbo
+                                : uint32_t(n % 8) * 128 + uint32_t(n / 8) * sbo + uint32_t(k % 8) * 2 + uint32_t(k / 8) * 16;
+  const uint32_t addr = start + off;
+  return addr ^ (((addr >> 7) & 7u) << 4);
+}
+
+// D fragment of m64nNk16 (per warp: its 16 rows): register v of a lane holds (row, column) =
+// (lane / 4 + 8 ((v % 4) / 2), 8 (v / 4) + 2 (lane % 4) + v % 2); the A fragment is mma.m16n8k16's.
+inline int wgmma_d_row(int lane, int v) { return lane / 4 + 8 * ((v % 4) / 2); }
+inline int wgmma_d_col(int lane, int v) { return 8 * (v / 4) + 2 * (lane % 4) + v % 2; }
+
+// One warp's rows of an op: acc[lane] -> that lane's n / 2 accumulators (read unless !accumulate, then written).
+inline void wgmma_run(const emu::WgmmaOp& op, const std::array<float*, emu::kWarpSize>& acc) {
+  const int n = op.n, k16 = 16;
+  std::vector<float> b(size_t(k16) * n);  // B[k][col], read from shared memory now
+  for (int k = 0; k < k16; ++k) {
+    for (int col = 0; col < n; ++col) {
+      const uint16_t h = emu::ld_u16(gmma_smem_addr(op.desc, op.trans_b, col, k));
+      b[size_t(k) * n + col] = op.fp16 ? to_float(Fp16{}, h) : to_float(Bf16{}, h);
+    }
+  }
+  for (int lane = 0; lane < emu::kWarpSize; ++lane) {
+    for (int v = 0; v < n / 2; ++v) {
+      const int row = wgmma_d_row(lane, v), col = wgmma_d_col(lane, v);
+      float sum = op.accumulate ? acc[lane][v] : 0.f;
+      for (int k = 0; k < k16; ++k) {
+        const uint32_t areg = op.a[(row % 8) * 4 + (k % 8) / 2][(row / 8) + 2 * (k / 8)];
+        const float av = op.fp16 ? to_float(Fp16{}, half_of(areg, k)) : to_float(Bf16{}, half_of(areg, k));
+        sum += av * b[size_t(k) * n + col];
+      }
+      acc[lane][v] = sum;
+    }
+  }
+}
+
+inline constexpr uint32_t kWgmmaPoison = 0x7FC5A5A5u;  // a quiet NaN: in-flight accumulators read as NaN
+
+inline void wgmma_fence() {
+  emu::warp_collective<int>(emu::kWgmmaFence, 0, [](const auto&, auto& out) {
+    emu::warp_ops_state().wgmma[emu::warp()].fenced = true;
+    out.fill(0);
+  });
+}
+
+template <typename T, int N, bool TransB>
+inline void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma N");
+  struct In {
+    std::array<uint32_t, 4> a;
+    float* d;
+    uint64_t desc;
+    bool accumulate;
+  };
+  const In mine{{a[0], a[1], a[2], a[3]}, d, desc_b, accumulate};
+  emu::warp_collective<int>(emu::kWgmma, mine, [](const auto& in, auto& out) {
+    emu::WarpOpsState& s = emu::warp_ops_state();
+    emu::WgmmaWarp& w = s.wgmma[emu::warp()];
+    if (!w.fenced) emu::fail("wgmma.mma_async without a wgmma.fence since the last wgmma.wait_group");
+    emu::WgmmaOp op;
+    op.n = N;
+    op.trans_b = TransB;
+    op.fp16 = std::is_same_v<T, Fp16>;
+    op.desc = in[0].desc;
+    op.accumulate = in[0].accumulate;
+    for (int l = 0; l < emu::kWarpSize; ++l) {
+      if (in[l].desc != op.desc || in[l].accumulate != op.accumulate) {
+        emu::fail("wgmma.mma_async: descriptor or scale-d differs between the lanes of a warp");
+      }
+      op.a[l] = in[l].a;
+      op.d[l] = in[l].d;
+    }
+    out.fill(0);
+    if (!s.defer_copies) {
+      wgmma_run(op, op.d);
+      return;
+    }
+    // deferred: the op joins the open batch; its accumulators move to a shadow until the wait that retires it
+    emu::WgmmaWarp::Shadow* sh = nullptr;
+    for (auto& x : w.shadows) {
+      if (x.regs == op.d) sh = &x;
+    }
+    if (sh == nullptr) {
+      w.shadows.push_back({op.d, std::vector<float>(size_t(emu::kWarpSize) * (N / 2)), 0});
+      sh = &w.shadows.back();
+      float poison;
+      std::memcpy(&poison, &kWgmmaPoison, 4);
+      for (int l = 0; l < emu::kWarpSize; ++l) {
+        for (int v = 0; v < N / 2; ++v) {
+          sh->vals[size_t(l) * (N / 2) + v] = op.d[l][v];
+          op.d[l][v] = poison;
+        }
+      }
+    }
+    ++sh->pending;
+    w.open.push_back(op);
+  });
+}
+
+inline void wgmma_commit() {
+  emu::warp_collective<int>(emu::kWgmmaCommit, 0, [](const auto&, auto& out) {
+    emu::WgmmaWarp& w = emu::warp_ops_state().wgmma[emu::warp()];
+    w.groups.push_back(std::move(w.open));
+    w.open.clear();
+    out.fill(0);
+  });
+}
+
+template <int N>
+inline void wgmma_wait() {
+  emu::warp_collective<int>(emu::kWgmmaWait, 0, [](const auto&, auto& out) {
+    emu::WgmmaWarp& w = emu::warp_ops_state().wgmma[emu::warp()];
+    while (static_cast<int>(w.groups.size()) > N) {
+      for (const emu::WgmmaOp& op : w.groups.front()) {
+        size_t i = 0;
+        while (i < w.shadows.size() && w.shadows[i].regs != op.d) ++i;
+        if (i == w.shadows.size()) emu::fail("wgmma emulation: lost the accumulators of an op");
+        emu::WgmmaWarp::Shadow& sh = w.shadows[i];
+        std::array<float*, emu::kWarpSize> acc;
+        for (int l = 0; l < emu::kWarpSize; ++l) acc[l] = sh.vals.data() + size_t(l) * (op.n / 2);
+        wgmma_run(op, acc);
+        if (--sh.pending == 0) {  // the last op on these registers: they get their values now
+          for (int l = 0; l < emu::kWarpSize; ++l) {
+            for (int v = 0; v < op.n / 2; ++v) {
+              uint32_t bits;
+              std::memcpy(&bits, &op.d[l][v], 4);
+              if (bits != kWgmmaPoison) emu::fail("accumulator registers of an in-flight wgmma were written");
+              op.d[l][v] = acc[l][v];
+            }
+          }
+          w.shadows.erase(w.shadows.begin() + static_cast<std::ptrdiff_t>(i));
+        }
+      }
+      w.groups.pop_front();
+    }
+    w.fenced = false;  // registers are accessed after a wait: the next batch needs a wgmma.fence
+    out.fill(0);
+  });
+}
+
+// No memory model here: every store is visible at once to every proxy.
+inline void fence_proxy_async_smem() {}
+
+template <int N>
+inline void fence_regs(float (&)[N]) {}
 
 inline void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   if (dst % 16 != 0) emu::fail("cp.async shared address not 16-byte aligned");

@@ -23,6 +23,18 @@
 // K fragments by ldmatrix), scale, block-causal mask only on tiles that reach a row's kend, online
 // softmax in fp32 (exp2, row max/sum over the 4 lanes of a quad), P re-packed from the S accumulators
 // as the A operand of O += P V (V fragments by ldmatrix.trans).
+//
+// Two variants of the same CTA (template flag WG):
+//   mma.sync (WG = false): each warp computes its 16 rows alone; a warp whose rows are all empty skips the
+//     math. Tiles in shared memory: [rows][D] with 16-byte chunk c of a row stored at c ^ (row % 8).
+//   wgmma (WG = true, sm_90a): the CTA's 4 warps are one warpgroup and each tile product is a warpgroup
+//     wgmma.mma_async with A (Q, then P) in registers and B (K, then V) read from shared memory through
+//     descriptors: S = Q K^T is m64n64k16 x D/16 with K "K-major", O += P V is m64nDk16 x BN/16 with V
+//     "MN-major". The tiles use the 128-byte-swizzled canonical GMMA layout: D/64 column blocks of
+//     [rows][64 elements], chunk c (< 8) of a row at c ^ (row % 8), 1024-byte aligned. Every warp runs the
+//     math (wgmma is warpgroup-collective); the accumulator fragments equal mma.sync's, so the masking,
+//     softmax and epilogue are shared. cp.async writes reach wgmma's async-proxy reads through
+//     fence.proxy.async before the barrier that publishes a tile.
 #pragma once
 
 #include <cstdint>
@@ -77,9 +89,10 @@ constexpr int kBlockAttnMaxSplits = 64;
 constexpr int kBlockAttnCombineWarps = 4;  // rows per combine CTA
 
 // Dynamic shared memory: kBlockAttnStages stages of (K, V) tiles; the Q tile borrows the last stage's K
-// slot before the loop starts. D = 128: 96 KB, 2 CTAs per SM (the register file allows 2 as well).
-__host__ __device__ constexpr int block_attn_smem_bytes(int head_dim) {
-  return kBlockAttnStages * 2 * kBlockAttnBN * head_dim * 2;
+// slot before the loop starts. D = 128: 96 KB, 2 CTAs per SM (the register file allows 2 as well). The wgmma
+// variant takes 1 KB more, to start its tiles at a 1024-byte aligned shared address (the swizzle atom).
+__host__ __device__ constexpr int block_attn_smem_bytes(int head_dim, bool wgmma = false) {
+  return kBlockAttnStages * 2 * kBlockAttnBN * head_dim * 2 + (wgmma ? 1024 : 0);
 }
 
 __host__ __device__ inline int ceil_div_i64(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
@@ -112,17 +125,42 @@ LRF_DEVICE int block_attn_kend(int32_t cl, int32_t n, int i, int block_size) {
   return static_cast<int>(block_end < chunk_end ? block_end : chunk_end);
 }
 
-// Byte offset of 16-byte chunk c of row `row` in a [rows, D] tile: chunk c ^ (row % 8), so the 8 rows an
-// ldmatrix phase reads (and the rows a warp's cp.async stores) hit 8 different 16-byte bank groups.
-template <int D>
+// Byte offset of 16-byte chunk c of row `row` in a tile of kBlockAttnBN (= BM) rows. mma.sync layout: rows
+// of D elements, chunk c at c ^ (row % 8), so the 8 rows an ldmatrix phase reads (and the rows a warp's
+// cp.async stores) hit 8 different 16-byte bank groups. wgmma layout (WG): the 128-byte-swizzled canonical
+// GMMA layout, column block c / 8 of [rows][128 bytes], chunk c % 8 at (c % 8) ^ (row % 8) (the hardware's
+// Swizzle<3,4,3> on a 1024-byte aligned tile). Both keep row + 8k at the same XOR as row.
+template <int D, bool WG>
 LRF_DEVICE uint32_t block_attn_swz(int row, int c) {
-  return static_cast<uint32_t>((row * (D / 8) + (c ^ (row & 7))) * 16);
+  if constexpr (WG) {
+    return static_cast<uint32_t>((c / 8) * (kBlockAttnBN * 128) + row * 128 + (((c % 8) ^ (row & 7)) * 16));
+  } else {
+    return static_cast<uint32_t>((row * (D / 8) + (c ^ (row & 7))) * 16);
+  }
+}
+
+// Bytes from row r to row r + 1 within one column block of a tile (block_attn_swz).
+template <int D, bool WG>
+constexpr uint32_t block_attn_row_bytes() {
+  return WG ? 128u : static_cast<uint32_t>(D * 2);
+}
+
+// wgmma descriptors of stage tiles (tile = 1024-byte aligned shared address of the tile, block_attn_swz<D, true>):
+//   K tile as the B operand of S = Q K^T (N = keys, K = head dim, K-major): k-step ks reads columns 16ks..16ks+15,
+//   i.e. column block ks / 4 at byte 32 (ks % 4) of each 128-byte row; 8-row groups 1024 bytes apart.
+//   V tile as the B operand of O += P V (K = keys, N = head dim, MN-major): k-step kk reads keys 16kk..16kk+15 =
+//   8-row groups 2kk, 2kk + 1 (1024 bytes apart); 64-column blocks BN * 128 bytes apart.
+LRF_DEVICE uint64_t block_attn_k_desc(uint32_t tile, int ks) {
+  return gmma_desc_sw128(tile + (ks / 4) * (kBlockAttnBN * 128) + (ks % 4) * 32, 16, 1024);
+}
+LRF_DEVICE uint64_t block_attn_v_desc(uint32_t tile, int kk) {
+  return gmma_desc_sw128(tile + kk * 2048, kBlockAttnBN * 128, 1024);
 }
 
 // One CTA: `cta` in [0, m_tiles * S * B * Hkv) (< 2^31, a launcher check), m-tile fastest (the CTAs that
 // read the same K/V run together), heaviest m-tile first; `tid` in [0, kBlockAttnThreads); `smem` =
-// block_attn_smem_bytes(D) bytes, 16-byte aligned.
-template <typename T, int D>
+// block_attn_smem_bytes(D, WG) bytes, 16-byte aligned.
+template <typename T, int D, bool WG>
 LRF_DEVICE void block_attn_cta(const BlockAttnParams& p, int64_t cta64, int tid, char* smem) {
   constexpr int BM = kBlockAttnBM, BN = kBlockAttnBN, NT = kBlockAttnThreads, NS = kBlockAttnStages;
   constexpr int RC = D / 8;        // 16-byte chunks per row
@@ -134,6 +172,8 @@ LRF_DEVICE void block_attn_cta(const BlockAttnParams& p, int64_t cta64, int tid,
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static_assert(BM == 16 * (NT / 32), "16 rows per warp");
   static_assert(NS >= 2 && BM == BN, "the Q tile borrows one K slot");
+  static_assert(!WG || (TILE % 1024 == 0 && BN % 16 == 0), "wgmma tiles: whole 1024-byte swizzle atoms");
+  constexpr uint32_t ROWB = block_attn_row_bytes<D, WG>();
 
   // The combine grid (S > 1) may launch now: it only becomes resident in the space this grid leaves and
   // waits (griddepcontrol.wait) for this whole grid to finish before it reads a partial.
@@ -170,8 +210,8 @@ LRF_DEVICE void block_attn_cta(const BlockAttnParams& p, int64_t cta64, int tid,
   // swizzled shared offsets are one base plus compile-time steps and its global pointers one base per
   // tensor plus row * stride.
   const int lrow = tid / RC, lc = tid % RC;
-  const uint32_t loff = block_attn_swz<D>(lrow, lc);  // (lrow + k * RPI) & 7 == lrow & 7: same XOR
-  const uint32_t sbase = smem_addr(smem);
+  const uint32_t loff = block_attn_swz<D, WG>(lrow, lc);  // (lrow + k * RPI) & 7 == lrow & 7: same XOR
+  const uint32_t sbase = WG ? (smem_addr(smem) + 1023u) & ~1023u : smem_addr(smem);
   const char* kc_base = p.k_cache.ptr + b * p.k_cache.stride_b + kvh * p.k_cache.stride_head + lc * 16;
   const char* vc_base = p.v_cache.ptr + b * p.v_cache.stride_b + kvh * p.v_cache.stride_head + lc * 16;
   const char* kn_base = p.k.ptr + b * p.k.stride_b + kvh * p.k.stride_head + lc * 16;
@@ -192,8 +232,8 @@ LRF_DEVICE void block_attn_cta(const BlockAttnParams& p, int64_t cta64, int tid,
         vp = vn_base + int64_t(t - cl) * p.v.stride_row;
       }
       const int bytes = t < kv_end ? 16 : 0;
-      cp_async_16(k_sm + it * RPI * RC * 16, kp, bytes);
-      cp_async_16(v_sm + it * RPI * RC * 16, vp, bytes);
+      cp_async_16(k_sm + it * RPI * ROWB, kp, bytes);
+      cp_async_16(v_sm + it * RPI * ROWB, vp, bytes);
     }
   };
 
@@ -211,7 +251,7 @@ LRF_DEVICE void block_attn_cta(const BlockAttnParams& p, int64_t cta64, int tid,
       const char* src = ok ? p.q.ptr + b * p.q.stride_b + int64_t(qi) * p.q.stride_row +
                                  int64_t(kvh * G + qg) * p.q.stride_head + lc * 16
                            : p.q.ptr;
-      cp_async_16(qs + loff + it * RPI * RC * 16, src, ok ? 16 : 0);
+      cp_async_16(qs + loff + it * RPI * ROWB, src, ok ? 16 : 0);
       r += RPI;
       qi += step_i;
       qg += step_g;
@@ -263,14 +303,18 @@ LRF_DEVICE void block_attn_cta(const BlockAttnParams& p, int64_t cta64, int tid,
 #pragma unroll
   for (int j = 0; j < DN; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 
+  // The wgmma variant computes with every warp (warpgroup-collective); empty rows give finite, discarded values.
+  const bool compute = WG || warp_active;
+
   if (t_begin < t_end) {
     cp_async_wait<NS - 2>();
+    if constexpr (WG) fence_proxy_async_smem();
     block_sync();
-    if (warp_active) {
+    if (compute) {
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks) {
         const int row = wr0 + (lane % 8) + 8 * ((lane / 8) % 2);
-        ldmatrix_x4(qf[ks], qs + block_attn_swz<D>(row, 2 * ks + lane / 16));
+        ldmatrix_x4(qf[ks], qs + block_attn_swz<D, WG>(row, 2 * ks + lane / 16));
       }
     }
     block_sync();  // the Q tile's space is the last stage again
@@ -281,23 +325,33 @@ LRF_DEVICE void block_attn_cta(const BlockAttnParams& p, int64_t cta64, int tid,
       if (tile + NS - 1 < t_end) load_kv(tile + NS - 1, pre_stage);
       cp_async_commit();
 
-      if (warp_active) {
+      if (compute) {
         const uint32_t k_sm = sbase + stage * 2 * TILE, v_sm = k_sm + TILE;
         const int ts = tile * BN;
 
         // S = Q K^T (16 x BN per warp)
         float s[NB][4];
+        float (&s_flat)[NB * 4] = reinterpret_cast<float (&)[NB * 4]>(s);
+        if constexpr (WG) {
+          wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < NB; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+          for (int ks = 0; ks < KSTEPS; ++ks) wgmma_rs<T, BN, false>(s_flat, qf[ks], block_attn_k_desc(k_sm, ks), ks > 0);
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_regs(s_flat);
+        } else {
 #pragma unroll
-        for (int ks = 0; ks < KSTEPS; ++ks) {
+          for (int j = 0; j < NB; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
-          for (int jp = 0; jp < NB / 2; ++jp) {
-            uint32_t kf[4];
-            const int key = jp * 16 + (lane % 8) + 8 * (lane / 16);
-            ldmatrix_x4(kf, k_sm + block_attn_swz<D>(key, 2 * ks + (lane / 8) % 2));
-            mma_16816<T>(s[2 * jp], qf[ks], kf[0], kf[1]);
-            mma_16816<T>(s[2 * jp + 1], qf[ks], kf[2], kf[3]);
+          for (int ks = 0; ks < KSTEPS; ++ks) {
+#pragma unroll
+            for (int jp = 0; jp < NB / 2; ++jp) {
+              uint32_t kf[4];
+              const int key = jp * 16 + (lane % 8) + 8 * (lane / 16);
+              ldmatrix_x4(kf, k_sm + block_attn_swz<D, WG>(key, 2 * ks + (lane / 8) % 2));
+              mma_16816<T>(s[2 * jp], qf[ks], kf[0], kf[1]);
+              mma_16816<T>(s[2 * jp + 1], qf[ks], kf[2], kf[3]);
+            }
           }
         }
 
@@ -347,25 +401,42 @@ LRF_DEVICE void block_attn_cta(const BlockAttnParams& p, int64_t cta64, int tid,
           o[j][3] *= alpha[1];
         }
 
-        // O += P V: P's A fragments straight from the S accumulators
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          uint32_t a[4];
+        // O += P V: P's A fragments (keys 16kk..16kk+15) straight from the S accumulators
+        auto p_frag = [&](int kk, uint32_t (&a)[4]) {
           a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
           a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
           a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
           a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        };
+        if constexpr (WG) {
+          float (&o_flat)[DN * 4] = reinterpret_cast<float (&)[DN * 4]>(o);
+          uint32_t pa[BN / 16][4];
 #pragma unroll
-          for (int dp = 0; dp < DN / 2; ++dp) {
-            uint32_t vf[4];
-            const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
-            ldmatrix_x4_trans(vf, v_sm + block_attn_swz<D>(key, 2 * dp + lane / 16));
-            mma_16816<T>(o[2 * dp], a, vf[0], vf[1]);
-            mma_16816<T>(o[2 * dp + 1], a, vf[2], vf[3]);
+          for (int kk = 0; kk < BN / 16; ++kk) p_frag(kk, pa[kk]);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T, D, true>(o_flat, pa[kk], block_attn_v_desc(v_sm, kk), true);
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_regs(o_flat);
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < BN / 16; ++kk) {
+            uint32_t a[4];
+            p_frag(kk, a);
+#pragma unroll
+            for (int dp = 0; dp < DN / 2; ++dp) {
+              uint32_t vf[4];
+              const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+              ldmatrix_x4_trans(vf, v_sm + block_attn_swz<D, WG>(key, 2 * dp + lane / 16));
+              mma_16816<T>(o[2 * dp], a, vf[0], vf[1]);
+              mma_16816<T>(o[2 * dp + 1], a, vf[2], vf[3]);
+            }
           }
         }
       }
       cp_async_wait<NS - 2>();
+      if constexpr (WG) fence_proxy_async_smem();
       block_sync();  // tile + 1 landed; this stage may be overwritten
       stage = stage + 1 == NS ? 0 : stage + 1;
       pre_stage = pre_stage + 1 == NS ? 0 : pre_stage + 1;
@@ -449,10 +520,10 @@ LRF_DEVICE void block_attn_combine_cta(const BlockAttnParams& p, int64_t cta, in
 }
 
 #if !defined(LRF_KERNEL_EMULATION)
-template <typename T, int D>
+template <typename T, int D, bool WG>
 __global__ void __launch_bounds__(kBlockAttnThreads, 2) block_attn_kernel(const BlockAttnParams p) {
   extern __shared__ __align__(128) char block_attn_smem[];
-  block_attn_cta<T, D>(p, blockIdx.x, threadIdx.x, block_attn_smem);
+  block_attn_cta<T, D, WG>(p, blockIdx.x, threadIdx.x, block_attn_smem);
 }
 
 template <typename T, int D>

@@ -12,6 +12,14 @@
 //                              a2 (row group,   k 8+2tig..+1), a3 (row group+8, k 8+2tig..+1)
 //   B 16x8 (k x n), 2 regs:    b0 (k 2tig..+1, n group), b1 (k 8+2tig..+1, n group)
 //   C/D 16x8 fp32, 4 regs:     c0, c1 (row group, n 2tig, 2tig+1), c2, c3 (row group+8, same n)
+//
+// wgmma.mma_async m64nNk16 (sm_90a; a warpgroup = 4 consecutive warps, warp w of it owns rows 16w..16w+15):
+//   A from registers ("RS"): the mma.m16n8k16 A fragment above, for the warp's 16 rows.
+//   B from shared memory through a matrix descriptor (gmma_desc_sw128): K-major (B[n][k] with k contiguous,
+//     the K tile of S = Q K^T) or MN-major (n contiguous, the V tile of O = P V), 128-byte swizzle.
+//   D N/2 fp32 regs: d[4j + e] = (row group + 8 (e / 2), n 8j + 2tig + e % 2), the C fragment above per 8 columns.
+// These layouts, the canonical shared-memory layouts and the descriptor fields are checked against CUTLASS/CuTe's
+// GMMA traits on the host by python_tests/test_block_attn.py (csrc/emu/gmma_layout_check.cpp).
 #pragma once
 
 #include <cstdint>
@@ -72,6 +80,161 @@ LRF_DEVICE void mma_16816<Fp16>(float (&d)[4], const uint32_t (&a)[4], uint32_t 
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ------------------------------------------------------------------ wgmma (sm_90a), warpgroup-collective
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LRF_HAS_WGMMA 1
+#endif
+
+// Orders this warpgroup's earlier register writes (accumulators, A fragments) before the next wgmma.mma_async.
+LRF_DEVICE void wgmma_fence() {
+#ifdef LRF_HAS_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+LRF_DEVICE void wgmma_commit() {
+#ifdef LRF_HAS_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+// Wait until at most N committed wgmma groups of this warpgroup are pending.
+template <int N>
+LRF_DEVICE void wgmma_wait() {
+#ifdef LRF_HAS_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Generic-proxy shared-memory writes (st.shared, cp.async) of this thread become visible to async-proxy reads
+// (wgmma's shared-memory operands) once a barrier orders them.
+LRF_DEVICE void fence_proxy_async_smem() {
+#ifdef LRF_HAS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Keeps the compiler from moving reads or writes of accumulator registers across an asm statement (wgmma
+// results exist only after wgmma_wait; the asm of the wgmma itself is where the compiler thinks they change).
+template <int N>
+LRF_DEVICE void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// d (+)= A (16 rows of this warp, registers) x B (k16 x N from shared memory, descriptor desc_b), N = 64 or 128,
+// over the warpgroup. TransB: false = B K-major, true = B MN-major. accumulate = false ignores d's old value.
+template <typename T, int N, bool TransB>
+struct WgmmaRs;
+
+template <bool TransB>
+struct WgmmaRs<Bf16, 64, TransB> {
+  static LRF_DEVICE void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+#ifdef LRF_HAS_WGMMA
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(TransB ? 1 : 0));
+#else
+    __trap();
+#endif
+  }
+};
+
+template <bool TransB>
+struct WgmmaRs<Bf16, 128, TransB> {
+  static LRF_DEVICE void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+#ifdef LRF_HAS_WGMMA
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(TransB ? 1 : 0));
+#else
+    __trap();
+#endif
+  }
+};
+
+template <bool TransB>
+struct WgmmaRs<Fp16, 64, TransB> {
+  static LRF_DEVICE void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+#ifdef LRF_HAS_WGMMA
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(TransB ? 1 : 0));
+#else
+    __trap();
+#endif
+  }
+};
+
+template <bool TransB>
+struct WgmmaRs<Fp16, 128, TransB> {
+  static LRF_DEVICE void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+#ifdef LRF_HAS_WGMMA
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(TransB ? 1 : 0));
+#else
+    __trap();
+#endif
+  }
+};
+
+template <typename T, int N, bool TransB>
+LRF_DEVICE void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  WgmmaRs<T, N, TransB>::run(d, a, desc_b, accumulate);
 }
 
 // 16-byte global -> shared copy, L2 only; src_bytes 0 writes 16 zero bytes and reads nothing.
@@ -143,3 +306,18 @@ LRF_DEVICE void st_global_f32x2(float* p, float a, float b) { *reinterpret_cast<
 }  // namespace kernels
 }  // namespace lrf
 #endif
+
+namespace lrf {
+namespace kernels {
+
+// Shared-memory matrix descriptor of a 128-byte-swizzled canonical layout (PTX "matrix descriptor"): start
+// address, leading / stride byte offsets (all >> 4, 14 bits each), layout type 1 = 128B swizzle, base offset 0
+// (the tiles are 1024-byte aligned). K-major: SBO = bytes between 8-row groups, LBO unused (1). MN-major: LBO =
+// bytes between 64-element column blocks, SBO = bytes between 8-row (k) groups.
+__host__ __device__ inline uint64_t gmma_desc_sw128(uint32_t smem_byte_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  return uint64_t((smem_byte_addr >> 4) & 0x3FFFu) | (uint64_t((lbo_bytes >> 4) & 0x3FFFu) << 16) |
+         (uint64_t((sbo_bytes >> 4) & 0x3FFFu) << 32) | (uint64_t(1) << 62);
+}
+
+}  // namespace kernels
+}  // namespace lrf

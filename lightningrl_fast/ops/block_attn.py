@@ -17,9 +17,16 @@ the key range over CTAs (flash-decoding, plus a log-sum-exp merge launch) when b
 the GPU. It reads no length on the host, so it can be captured in a CUDA graph; a row whose lengths are out
 of range writes nothing and outputs zeros (the host check, `check_lengths`, raises first unless turned off).
 Other dtypes / head dims and CPU tensors use the reference.
+
+The kernel has two tensor-core variants of the same algorithm: "mma" (mma.sync, per warp; measured on an H100)
+and "wgmma" (sm_90a warpgroup MMAs with K/V read straight from shared memory, for the compute-bound shapes:
+block 32 at large batch, prefill). "auto" is "mma" until the wgmma variant has run on hardware: pick one with
+the `variant` argument or LRF_BLOCK_ATTN_VARIANT=mma|wgmma|auto in the environment.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +36,17 @@ from .kv_cache import kv_cache_write, kv_cache_write_reference
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_HEAD_DIMS = (64, 128)
+VARIANTS = {"auto": 0, "mma": 1, "wgmma": 2}  # the `variant` codes of _C.block_attention
+VARIANT_ENV = "LRF_BLOCK_ATTN_VARIANT"  # the variant when the caller names none
+
+
+def kernel_variant(variant: str | None = None) -> int:
+    """The `_C.block_attention` variant code of `variant` (None: $LRF_BLOCK_ATTN_VARIANT, default "auto")."""
+    name = variant if variant is not None else os.environ.get(VARIANT_ENV, "auto")
+    if name not in VARIANTS:
+        src = "variant" if variant is not None else VARIANT_ENV
+        raise ValueError(f"{src} must be one of {', '.join(VARIANTS)}, got {name!r}")
+    return VARIANTS[name]
 
 
 def kernel_supports(q: torch.Tensor) -> bool:
@@ -88,15 +106,16 @@ def _block_attention_op(
     chunk_lens: torch.Tensor,
     block_size: int,
     softmax_scale: float,
+    variant: int = 0,
 ) -> torch.Tensor:
     kernel = cuda_kernel("block_attention", q, k_cache) if kernel_supports(q) else None
     if kernel is not None:
-        return kernel(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, softmax_scale)
+        return kernel(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, softmax_scale, 0, variant)
     return block_attention_reference(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, softmax_scale)
 
 
 @_block_attention_op.register_fake
-def _(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, softmax_scale):
+def _(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, softmax_scale, variant=0):
     return torch.empty_like(q)
 
 
@@ -125,6 +144,7 @@ def block_attention(
     block_size: int,
     softmax_scale: float | None = None,
     check_lengths: bool | None = None,
+    variant: str | None = None,
 ) -> torch.Tensor:
     """Block-causal attention of a chunk against the KV cache; writes the chunk's K/V into the cache.
 
@@ -134,8 +154,11 @@ def block_attention(
     check_lengths: validate the lengths on the host and raise ValueError (a device sync for CUDA lengths);
     None = unless a CUDA graph is being captured or torch.compile traces. Hot loops that build the lengths
     themselves (the sampler) pass False; the kernel then zeroes the output of an out-of-range row.
+    variant: the CUDA kernel's tensor-core path, "auto" / "mma" / "wgmma" (sm_90 only); None reads
+    $LRF_BLOCK_ATTN_VARIANT (default "auto"). The reference path ignores it.
     """
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    code = kernel_variant(variant)
     bsz, c, hq, d = q.shape
     dev = q.device
     check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=dev)
@@ -155,4 +178,4 @@ def block_attention(
     if check_lengths:
         check_cache_lengths(cache_lens, chunk_lens, c, cap)
     scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
-    return _block_attention_op(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, scale)
+    return _block_attention_op(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, scale, code)
