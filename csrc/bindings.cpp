@@ -6,11 +6,7 @@
 #include <string>
 #include <tuple>
 
-#ifndef LRF_CUDA_ARCHS
-#define LRF_CUDA_ARCHS
-#endif
-#define LRF_STRINGIFY_(...) #__VA_ARGS__
-#define LRF_STRINGIFY(...) LRF_STRINGIFY_(__VA_ARGS__)
+#include "checks.h"  // kCudaArchs
 
 namespace lrf {
 
@@ -71,7 +67,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   }, "True when the module was compiled with its CUDA kernels.");
   m.def("cuda_archs", [] {
-    std::string archs = LRF_STRINGIFY(LRF_CUDA_ARCHS);  // "90a,100a" -> "90a;100a"; "" in a CPU build
+    std::string archs = lrf::kCudaArchs;  // "90a,100a" -> "90a;100a"; "" in a CPU build
     for (char& c : archs) c = (c == ',') ? ';' : c;
     return archs;
   }, "The CUDA architectures compiled in, ';'-separated (e.g. '90a'); '' in a CPU-only build.");

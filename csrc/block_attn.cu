@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string_view>
 #include <type_traits>
 
 #include "checks.h"
@@ -203,6 +204,10 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
   const bool wg = variant == 2;
   if (wg) {
+    // the wgmma instructions exist in the sm_90a code only (elsewhere that kernel would trap)
+    LRF_CHECK(std::string_view(kCudaArchs).find("90a") != std::string_view::npos,
+              "block_attention: the wgmma variant needs an extension built for sm_90a (LRF_CUDA_ARCHS), this one has '",
+              kCudaArchs, "'");
     int major = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     LRF_CHECK(major == 9, "block_attention: the wgmma variant needs an sm_90 GPU (H100/H200), got compute capability ",

@@ -22,7 +22,18 @@
 #include <string>
 #include <type_traits>
 
+// The CUDA architectures the extension was compiled for, as the build passes them (-DLRF_CUDA_ARCHS=90a,100a by
+// setup.py and CMakeLists.txt); "" in a CPU-only build.
+#ifndef LRF_CUDA_ARCHS
+#define LRF_CUDA_ARCHS
+#endif
+#define LRF_STRINGIFY_(...) #__VA_ARGS__
+#define LRF_STRINGIFY(...) LRF_STRINGIFY_(__VA_ARGS__)
+
 namespace lrf {
+
+inline constexpr const char* kCudaArchs = LRF_STRINGIFY(LRF_CUDA_ARCHS);
+
 namespace detail {
 
 inline void put(std::string& s, const char* v) { s += v; }
