@@ -13,8 +13,9 @@
 //    decoded from the descriptor (gmma_smem_addr). Without defer_copies it runs at issue. With defer_copies it
 //    runs when wgmma.wait_group retires its group, as late as the hardware may: B is read from shared memory
 //    then, and the accumulators read NaN in between (a kernel that reads them before the wait, or writes them
-//    while the wgmma is in flight, fails). Every batch must follow a wgmma.fence (checked), and a thread may not
-//    exit with wgmma groups in flight.
+//    while the wgmma is in flight, fails). Every batch must follow a wgmma.fence (checked), a thread may not
+//    exit with wgmma groups in flight, and the 4 warps of a warpgroup must have issued the same sequence of
+//    wgmma instructions by the end of the CTA (checked: they are warpgroup-collective on the device).
 //  * A "shared address" is an offset into the core's shared memory (bounds and alignment checked). Global
 //    memory is host memory (16-, 8- and 4-byte accesses are alignment checked like the device).
 //  * run_cta(): one CTA, body(tid) per thread, threads interleaved at random from a seed.
@@ -83,6 +84,7 @@ struct WgmmaOp {
 // registers hold NaN.
 struct WgmmaWarp {
   bool fenced = false;
+  uint64_t trace = 0;  // hash of the warp's sequence of wgmma instructions: the 4 warps of a warpgroup must agree
   std::vector<WgmmaOp> open;
   std::deque<std::vector<WgmmaOp>> groups;
   struct Shadow {
@@ -125,6 +127,13 @@ inline void run_cta(int nthreads, size_t smem_bytes, const std::function<void(in
     if (s.wgmma[warp()].busy()) fail("thread exited with wgmma.mma_async groups not waited for");
   };
   emu::run_cta(launch, thread);
+  // wgmma.* are warpgroup-collective: every warp of a warpgroup issues the same sequence (a warp that skipped
+  // a batch would hang or compute garbage on the device while passing the per-warp emulation)
+  for (size_t w = 0; w < s.wgmma.size(); ++w) {
+    const size_t first = w / 4 * 4;
+    if (first + 4 > s.wgmma.size() && s.wgmma[w].trace != 0) fail("wgmma issued by a warp outside a whole warpgroup");
+    if (s.wgmma[w].trace != s.wgmma[first].trace) fail("the warps of a warpgroup issued different wgmma sequences");
+  }
 }
 
 inline char* smem_ptr(uint32_t addr, size_t bytes) {
@@ -303,9 +312,14 @@ inline void wgmma_run(const emu::WgmmaOp& op, const std::array<float*, emu::kWar
 
 inline constexpr uint32_t kWgmmaPoison = 0x7FC5A5A5u;  // a quiet NaN: in-flight accumulators read as NaN
 
+// Adds one instruction to the warp's wgmma sequence hash (the warpgroup check of run_cta).
+inline void wgmma_trace(emu::WgmmaWarp& w, uint64_t code) { w.trace = w.trace * 1000003u + code + 1; }
+
 inline void wgmma_fence() {
   emu::warp_collective<int>(emu::kWgmmaFence, 0, [](const auto&, auto& out) {
-    emu::warp_ops_state().wgmma[emu::warp()].fenced = true;
+    emu::WgmmaWarp& w = emu::warp_ops_state().wgmma[emu::warp()];
+    w.fenced = true;
+    wgmma_trace(w, 1);
     out.fill(0);
   });
 }
@@ -324,6 +338,7 @@ inline void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,
     emu::WarpOpsState& s = emu::warp_ops_state();
     emu::WgmmaWarp& w = s.wgmma[emu::warp()];
     if (!w.fenced) emu::fail("wgmma.mma_async without a wgmma.fence since the last wgmma.wait_group");
+    wgmma_trace(w, 16 + 2 * uint64_t(N) + (TransB ? 1 : 0));
     emu::WgmmaOp op;
     op.n = N;
     op.trans_b = TransB;
@@ -367,6 +382,7 @@ inline void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,
 inline void wgmma_commit() {
   emu::warp_collective<int>(emu::kWgmmaCommit, 0, [](const auto&, auto& out) {
     emu::WgmmaWarp& w = emu::warp_ops_state().wgmma[emu::warp()];
+    wgmma_trace(w, 2);
     w.groups.push_back(std::move(w.open));
     w.open.clear();
     out.fill(0);
@@ -377,6 +393,7 @@ template <int N>
 inline void wgmma_wait() {
   emu::warp_collective<int>(emu::kWgmmaWait, 0, [](const auto&, auto& out) {
     emu::WgmmaWarp& w = emu::warp_ops_state().wgmma[emu::warp()];
+    wgmma_trace(w, 3 + 4 * uint64_t(N));
     while (static_cast<int>(w.groups.size()) > N) {
       for (const emu::WgmmaOp& op : w.groups.front()) {
         size_t i = 0;
