@@ -80,7 +80,7 @@ struct WgmmaOp {
 };
 
 // wgmma state of one warp: fenced since its last wait, the open batch, committed groups; with deferred
-// execution the in-flight accumulator values live in `shadow` (keyed by lane 0's register array) and the
+// execution the in-flight accumulator values live in a Shadow (keyed by the lanes' register arrays) and the
 // registers hold NaN.
 struct WgmmaWarp {
   bool fenced = false;
