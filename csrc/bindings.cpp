@@ -37,6 +37,8 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> linear_logprobs
 void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& cache_lens, const at::Tensor& chunk_lens,
                     const std::optional<at::Tensor>& maybe_error_flag);
+// linear.cu
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, bool pdl);
 // rms_norm.cu
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps);
@@ -98,6 +100,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_cache_write", &lrf::kv_cache_write, "KV-cache write (in place; see ARCHITECTURE.md)",
         py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"), py::arg("cache_lens"),
         py::arg("chunk_lens"), py::arg("error_flag") = py::none());
+  m.def("linear", &lrf::linear,
+        "skinny GEMM x [M <= 64, K] @ weight [N, K]^T -> [M, N] of the decode forward (see ops/linear.py)",
+        py::arg("x"), py::arg("weight"), py::arg("pdl") = false);
   m.def("linear_logprobs", &lrf::linear_logprobs,
         "Per-token log-probs of targets under softmax(hidden @ weight.T), chunked -> (logp [T], lse [T], "
         "entropy [T] | None)",

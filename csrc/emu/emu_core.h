@@ -82,7 +82,7 @@ namespace lrf {
 namespace emu {
 
 constexpr int kWarpSize = 32;
-constexpr int kMaxThreads = 1024;
+constexpr int kMaxThreads = 2048;  // a CTA, or a cluster run as one (warp_ops.h run_cluster)
 
 // How one CTA runs.
 struct Launch {
@@ -249,7 +249,7 @@ inline void run_cta(const Launch& launch, const std::function<void()>& body) {
   Cta& c = cta();
   if (c.current >= 0) fail("run_cta called from inside a CTA");
   const int n = launch.nthreads;
-  if (n <= 0 || n % kWarpSize != 0 || n > kMaxThreads) fail("the block size must be a multiple of 32, 32..1024");
+  if (n <= 0 || n % kWarpSize != 0 || n > kMaxThreads) fail("the block size must be a multiple of 32, 32..2048");
   c.launch = launch;
   c.body = &body;
   c.warps.assign(n / kWarpSize, WarpState{});

@@ -46,6 +46,8 @@ inline constexpr char kLdmatrixTrans[] = "ldmatrix.x4.trans";
 inline constexpr char kMma[] = "mma.m16n8k16";
 inline constexpr char kShfl[] = "shfl.xor";
 inline constexpr char kBlockSync[] = "block_sync";
+inline constexpr char kClusterSync[] = "barrier.cluster";
+inline constexpr char kSyncWarp[] = "bar.warp.sync";
 inline constexpr char kWgmmaFence[] = "wgmma.fence";
 inline constexpr char kWgmma[] = "wgmma.mma_async";
 inline constexpr char kWgmmaCommit[] = "wgmma.commit_group";
@@ -98,6 +100,9 @@ struct WgmmaWarp {
 
 struct WarpOpsState {
   bool defer_copies = false;  // also defers wgmma to its wait_group
+  int cluster_ctas = 1;       // run_cluster: the CTAs of one cluster run as one emulated CTA, rank-major
+  int cta_threads = 0;        // threads per CTA of that cluster (0: not in run_cluster)
+  size_t cta_smem = 0;        // shared-memory bytes per CTA of that cluster
   std::vector<CopyQueue> copies;  // per thread
   std::vector<WgmmaWarp> wgmma;   // per warp
 };
@@ -111,7 +116,7 @@ inline WarpOpsState& warp_ops_state() {
 // 0xFF bytes (NaN in bf16/fp16: reading shared memory nobody wrote shows up as NaN); the threads interleave
 // at random from `seed`.
 inline void run_cta(int nthreads, size_t smem_bytes, const std::function<void(int)>& body, bool defer_copies,
-                    uint32_t seed) {
+                    uint32_t seed, int cluster_ctas = 1) {
   WarpOpsState& s = warp_ops_state();
   s.defer_copies = defer_copies;
   s.copies.assign(nthreads, CopyQueue{});
@@ -126,6 +131,9 @@ inline void run_cta(int nthreads, size_t smem_bytes, const std::function<void(in
     if (s.copies[tid()].pending()) fail("thread exited with cp.async copies in flight");
     if (s.wgmma[warp()].busy()) fail("thread exited with wgmma.mma_async groups not waited for");
   };
+  s.cluster_ctas = cluster_ctas;
+  s.cta_threads = nthreads / cluster_ctas;
+  s.cta_smem = smem_bytes / cluster_ctas;
   emu::run_cta(launch, thread);
   // wgmma.* are warpgroup-collective: every warp of a warpgroup issues the same sequence (a warp that skipped
   // a batch would hang or compute garbage on the device while passing the per-warp emulation)
@@ -134,6 +142,18 @@ inline void run_cta(int nthreads, size_t smem_bytes, const std::function<void(in
     if (first + 4 > s.wgmma.size() && s.wgmma[w].trace != 0) fail("wgmma issued by a warp outside a whole warpgroup");
     if (s.wgmma[w].trace != s.wgmma[first].trace) fail("the warps of a warpgroup issued different wgmma sequences");
   }
+}
+
+// Runs one thread-block cluster of `ctas` CTAs of `cta_threads` threads as ONE emulated CTA: thread t is
+// thread t % cta_threads of the CTA of rank t / cta_threads, and rank r's shared memory is bytes
+// [r * cta_smem, (r + 1) * cta_smem) of the emulated CTA's (cluster_map translates between ranks). The cluster
+// barrier is a barrier of every emulated thread. A kernel run this way may use no CTA-level barrier
+// (block_sync would wait for the whole cluster and hide a missing cluster barrier): the driver's body checks
+// that by passing the kernel cluster > 1 only here.
+inline void run_cluster(int ctas, int cta_threads, size_t cta_smem, const std::function<void(int)>& body,
+                        uint32_t seed) {
+  if (ctas < 1 || ctas * cta_threads > kMaxThreads) fail("run_cluster: too many threads for the emulator");
+  run_cta(ctas * cta_threads, size_t(ctas) * cta_smem, body, false, seed, ctas);
 }
 
 inline char* smem_ptr(uint32_t addr, size_t bytes) {
@@ -427,6 +447,8 @@ inline void fence_proxy_async_smem() {}
 
 template <int N>
 inline void fence_regs(float (&)[N]) {}
+template <int N>
+inline void fence_regs(uint32_t (&)[N]) {}
 
 inline void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   if (dst % 16 != 0) emu::fail("cp.async shared address not 16-byte aligned");
@@ -457,7 +479,32 @@ inline void cp_async_wait() {
   }
 }
 
-inline void block_sync() { emu::block_barrier(emu::kBlockSync); }
+inline void block_sync() {
+  if (emu::warp_ops_state().cluster_ctas > 1) emu::fail("block_sync in a CTA of a cluster run as one emulated CTA");
+  emu::block_barrier(emu::kBlockSync);
+}
+
+// Clusters (run_cluster): the rank of the calling thread's CTA, the cluster barrier, and the address of
+// `p` (in the caller's CTA's shared memory) in the CTA of rank `rank`.
+inline int cluster_ctarank() {
+  const emu::WarpOpsState& s = emu::warp_ops_state();
+  return emu::tid() / s.cta_threads;
+}
+inline void cluster_sync() { emu::block_barrier(emu::kClusterSync); }
+inline const float* cluster_map(const float* p, int rank) {
+  const emu::WarpOpsState& s = emu::warp_ops_state();
+  if (rank < 0 || rank >= s.cluster_ctas) emu::fail("cluster_map: rank outside the cluster");
+  const char* mine = emu::smem() + size_t(cluster_ctarank()) * s.cta_smem;
+  const char* q = reinterpret_cast<const char*>(p);
+  if (q < mine || q >= mine + s.cta_smem) emu::fail("cluster_map: not an address in the caller's shared memory");
+  return reinterpret_cast<const float*>(emu::smem() + size_t(rank) * s.cta_smem + (q - mine));
+}
+
+// Emulated shared memory of the calling thread's CTA (the rank's slice in a cluster run).
+inline char* cta_smem() {
+  const emu::WarpOpsState& s = emu::warp_ops_state();
+  return emu::smem() + size_t(cluster_ctarank()) * s.cta_smem;
+}
 
 // Grids run one after the other here: programmatic dependent launch has nothing to overlap.
 inline void griddep_launch_dependents() {}
@@ -484,6 +531,20 @@ inline U128 ld_global_16(const void* p) {
   U128 v;
   std::memcpy(&v, p, 16);
   return v;
+}
+
+inline U128 ld_stream_16(const void* p) { return ld_global_16(p); }
+
+inline void ld_generic_f32x2(const float* p, float (&v)[2]) {
+  emu::check_align(p, 8, "float2 load not aligned");
+  std::memcpy(v, p, 8);
+}
+
+inline void warp_sync() { emu::warp_barrier(emu::kSyncWarp); }
+
+inline void st_global_u16(void* p, uint16_t v) {
+  emu::check_align(p, 2, "2-byte store not aligned");
+  std::memcpy(p, &v, 2);
 }
 
 inline void st_global_16(void* p, U128 v) {

@@ -413,6 +413,12 @@ LRF_DEVICE void block_attn_cta(const BlockAttnParams& p, int64_t cta64, int tid,
           uint32_t pa[BN / 16][4];
 #pragma unroll
           for (int kk = 0; kk < BN / 16; ++kk) p_frag(kk, pa[kk]);
+          // PTX: registers written by other instructions (the rescaled O accumulators, the packed P fragments)
+          // must be written before the wgmma.fence; an empty asm on each pins those writes above it (the
+          // "memory" clobber of the fence orders memory, not registers), as CUTLASS's warpgroup_fence_operand
+#pragma unroll
+          for (int kk = 0; kk < BN / 16; ++kk) fence_regs(pa[kk]);
+          fence_regs(o_flat);
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T, D, true>(o_flat, pa[kk], block_attn_v_desc(v_sm, kk), true);

@@ -126,6 +126,12 @@ LRF_DEVICE void fence_regs(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+// The same for 32-bit operand registers (wgmma A fragments): written before the wgmma.fence that covers them.
+template <int N>
+LRF_DEVICE void fence_regs(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
 
 // d (+)= A (16 rows of this warp, registers) x B (k16 x N from shared memory, descriptor desc_b), N = 64 or 128,
 // over the warpgroup. TransB: false = B K-major, true = B MN-major. accumulate = false ignores d's old value.
@@ -218,6 +224,52 @@ LRF_DEVICE float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffff
 
 LRF_DEVICE U128 ld_global_16(const void* p) { return *static_cast<const U128*>(p); }
 LRF_DEVICE void st_global_16(void* p, U128 v) { *static_cast<U128*>(p) = v; }
+
+// 16 bytes of data read once per launch (GEMM weights): read-only path, no L1 allocation, 256-byte L2
+// prefetch. Not volatile: the compiler may schedule it freely (nothing writes the weights during a launch).
+LRF_DEVICE U128 ld_stream_16(const void* p) {
+  U128 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+LRF_DEVICE void st_global_u16(void* p, uint16_t v) { *static_cast<uint16_t*>(p) = v; }
+
+// Two consecutive floats (8-byte aligned) through a generic address: shared memory, the shared memory of
+// another CTA of the cluster (cluster_map), or global memory.
+LRF_DEVICE void ld_generic_f32x2(const float* p, float (&v)[2]) {
+  const float2 t = *reinterpret_cast<const float2*>(p);
+  v[0] = t.x, v[1] = t.y;
+}
+
+LRF_DEVICE void warp_sync() { __syncwarp(); }
+
+// Thread-block clusters (sm_90): this CTA's rank in its cluster, a barrier of every thread of the cluster
+// (release / acquire: shared-memory writes before it are visible to every CTA of the cluster after it), and
+// the address of the same shared-memory variable in the CTA of another rank (distributed shared memory).
+// A launch without a cluster dimension is a cluster of one CTA. Before sm_90 they trap.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)
+#define LRF_CLUSTER_OP(...) __trap()
+#else
+#define LRF_CLUSTER_OP(...) __VA_ARGS__
+#endif
+LRF_DEVICE int cluster_ctarank() {
+  uint32_t r = 0;
+  LRF_CLUSTER_OP(asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r)));
+  return static_cast<int>(r);
+}
+LRF_DEVICE void cluster_sync() {
+  LRF_CLUSTER_OP(asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" :::
+                              "memory"));
+}
+LRF_DEVICE const float* cluster_map(const float* p, int rank) {
+  uint64_t out = 0;
+  LRF_CLUSTER_OP(asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(p), "r"(rank)));
+  return reinterpret_cast<const float*>(out);
+}
+#undef LRF_CLUSTER_OP
 
 // Two floats -> two 16-bit values packed in one register (round to nearest even), lo in the low half.
 template <typename T>

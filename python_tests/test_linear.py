@@ -1,0 +1,277 @@
+"""ops.linear, the decode forward's skinny GEMM: the op's dispatch and errors (CPU), the kernel source under CPU
+emulation (csrc/emu/linear_emu.cpp) against the float64 reference, the launch plan, the launcher's input checks,
+and the built kernel against the float64 reference (GPU)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightningrl_fast.ops import linear as linear_mod
+from lightningrl_fast.ops.linear import IMPL_ENV, gemm_impl, kernel_eligible, linear, linear_reference
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def make(m, n, k, dtype, seed=0, x_stride=None, device="cpu"):
+    """x [m, k] (a view of rows x_stride apart when given) and w [n, k]: N(0, 1) / sqrt(k)-scaled, never zero."""
+    g = torch.Generator().manual_seed(seed)
+    xs = x_stride or k
+    xbuf = torch.randn(m, xs, generator=g, dtype=torch.float64)
+    w = torch.randn(n, k, generator=g, dtype=torch.float64) / k**0.5
+    x = xbuf.to(dtype).to(device)[:, :k]
+    return x, w.to(dtype).to(device)
+
+
+def check_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
+    """got vs the float64 product of the same (rounded) inputs: max error within 2x that of F.linear in the same
+    dtype (on x's device), and no NaN (every output written)."""
+    want = x.double() @ w.double().T
+    same = F.linear(x, w).double()
+    assert got.shape == want.shape and got.dtype == x.dtype
+    got = got.double()
+    assert not got.isnan().any(), "NaN in the output: an element was not written"
+    err = (got - want).abs().max().item()
+    err_ref = (same - want).abs().max().item()
+    assert err <= 2 * err_ref + 1e-7, (err, err_ref)
+    return err, err_ref
+
+
+# ----------------------------------------------------------------------------------- the op (CPU: reference)
+
+def test_cpu_op_is_the_reference_for_every_impl(monkeypatch):
+    x, w = make(5, 37, 24, torch.float32)
+    for impl in ("cublas", "kernel"):
+        assert torch.equal(linear(x, w, impl=impl), F.linear(x, w))
+    monkeypatch.setenv(IMPL_ENV, "kernel")
+    assert gemm_impl() == "kernel"
+    x3 = torch.randn(2, 3, 24, dtype=torch.float64)
+    assert torch.equal(linear(x3, w.double()), F.linear(x3, w.double()))
+
+
+def test_opcheck():
+    x, w = make(4, 16, 32, torch.float32)
+    torch.library.opcheck(torch.ops.lightningrl_fast.linear.default, (x, w, True, False))
+
+
+def test_bad_inputs_raise_clear_errors(monkeypatch):
+    x, w = make(4, 16, 32, torch.float32)
+    with pytest.raises(ValueError, match="x's last dimension must equal weight's in_features \\(32\\)"):
+        linear(x[:, :31], w)
+    with pytest.raises(TypeError, match="weight must have dtype in \\(float32\\)"):
+        linear(x, w.double())
+    with pytest.raises(ValueError, match="weight must have 2 dimensions"):
+        linear(x, w[None])
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        linear([1.0], w)
+    with pytest.raises(ValueError, match="impl must be one of cublas, kernel, got 'triton'"):
+        linear(x, w, impl="triton")
+    monkeypatch.setenv(IMPL_ENV, "fast")
+    with pytest.raises(ValueError, match=f"{IMPL_ENV} must be one of cublas, kernel, got 'fast'"):
+        linear(x, w)
+
+
+def test_kernel_eligibility_rules():
+    x, w = make(4, 16, 32, torch.bfloat16)
+    assert kernel_eligible(x, w)
+    assert kernel_eligible(x[:1], w)
+    assert not kernel_eligible(x.float(), w.float())  # fp32: cuBLAS
+    assert not kernel_eligible(torch.zeros(65, 32, dtype=torch.bfloat16), w)  # > 64 rows
+    assert not kernel_eligible(x[:, :28], w[:, :28])  # K % 8
+    assert not kernel_eligible(x[:, 1:25], w[:, :24])  # rows not 16-byte aligned
+    assert not kernel_eligible(x, w.t().contiguous().t())  # weight columns not dense
+    xb, _ = make(4, 16, 32, torch.bfloat16, x_stride=48)
+    assert kernel_eligible(xb, w)  # rows 48 elements apart: fine
+    assert not kernel_eligible(torch.zeros(2, 5, 32, dtype=torch.bfloat16)[:, :4], w)  # no single row stride
+    assert kernel_eligible(torch.zeros(2, 4, 32, dtype=torch.bfloat16), w)  # [2, 4, K] -> 8 rows
+
+
+def test_grad_enabled_inputs_take_the_reference(monkeypatch):
+    """The kernel has no backward: with autograd on and a tensor that requires grad, F.linear runs."""
+    calls = []
+    monkeypatch.setattr(linear_mod, "_linear_op", lambda *a: calls.append(a))
+    x, w = make(4, 16, 32, torch.float32)
+    w.requires_grad_(True)
+    y = linear(x, w, impl="kernel")
+    assert y.requires_grad and not calls
+
+
+# ----------------------------------------------------------------------- the kernel source under emulation
+
+@pytest.fixture(scope="module")
+def emulator(emu_build):
+    return emu_build("linear_emu.cpp")
+
+
+def emu_linear(exe, tmp, x, w, fw, cluster, seed=0, pdl=False):
+    """The emulated kernel with the given plan on x [m, k] (rows x.stride(0) apart) and w [n, k]."""
+    m, k = x.shape
+    n = w.shape[0]
+    xs = x.stride(0) if m > 1 else k
+    xfull = torch.as_strided(x, (m, xs), (xs, 1)) if m > 1 else x
+    hdr = np.array([m, n, k, 0 if x.dtype == torch.bfloat16 else 1, fw, cluster, xs, k, seed, int(pdl)],
+                   dtype=np.int32).tobytes()
+    fin, fout = tmp / "in.bin", tmp / "out.bin"
+    fin.write_bytes(hdr + bits(xfull).numpy().tobytes() + bits(w).numpy().tobytes())
+    res = subprocess.run([str(exe), "run", str(fin), str(fout)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    raw = np.fromfile(fout, dtype=np.int16)
+    return torch.from_numpy(raw.copy()).view(x.dtype).view(m, n)
+
+
+EMU_CASES = [
+    # dtype, m, n, k, x row stride, fw, cluster
+    ("bf16", 1, 111, 64, None, 8, 1),  # one token, odd N in one tile
+    ("fp16", 4, 97, 120, None, 1, 1),  # K not a multiple of 32: a partial chunk
+    ("bf16", 7, 123, 200, 216, 2, 4),  # strided x, 3 n-tiles over clusters of 4
+    ("bf16", 9, 130, 328, None, 4, 2),  # NT = 2
+    ("fp16", 16, 64, 1024, None, 8, 8),  # NT = 2 full, a full cluster of 8
+    ("bf16", 33, 40, 264, 272, 1, 8),  # NT = 8 (33 tokens), kw = 8 per CTA x 8 CTAs > chunks: idle warps
+    ("fp16", 32, 48, 96, None, 2, 2),  # NT = 4 exactly full
+    ("bf16", 64, 257, 512, None, 8, 4),  # the largest token count, odd N across tiles
+]
+
+
+@pytest.mark.parametrize("dt,m,n,k,xs,fw,cluster", EMU_CASES)
+def test_emulated_kernel_matches_reference(emulator, tmp_path, dt, m, n, k, xs, fw, cluster):
+    x, w = make(m, n, k, DTYPES[dt], seed=m + n, x_stride=xs)
+    got = emu_linear(emulator, tmp_path, x, w, fw, cluster, seed=n, pdl=cluster % 2 == 0)
+    check_close(got, x, w)
+
+
+def test_emulated_kernel_is_deterministic_across_schedules(emulator, tmp_path):
+    """The cluster reduction sums in a fixed order: other thread interleavings give the same bits."""
+    x, w = make(12, 70, 384, torch.bfloat16, seed=3)
+    a = emu_linear(emulator, tmp_path, x, w, 2, 4, seed=1)
+    b = emu_linear(emulator, tmp_path, x, w, 2, 4, seed=99)
+    assert torch.equal(bits(a), bits(b))
+
+
+def test_emulated_plans_agree_with_each_other(emulator, tmp_path):
+    """Every (fw, cluster) split of the same product is within rounding of the others (sanity of the split-K
+    index math: a dropped or doubled chunk would show as a large difference)."""
+    x, w = make(5, 50, 256, torch.float16, seed=5)
+    outs = [emu_linear(emulator, tmp_path, x, w, fw, cl).double() for fw, cl in [(1, 1), (8, 1), (2, 8), (4, 2)]]
+    want = x.double() @ w.double().T
+    for o in outs:
+        assert (o - want).abs().max().item() < 2e-3
+
+
+@pytest.mark.parametrize(
+    "n,k,sms,max_cluster,want",
+    [
+        (4096, 4096, 132, 8, (8, 8, 256)),  # o_proj of SDAR-8B: 32 tiles x 8
+        (6144, 4096, 132, 8, (8, 8, 384)),  # packed q/k/v
+        (24576, 4096, 132, 8, (8, 2, 384)),  # packed gate/up
+        (4096, 12288, 132, 8, (8, 8, 256)),  # down_proj
+        (151936, 4096, 132, 8, (8, 1, 1187)),  # lm_head: enough tiles, no split
+        (4096, 4096, 132, 1, (1, 1, 256)),  # no clusters (pre-sm_90): narrow tiles instead
+        (111, 120, 132, 8, (1, 1, 7)),  # tiny: the most CTAs
+    ],
+)
+def test_emulated_launch_plan(emulator, n, k, sms, max_cluster, want):
+    out = subprocess.run([str(emulator), "plan", str(n), str(k), str(sms), str(max_cluster)], capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert tuple(int(v) for v in out) == want
+
+
+# ---------------------------------------------------------------------------------- the launcher's checks
+
+def test_launcher_checks_inputs(cuda_ext_with):
+    """The C++ launcher names the problem (CPU tensors: the device check comes last)."""
+    mod = cuda_ext_with("linear")
+    x, w = make(4, 16, 32, torch.bfloat16)
+    cases = [
+        ((x[0], w), "x must have 2 dimensions"),
+        ((x.float(), w.float()), "x must have dtype in"),
+        ((x, w.half()), "x and weight must have the same dtype"),
+        ((x, w[:, :24]), r"x is \[M, K\] = \[4, 32\] but weight \[N, K\] is \[16, 24\]"),
+        ((torch.zeros(65, 32, dtype=torch.bfloat16), w), "x must have 1..64 rows"),
+        ((x[:, :28], w[:, :28]), "K \\(in_features\\) must be a positive multiple of 8, got 28"),
+        ((x[:, 8:], w[:, 8:]), "weight must have a dense last dimension and 16-byte aligned rows"),
+        ((torch.zeros(32, 4, dtype=torch.bfloat16).t(), w), "x must have a dense last dimension"),
+        ((x, w), "x must be a CUDA tensor, got device cpu"),
+    ]
+    for args, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            mod.linear(*args)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+GPU_SHAPES = [
+    # m, n, k: odd sizes and the SDAR-8B decode shapes (q/k/v packed, o_proj, gate/up packed, down, lm_head slice)
+    (1, 111, 64),
+    (4, 97, 120),
+    (7, 123, 1000),
+    (4, 6144, 4096),
+    (8, 4096, 4096),
+    (32, 24576, 4096),
+    (64, 4096, 12288),
+    (33, 151936, 256),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+def test_gpu_kernel_matches_reference(cuda_ext_with, dt, m, n, k):
+    mod = cuda_ext_with("linear")
+    x, w = make(m, n, k, DTYPES[dt], seed=m * n + k, device="cuda")
+    for pdl in (False, True):
+        got = mod.linear(x, w, pdl)
+        check_close(got, x, w)
+
+
+@pytest.mark.gpu
+def test_gpu_strided_rows_and_views(cuda_ext_with):
+    mod = cuda_ext_with("linear")
+    x, w = make(13, 300, 256, torch.bfloat16, x_stride=384, device="cuda")
+    check_close(mod.linear(x, w, False), x, w)
+    big = torch.randn(900, 256, device="cuda", dtype=torch.bfloat16)
+    wv = big[200:500]  # a row range of a packed weight (as q/k/v views are)
+    check_close(mod.linear(x, wv, False), x, wv)
+
+
+@pytest.mark.gpu
+def test_gpu_op_dispatch_and_determinism(cuda_ext_with):
+    cuda_ext_with("linear")
+    x, w = make(32, 4096, 4096, torch.bfloat16, seed=1, device="cuda")
+    a = linear(x.view(2, 16, 4096), w, impl="kernel")
+    b = linear(x.view(2, 16, 4096), w, impl="kernel", pdl=True)
+    assert a.shape == (2, 16, 4096)
+    assert torch.equal(bits(a), bits(b)), "two launches of the same product differ"
+    check_close(a.view(32, 4096), x, w)
+    big = torch.randn(65, 4096, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(linear(big, w, impl="kernel"), F.linear(big, w))  # > 64 rows: cuBLAS
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_in_a_cuda_graph(cuda_ext_with):
+    """Captured with PDL and clusters, replayed on new inputs copied into the static buffer."""
+    mod = cuda_ext_with("linear")
+    x, w = make(4, 6144, 4096, torch.bfloat16, seed=2, device="cuda")
+    static_x = x.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        mod.linear(static_x, w, True)  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        h = F.silu(static_x)  # a kernel before the GEMM, as in the decode step
+        y = mod.linear(h, w, True)
+    for seed in (3, 4):
+        x2, _ = make(4, 6144, 4096, torch.bfloat16, seed=seed, device="cuda")
+        static_x.copy_(x2)
+        g.replay()
+        torch.cuda.synchronize()
+        check_close(y, F.silu(x2), w)
