@@ -33,6 +33,7 @@ from torch import nn
 
 from .ops._common import host_checks_allowed
 from .ops.block_attn import block_attention, check_cache_lengths
+from .ops.linear import linear
 from .ops.masked_attn import MaskLayout, masked_attention, prepare
 from .ops.rms_norm import add_rms_norm, qk_norm_rope, rms_norm
 from .ops.silu_mul import silu_mul
@@ -161,6 +162,13 @@ def _decode_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, norm.weight, norm.eps) if x.is_cuda and norm.weight.dtype == x.dtype else norm(x)
 
 
+def _decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The decode forward's GEMMs through `ops.linear`: its skinny-GEMM kernel on CUDA for <= 64 tokens when
+    $LRF_DECODE_GEMM=kernel, F.linear otherwise. pdl: the kernel launched before each of these GEMMs (a norm,
+    the attention, silu_mul) never writes the weights, so the GEMM may start streaming them early."""
+    return linear(x, weight, pdl=x.is_cuda)
+
+
 def _decode_add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(residual + x), residual + x): the decode forward's residual add and the following norm, one fused
     launch on CUDA (`ops.add_rms_norm`), the eager add and module elsewhere."""
@@ -247,7 +255,7 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         w = packed_weight(self._projections())
         if w is not None:  # one GEMM; q, k, v are views of its output
-            qkv = F.linear(x, w)  # [B, N, (Hq + 2 Hkv) D]
+            qkv = _decode_linear(x, w)  # [B, N, (Hq + 2 Hkv) D]
             q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -271,7 +279,7 @@ class Attention(nn.Module):
                             check_lengths=False)  # [B, C, Hq, D]
         if packed is not None:
             o = o[rows, cols][None]  # [1, N, Hq, D]
-        return self.o_proj(o.reshape(*o.shape[:2], self.hq * self.d))
+        return _decode_linear(o.reshape(*o.shape[:2], self.hq * self.d), self.o_proj.weight)  # [B, C, H]
 
 
 def _unpack(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -298,9 +306,9 @@ class MLP(nn.Module):
         w = packed_weight(self._projections())
         if w is None:
             return self(x)
-        gate_up = F.linear(x, w)  # [B, N, 2 I]: gate and up side by side
+        gate_up = _decode_linear(x, w)  # [B, N, 2 I]: gate and up side by side
         if gate_up.is_cuda:
-            return self.down_proj(silu_mul(gate_up))  # [B, N, I] in one launch
+            return _decode_linear(silu_mul(gate_up), self.down_proj.weight)  # silu_mul: [B, N, I] in one launch
         gate, up = gate_up.chunk(2, dim=-1)  # [B, N, I] each
         return self.down_proj(F.silu(gate) * up)
 
@@ -474,7 +482,11 @@ class SDARForCausalLM(nn.Module):
     def forward_cached(self, input_ids: torch.Tensor, cache: KVCache, cache_lens: torch.Tensor,
                        chunk_lens: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
         """Logits [B, C, V] of a chunk against the cache (see `hidden_cached`)."""
-        return self.lm_head(self.hidden_cached(input_ids, cache, cache_lens, chunk_lens, block_size))
+        return self.decode_logits(self.hidden_cached(input_ids, cache, cache_lens, chunk_lens, block_size))
+
+    def decode_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """lm_head of the decode forward: [..., H] -> [..., V] through ops.linear (`_decode_linear`)."""
+        return _decode_linear(h, self.lm_head.weight)
 
 
 def build_model(cfg: SDARConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,

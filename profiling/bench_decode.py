@@ -31,6 +31,9 @@ against the same bound; `peakGB` peak allocated device memory.
 
 Attention kernel: `--attn mma,wgmma` times the kernel rows once per block-attention variant (column `attn`; the
 variant is set through LRF_BLOCK_ATTN_VARIANT for that combination, ops/block_attn.py); default `auto`.
+GEMMs: `--gemm cublas,kernel` times the kernel rows once per implementation of the decode forward's GEMMs
+(column `gemm`; LRF_DECODE_GEMM for that combination, ops/linear.py: cuBLAS, or the skinny-GEMM kernel for
+<= 64 tokens per forward); default `cublas`.
 
 Reference vs kernels: kernel rows run in this process. Reference rows run in a child process started with
 LRF_DISABLE_KERNELS=1, which the ops must honour (the child checks that `ops._common.cuda_kernel` then returns
@@ -65,6 +68,8 @@ from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import SDARConfig, SDARForCausalLM, build_model  # noqa: E402
 from lightningrl_fast.ops.block_attn import VARIANT_ENV as ATTN_ENV  # noqa: E402
 from lightningrl_fast.ops.block_attn import VARIANTS  # noqa: E402
+from lightningrl_fast.ops.linear import IMPL_ENV as GEMM_ENV  # noqa: E402
+from lightningrl_fast.ops.linear import IMPLS as GEMM_IMPLS  # noqa: E402
 from lightningrl_fast.profiling import Timer, nvtx_range  # noqa: E402
 from lightningrl_fast.sampler import Decoder, SamplerConfig  # noqa: E402
 
@@ -248,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--impl", choices=("both", "kernels", "reference"), default="both")
     ap.add_argument("--attn", type=attn_variants, default=["auto"],
                     help="block-attention kernel variants for the kernel rows, comma-separated: auto, mma, wgmma")
+    ap.add_argument("--gemm", type=gemm_impls, default=["cublas"],
+                    help="decode GEMM implementations for the kernel rows, comma-separated: cublas, kernel")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (tiny config, reference ops)")
     ap.add_argument("--torch-trace", default=None, help="Chrome trace of the first combination's timed call")
     ap.add_argument("--no-steady", dest="steady", action="store_false",
@@ -317,12 +324,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     trace = args.torch_trace
     for impl in local:
-        for attn in args.attn if impl == "kernels" else ["-"]:
+        combos = [(a, m) for a in args.attn for m in args.gemm] if impl == "kernels" else [("-", "-")]
+        for attn, gemm in combos:
             for batch in args.batches:
                 for block in args.blocks:
                     for g in graphs:
-                        with attn_variant(attn):
-                            rows.append({**run_combo(model, device, batch, block, g, impl, args, trace), "attn": attn})
+                        with env_setting(ATTN_ENV, attn), env_setting(GEMM_ENV, gemm):
+                            rows.append({**run_combo(model, device, batch, block, g, impl, args, trace), "attn": attn,
+                                         "gemm": gemm})
                         print(f"done: {rows[-1]}", file=sys.stderr, flush=True)  # progress, if a later one hangs
                         trace = None
     if args.child:
@@ -352,21 +361,30 @@ def attn_variants(text: str) -> list[str]:
     return names
 
 
+def gemm_impls(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in GEMM_IMPLS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"GEMM implementations must be among {', '.join(GEMM_IMPLS)}, got {text!r}")
+    return names
+
+
 @contextlib.contextmanager
-def attn_variant(name: str):
-    """LRF_BLOCK_ATTN_VARIANT=name for the block (the model's attention reads it at every call / capture)."""
-    if name == "-":
+def env_setting(key: str, value: str):
+    """os.environ[key] = value for the block ("-": unchanged); the ops read LRF_BLOCK_ATTN_VARIANT and
+    LRF_DECODE_GEMM at every call and capture."""
+    if value == "-":
         yield
         return
-    old = os.environ.get(ATTN_ENV)
-    os.environ[ATTN_ENV] = name
+    old = os.environ.get(key)
+    os.environ[key] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(ATTN_ENV, None)
+            os.environ.pop(key, None)
         else:
-            os.environ[ATTN_ENV] = old
+            os.environ[key] = old
 
 
 def _strip_opt(argv: list[str], name: str) -> list[str]:

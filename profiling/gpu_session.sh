@@ -4,9 +4,9 @@
 #
 #   bash profiling/gpu_session.sh [stage ...]
 #
-# Stages (default: build tests sass kernels): build, tests, sass, kernels (unmask, kv_cache, rms_norm, silu_mul, block_attn
-# --quick, grpo_loss), decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32, the reference child capped
-# at 240 s), attn_full (every bench_block_attn shape), ncu (Nsight Compute of the unmask and block-attention
+# Stages (default: build tests sass kernels): build, tests, sass, kernels (unmask, linear, kv_cache, rms_norm, silu_mul, block_attn
+# --quick, grpo_loss), decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32, graphs on, cuBLAS and the
+# skinny-GEMM kernel, the reference child capped at 240 s), attn_full (every bench_block_attn shape), ncu (Nsight Compute of the unmask and block-attention
 # kernels). The build uses $CC / $CXX when set (RESULTS.md, 2026-11-22: launcher messages crashed in a build
 # made with the lent image's /opt/gcc; try CC=/usr/bin/gcc CXX=/usr/bin/g++).
 # Each stage has its own time limit so that one hung stage cannot eat the lease. The logs are plain text;
@@ -66,7 +66,7 @@ for s in "${stages[@]}"; do
     sass)
       so=$(so_path)
       { cuobjdump --list-elf "$so"
-        for k in block_attn unmask lm_head group_normalize kv_cache rms_norm qk_norm_rope silu_mul; do
+        for k in block_attn unmask lm_head group_normalize kv_cache linear_kernel rms_norm qk_norm_rope silu_mul; do
           echo "--- $k: instruction mix"
           cuobjdump --dump-sass "$so" | awk -v k="$k" '/Function :/ {on = index($0, k) > 0} on' \
             | grep -oE '^\s+/\*[0-9a-f]{4}\*/\s+[A-Z][A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' \
@@ -78,7 +78,8 @@ for s in "${stages[@]}"; do
       # bench_unmask times 3 modes per row count (greedy, two-level and per-token sampling) + 3 more at 32 / 1024
       # rows, each with the reference and its torch.compile: the longest of the kernel benches
       stage bench_unmask.py 300 bench.log python3 profiling/bench_unmask.py
-      for b in bench_kv_cache.py bench_rms_norm.py bench_silu_mul.py "bench_block_attn.py --quick" bench_grpo_loss.py; do
+      for b in bench_linear.py bench_kv_cache.py bench_rms_norm.py bench_silu_mul.py "bench_block_attn.py --quick" \
+          bench_grpo_loss.py; do
         stage "$b" 150 bench.log python3 profiling/$b
       done
       grep -E '^\{' "$OUT/bench.log" | cut -c1-400 ;;
@@ -88,7 +89,7 @@ for s in "${stages[@]}"; do
       # kernels first (their rows are printed as each finishes), then the reference ops in a child process
       # $DECODE_ARGS replaces the default shapes (e.g. "--batches 1,8 --impl kernels")
       stage bench_decode 540 bench_decode.log python3 profiling/bench_decode.py --config sdar-8b \
-        ${DECODE_ARGS:---batches 1,8,64 --blocks 4,32 --repeats 3 --new-tokens 256 --child-timeout 240} ;;
+        ${DECODE_ARGS:---batches 1,8,64 --blocks 4,32 --graphs on --gemm cublas,kernel --repeats 3 --new-tokens 256 --child-timeout 240} ;;
     ncu)
       stage ncu 300 ncu.log bash profiling/ncu_kernels.sh ;;
     *) echo "unknown stage $s"; exit 2 ;;

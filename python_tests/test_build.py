@@ -38,8 +38,8 @@ def test_cuda_build_when_expected():
         pytest.skip("LRF_EXPECT_CUDA_BUILD is not set")
     assert C.has_cuda(), "built without CUDA although LRF_EXPECT_CUDA_BUILD=1 (nvcc / CUDA_HOME missing?)"
     assert "90a" in C.cuda_archs().split(";") or os.environ.get("LRF_CUDA_ARCHS"), C.cuda_archs()
-    for name in ("add_rms_norm", "block_attention", "fused_linear_grpo_loss", "kv_cache_write", "qk_norm_rope",
-                 "rms_norm", "silu_mul", "threshold_unmask"):
+    for name in ("add_rms_norm", "block_attention", "fused_linear_grpo_loss", "kv_cache_write", "linear",
+                 "qk_norm_rope", "rms_norm", "silu_mul", "threshold_unmask"):
         assert hasattr(C, name), name
     assert _ext.has_cuda_kernels() or not C.has_cuda()
 
@@ -49,7 +49,7 @@ def test_cpu_only_build_has_no_cuda_entry_points():
     if C.has_cuda():
         pytest.skip("CUDA build")
     assert C.cuda_archs() == ""
-    assert not any(hasattr(C, n) for n in ("kv_cache_write", "rms_norm", "silu_mul", "threshold_unmask"))
+    assert not any(hasattr(C, n) for n in ("kv_cache_write", "linear", "rms_norm", "silu_mul", "threshold_unmask"))
 
 
 def test_readme_quotes_ci_run_verbatim():
@@ -82,10 +82,10 @@ def _cuobjdump() -> str | None:
     return None
 
 
-def test_block_attention_sass_has_the_tensor_core_instructions():
-    """The sm_90a SASS of both block-attention variants (no GPU needed): the mma.sync kernel issues HMMA.16816,
+def test_tensor_core_kernels_sass_has_the_intended_instructions():
+    """The sm_90a SASS (no GPU needed) of both block-attention variants: the mma.sync kernel issues HMMA.16816,
     the wgmma kernel HGMMA 64x64x16 (S = Q K^T, K-major B) and 64xDx16 with a transposed (MN-major) B (O += P V)
-    behind warpgroup fences and async-proxy fences; neither touches local memory (no spills)."""
+    behind warpgroup fences and async-proxy fences; and of the decode skinny GEMM. None touches local memory."""
     import subprocess
 
     C = _C_or_skip()
@@ -118,4 +118,12 @@ def test_block_attention_sass_has_the_tensor_core_instructions():
     for n, body in mma.items():
         assert "HMMA.16816.F32" in body and "HGMMA" not in body, n
     for n, body in attn.items():
+        assert "LDL" not in body and "STL" not in body, f"{n} uses local memory"
+    # the decode skinny GEMM (csrc/kernels/linear.cuh): W by 16-byte streaming loads (no L1 allocation, 256-byte
+    # L2 prefetch) into HMMA, griddepcontrol.wait (ACQBULK) for PDL, the cluster barrier, no local memory
+    lin = {n: body for n, body in funcs.items() if "linear_kernel" in n}
+    assert len(lin) == 8, sorted(lin)  # bf16 / fp16 x 1, 2, 4, 8 n-tiles
+    for n, body in lin.items():
+        assert "LDG.E.NA.LTC256B.128.CONSTANT" in body and "HMMA.16816.F32" in body, n
+        assert "ACQBULK" in body and "UCGABAR_ARV" in body and "UCGABAR_WAIT" in body, n
         assert "LDL" not in body and "STL" not in body, f"{n} uses local memory"

@@ -196,7 +196,8 @@ def test_launcher_checks_inputs(cuda_ext_with):
         ((x, w[:, :24]), r"x is \[M, K\] = \[4, 32\] but weight \[N, K\] is \[16, 24\]"),
         ((torch.zeros(65, 32, dtype=torch.bfloat16), w), "x must have 1..64 rows"),
         ((x[:, :28], w[:, :28]), "K \\(in_features\\) must be a positive multiple of 8, got 28"),
-        ((x[:, 8:], w[:, 8:]), "weight must have a dense last dimension and 16-byte aligned rows"),
+        ((x, torch.zeros(16, 40, dtype=torch.bfloat16)[:, 4:36]), "weight must have a dense last dimension and 16-byte aligned rows"),
+        ((torch.zeros(4, 36, dtype=torch.bfloat16)[:, 4:], w), "x must have a dense last dimension and 16-byte aligned rows"),
         ((torch.zeros(32, 4, dtype=torch.bfloat16).t(), w), "x must have a dense last dimension"),
         ((x, w), "x must be a CUDA tensor, got device cpu"),
     ]
@@ -275,3 +276,25 @@ def test_gpu_kernel_in_a_cuda_graph(cuda_ext_with):
         g.replay()
         torch.cuda.synchronize()
         check_close(y, F.silu(x2), w)
+
+
+# ------------------------------------------------------------------------------------------- the benchmark
+
+def test_bench_linear_cpu_final_json_line():
+    import json
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "profiling" / "bench_linear.py"), "--cpu", "--tokens", "1,4"],
+                          capture_output=True, text=True, timeout=300, cwd=str(repo))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert result["bench"] == "linear" and result["config"] == "tiny" and result["kernels"] is False
+    assert [(r["proj"], r["M"]) for r in result["rows"]][:3] == [("qkv", 1), ("qkv", 4), ("o_proj", 1)]
+    assert len(result["rows"]) == 10 and all(r["cublas_us"] > 0 for r in result["rows"])
+    assert sum(line.startswith("{") for line in lines) == 1
+    bad = subprocess.run([sys.executable, str(repo / "profiling" / "bench_linear.py"), "--cpu", "--tokens", "65"],
+                         capture_output=True, text=True, timeout=300, cwd=str(repo))
+    assert bad.returncode != 0 and "--tokens must be in 1..64" in bad.stderr

@@ -489,6 +489,7 @@ template <typename T, int D>
 LRF_DEVICE void block_attn_combine_cta(const BlockAttnParams& p, int64_t cta, int tid) {
   constexpr int VEC = D / 32;  // floats per lane
   griddep_wait();  // launched with programmatic serialization: the partials are complete past this point
+  griddep_launch_dependents();  // the o_proj GEMM (ops.linear with pdl) may start streaming its weights
   const int warp = tid / 32, lane = tid % 32;
   const int64_t rows_total = int64_t(p.batch) * p.chunk * p.hq;
   const int64_t row = cta * kBlockAttnCombineWarps + warp;

@@ -36,6 +36,15 @@ constexpr int kRmsThreads = 128;    // rms_norm: threads per row
 constexpr int kRmsMaxVecs = 8;      // rms_norm: 16-byte vectors per thread at most (N <= 8192 bf16, 4096 fp32)
 constexpr int kRopeWarps = 4;       // qk_norm_rope: head vectors per CTA
 
+// Lets the grid launched after this one with programmatic stream serialization (the decode GEMM, ops.linear
+// with pdl) start while this grid drains: it prefetches weights, then waits in griddepcontrol.wait for this
+// grid's completion before it reads our output. A no-op for other successors, before sm_90 and in emulation.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 struct Bf16Bits {};  // bfloat16 as raw 16-bit words
 struct HalfBits {};
 
@@ -96,6 +105,7 @@ struct RmsNormParams {
 
 template <typename T, bool kAdd = false>
 __global__ void __launch_bounds__(kRmsThreads) rms_norm_kernel(const RmsNormParams p) {
+  allow_dependent_launch();
   using C = Conv<T>;
   using S = typename C::Storage;
   constexpr int kPer = 16 / int(sizeof(S));  // elements per 16-byte vector
@@ -179,6 +189,7 @@ struct QkNormRopeParams {
 // E = D / 32 elements per lane (D = 32 * E).
 template <typename T, int E>
 __global__ void __launch_bounds__(kRopeWarps * 32) qk_norm_rope_kernel(const QkNormRopeParams p) {
+  allow_dependent_launch();
   using C = Conv<T>;
   using S = typename C::Storage;
   constexpr int D = 32 * E;

@@ -1,0 +1,94 @@
+"""Benchmark the decode skinny GEMM (ops.linear's kernel) against cuBLAS (F.linear) on SDAR decode shapes.
+
+    python profiling/bench_linear.py                  # GPU: SDAR-8B's projections, bf16, tokens 1..64
+    python profiling/bench_linear.py --config sdar-4b --tokens 8,64
+    python profiling/bench_linear.py --cpu            # no GPU: the reference on small shapes
+
+Rows: one per (projection, tokens M). The projections of a decoder layer as the decode forward runs them
+(q/k/v packed, o_proj, gate/up packed, down_proj) and the lm_head, y [M, N] = x [M, K] W[N, K]^T. M = batch x
+chunk tokens per forward: the sampler's chunk is 2 blocks, so batch 1 at block 4 / 32 is M = 8 / 64.
+Columns (device microseconds per call: back-to-back calls in one CUDA graph, cycling through weight copies
+that span 2x L2 so that every call streams its weights from DRAM, `common.graph_time_us`):
+  `cublas_us`   F.linear (cuBLAS): the reference op and the baseline (the best installed one for this product)
+  `kernel_us`   _C.linear, plain launches
+  `pdl_us`      _C.linear with programmatic dependent launch (each call's weight loads may start while the
+                previous call drains; in the decode step the previous kernel is a norm / attention / silu_mul)
+  GB/s and %copy for the faster kernel column (weights + x + y bytes / time, against the measured copy
+  bandwidth), and `x_cublas` = cublas_us / min(kernel_us, pdl_us).
+Prints one table and ends with one JSON line. Record GPU results in profiling/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import copy_bandwidth_gbs, device_name, device_time_us, emit_json, print_table, rotation  # noqa: E402
+
+from bench_decode import CONFIGS  # noqa: E402  (the named model shapes, REFERENCE §1)
+
+from lightningrl_fast import _ext  # noqa: E402
+from lightningrl_fast.model import SDARConfig  # noqa: E402
+
+
+def projections(cfg) -> list[tuple[str, int, int]]:
+    """(name, N, K) of the decode forward's GEMMs for a model config."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    return [("qkv", (hq + 2 * hkv) * d, h), ("o_proj", h, hq * d), ("gate_up", 2 * cfg.intermediate_size, h),
+            ("down", h, cfg.intermediate_size), ("lm_head", cfg.vocab_size, h)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (reference only, tiny shapes)")
+    ap.add_argument("--config", default="sdar-8b", choices=sorted(CONFIGS), help="model shapes")
+    ap.add_argument("--tokens", default="1,4,8,32,64", help="comma-separated M values (1..64)")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    on_gpu = device.type == "cuda"
+    mod = _ext.ext()
+    kernels = on_gpu and _ext.has_cuda_kernels() and hasattr(mod, "linear")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if any(not 1 <= t <= 64 for t in tokens):
+        raise SystemExit(f"--tokens must be in 1..64, got {args.tokens}")
+    cfg = SDARConfig(**CONFIGS[args.config if on_gpu else "tiny"])
+    bw = copy_bandwidth_gbs(device)
+    print(f"device: {device_name(device)}; copy bandwidth {bw:.0f} GB/s; {args.config if on_gpu else 'tiny'} "
+          f"shapes, {str(dtype)[6:]}; kernels {'yes' if kernels else 'no (reference only)'}")
+
+    rows = []
+    for name, n, k in projections(cfg):
+        g = torch.Generator(device=device).manual_seed(n + k)
+        w0 = (torch.randn(n, k, generator=g, device=device) / k**0.5).to(dtype)
+        wbytes = w0.numel() * w0.element_size()
+        weights = [w0] + [w0.clone() for _ in range(rotation(wbytes, device, max_sets=8) - 1)]
+        for m in tokens:
+            x = torch.randn(m, k, generator=g, device=device).to(dtype)
+            nbytes = wbytes + (m * k + m * n) * w0.element_size()
+            row = {"proj": name, "M": m, "N": n, "K": k,
+                   "cublas_us": device_time_us([lambda w=w: F.linear(x, w) for w in weights], device)}
+            if kernels:
+                row["kernel_us"] = device_time_us([lambda w=w: mod.linear(x, w, False) for w in weights], device)
+                row["pdl_us"] = device_time_us([lambda w=w: mod.linear(x, w, True) for w in weights], device)
+                best = min(row["kernel_us"], row["pdl_us"])
+                row["GB/s"] = nbytes / (best * 1e-6) / 1e9
+                row["%copy"] = 100 * row["GB/s"] / bw
+                row["cublas_%copy"] = 100 * nbytes / (row["cublas_us"] * 1e-6) / 1e9 / bw
+                row["x_cublas"] = row["cublas_us"] / best
+            rows.append(row)
+        del weights
+    print_table(rows)
+    emit_json("linear", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:],
+              config=args.config if on_gpu else "tiny", copy_gbs=round(bw, 1),
+              rows=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
+
+
+if __name__ == "__main__":
+    main()
