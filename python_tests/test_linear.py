@@ -278,6 +278,50 @@ def test_gpu_kernel_in_a_cuda_graph(cuda_ext_with):
         check_close(y, F.silu(x2), w)
 
 
+
+def _cuda_model():
+    from lightningrl_fast.model import SDARConfig, build_model
+
+    cfg = SDARConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, block_size=4, mask_token_id=999,
+                     max_position_embeddings=512)
+    return build_model(cfg, dtype=torch.float64, seed=0).eval().to(device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_forward_with_the_kernel_gemms(cuda_ext_with, monkeypatch):
+    """The model's cached forward (packed q/k/v and gate/up, o_proj, down, LM head through ops.linear with PDL)
+    gives the cuBLAS forward's logits to bf16 rounding, and the sampler (CUDA graphs on) decodes with it,
+    deterministically."""
+    import dataclasses
+
+    from lightningrl_fast.model import KVCache
+    from lightningrl_fast.sampler import SamplerConfig, generate
+
+    cuda_ext_with("linear")
+    m = _cuda_model()
+    m.pack_decode_weights()
+    ids = torch.randint(0, 998, (2, 8), device="cuda")
+    lens = torch.tensor([0, 4], dtype=torch.int32, device="cuda")
+    chunk = torch.tensor([8, 8], dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        out = {}
+        for impl in ("cublas", "kernel"):
+            monkeypatch.setenv(IMPL_ENV, impl)
+            cache = KVCache.allocate(m.config, 2, 32, dtype=torch.bfloat16, device="cuda")
+            out[impl] = m.forward_cached(ids, cache, lens, chunk).float()
+    scale = out["cublas"].abs().max().item()
+    assert (out["kernel"] - out["cublas"]).abs().max().item() <= 0.03 * scale
+    monkeypatch.setenv(IMPL_ENV, "kernel")
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    cfg = SamplerConfig(threshold=0.5, temperature=1.0, max_new_tokens=12, eos_ids=(998,), cuda_graphs=True, seed=3)
+    a, b = generate(m, prompts, cfg), generate(m, prompts, cfg)
+    assert torch.equal(a.tokens, b.tokens)
+    greedy = dataclasses.replace(cfg, temperature=0.0)
+    g_on, g_off = generate(m, prompts, greedy), generate(m, prompts, dataclasses.replace(greedy, cuda_graphs=False))
+    assert torch.equal(g_on.tokens, g_off.tokens) and torch.equal(g_on.step_map, g_off.step_map)
+
+
 # ------------------------------------------------------------------------------------------- the benchmark
 
 def test_bench_linear_cpu_final_json_line():
