@@ -1,6 +1,7 @@
 """masked_attention (mask-predicate attention for full sequences and training layouts) vs a naive loop."""
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -156,3 +157,105 @@ def test_flex_matches_reference_on_gpu(dtype):
     err = ((got - want) * valid).abs().max().item()
     assert err <= 2 * err_ref + 1e-3, (err, err_ref)
     assert math.isfinite(err)
+
+
+def _old_int_mask_mod(n, copies, bs, lengths):
+    """The mask_mod as block_mask built it before the geometry moved into a tensor (closure over Python ints)."""
+    total, clean = n * copies, copies - 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        cq, ck = q_idx // n, kv_idx // n
+        pq, pk = q_idx - cq * n, kv_idx - ck * n
+        bq, bk = pq // bs, pk // bs
+        qc, kc = cq == clean, ck == clean
+        allow = (qc & kc & (bk <= bq)) | (~qc & kc & (bk < bq)) | (~qc & (ck == cq) & (bk == bq))
+        if lengths is not None:
+            allow = allow & (pk < lengths[b])
+        return allow & (q_idx < total) & (kv_idx < total)
+
+    return mask_mod
+
+
+@pytest.mark.parametrize("n,copies,bs,lengths", [(97, 1, 4, None), (97, 2, 4, [97, 61]), (40, 2, 8, [1, 40]),
+                                                 (33, 3, 3, [33, 0]), (64, 2, 16, None), (128, 1, 8, [100, 128])])
+def test_block_mask_predicate_matches_layout(n, copies, bs, lengths):
+    """block_mask's tensor-geometry mask_mod is the layout predicate (naive loop, MaskLayout.allow with ints) on
+    every (row, q, kv) of the padded square, padding excluded, and gives the same BlockMask as the old
+    int-closure mask_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from lightningrl_fast.ops.masked_attn import block_mask, flex_length
+
+    lens = torch.tensor(lengths) if lengths is not None else None
+    lay = MaskLayout(n, copies, bs, lens)
+    total, padded = n * copies, flex_length(n * copies)
+    plan = block_mask(lay, 2, torch.device("cpu"))
+    b = torch.arange(2).view(2, 1, 1)
+    q = torch.arange(padded).view(1, -1, 1)
+    k = torch.arange(padded).view(1, 1, -1)
+    got = plan.mask_mod(b, torch.zeros((), dtype=torch.long), q, k).expand(2, padded, padded)
+    inside = (q < total) & (k < total)
+    assert torch.equal(got, (lay.allow(b, q, k) & inside).expand(2, padded, padded))
+    want = torch.zeros(2, padded, padded, dtype=torch.bool)
+    for row in range(2):
+        length = n if lens is None else int(lens[row])
+        for i in range(total):
+            for j in range(total):
+                want[row, i, j] = naive_allow(n, copies, bs, length, i, j)
+    assert torch.equal(got, want)
+    old = create_block_mask(_old_int_mask_mod(n, copies, bs, lens), 2 if lens is not None else None, None,
+                            padded, padded, device="cpu")
+    assert plan.shape == old.shape
+    assert torch.equal(plan.to_dense(), old.to_dense())
+    assert torch.equal(plan.kv_num_blocks, old.kv_num_blocks) and torch.equal(plan.full_kv_num_blocks, old.full_kv_num_blocks)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("with_lengths", [True, False])
+def test_compiled_flex_does_not_recompile_for_new_lengths(with_lengths):
+    """The decoded length n changes almost every RL step: layouts whose lengths pad to the same flex_length must
+    share one compiled flex_attention (the mask geometry is a tensor, guarded on metadata, not a Python int
+    guarded on its value), and give the reference result."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from lightningrl_fast.ops.masked_attn import block_mask, flex_length, flex_masked_attention
+
+    torch._dynamo.reset()
+    cnt = CompileCounter()
+    flex = torch.compile(flex_attention, backend=cnt, dynamic=False)  # dynamic=False as the CUDA path compiles it
+    torch.manual_seed(3)
+    for n, copies in [(40, 2), (44, 2), (48, 2), (52, 2), (61, 2), (97, 1)]:
+        assert flex_length(n * copies) == 128
+        lens = torch.tensor([n, n - 3]) if with_lengths else None
+        lay = MaskLayout(n, copies, 4, lens)
+        q = torch.randn(2, 4, n * copies, 16, dtype=torch.float64)
+        k = torch.randn(2, 2, n * copies, 16, dtype=torch.float64)
+        v = torch.randn(2, 2, n * copies, 16, dtype=torch.float64)
+        got = flex_masked_attention(flex, q, k, v, block_mask(lay, 2, torch.device("cpu")), 0.25)
+        torch.testing.assert_close(got, masked_attention_reference(q, k, v, lay, 0.25), rtol=1e-10, atol=1e-10)
+    assert cnt.frame_count == 1, f"flex_attention compiled {cnt.frame_count} times for one padded length"
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="inductor needs a C++ compiler")
+def test_compiled_block_mask_build_matches_eager_and_compiles_once():
+    """block_mask(compiled=True) (the CUDA default: no dense [rows, N, N] intermediate) builds the same BlockMask
+    as the eager build, with one inductor compile for every layout of one padded length."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from lightningrl_fast.ops.masked_attn import block_mask
+
+    torch._dynamo.reset()
+    counters.clear()
+    for n, copies, bs, lengths in [(40, 2, 4, [40, 37]), (52, 2, 4, [1, 52]), (97, 1, 8, [97, 90]), (33, 3, 3, [33, 0])]:
+        lay = MaskLayout(n, copies, bs, torch.tensor(lengths))
+        got = block_mask(lay, 2, torch.device("cpu"), compiled=True)
+        want = block_mask(lay, 2, torch.device("cpu"), compiled=False)
+        assert got.shape == want.shape
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()

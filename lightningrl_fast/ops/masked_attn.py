@@ -16,7 +16,8 @@ Keys at in-copy positions >= lengths[b] are padding and never attended.
 Two implementations of the same predicate:
   * CUDA: FlexAttention with a `mask_mod`; the block mask is built once per layout (`prepare`) and
     reused by every layer. The sequence runs padded to a multiple of 128 (`flex_length`) to bound the shapes
-    torch.compile specializes on.
+    torch.compile specializes on, and the mask_mod reads the geometry from a device tensor, so a new n of
+    the same padded length reuses the compiled kernels (`block_mask`).
   * elsewhere (CPU, float64 tests): SDPA over query tiles, the boolean mask of each tile computed from
     the predicate, so memory stays O(tile x N), never a dense N x N mask for long sequences.
 Rows with no visible key (an empty padded row) produce zeros in both.
@@ -34,7 +35,8 @@ from ._common import check_tensor
 
 _TILE_ELEMS = 1 << 22  # mask elements per query tile in the reference path
 _FLEX_BLOCK = 128  # FlexAttention's block: the CUDA path pads the sequence to a multiple of it
-# compiles of flex_attention one run may make (one per batch rows x padded length), and of every function
+# compiles one run may make of flex_attention and of create_block_mask (one per batch rows x padded length),
+# and of every function
 _FLEX_RECOMPILES = {"recompile_limit": 128, "accumulated_recompile_limit": 1024}
 
 
@@ -72,16 +74,24 @@ class MaskLayout:
         return cls(n, 2, block_size, lengths)
 
     def allow(self, b: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        """The predicate on broadcastable index tensors (also usable as a FlexAttention mask_mod)."""
-        n, bs, clean = self.n, self.block_size, self.num_copies - 1
-        cq, ck = q_idx // n, kv_idx // n
-        pq, pk = q_idx - cq * n, kv_idx - ck * n
-        bq, bk = pq // bs, pk // bs
-        q_clean, k_clean = cq == clean, ck == clean
-        allow = (q_clean & k_clean & (bk <= bq)) | (~q_clean & k_clean & (bk < bq)) | (~q_clean & (ck == cq) & (bk == bq))
-        if self.lengths is not None:
-            allow = allow & (pk < self.lengths[b])
-        return allow
+        """The predicate on broadcastable index tensors; see `mask_predicate`."""
+        return mask_predicate(self.n, self.block_size, self.num_copies - 1, self.lengths, b, q_idx, kv_idx)
+
+
+def mask_predicate(n, block_size, clean, lengths: torch.Tensor | None, b: torch.Tensor, q_idx: torch.Tensor,
+                   kv_idx: torch.Tensor) -> torch.Tensor:
+    """The layout predicate (the one definition of the mask; see the module docstring) on broadcastable index
+    tensors. The geometry n (copy length), block_size and clean (index of the clean copy, num_copies - 1) are
+    Python ints or 0-dim integer tensors: `block_mask` passes tensors so that a compiled flex_attention, which
+    guards on the values of Python ints its mask_mod closes over, does not recompile for every n."""
+    cq, ck = q_idx // n, kv_idx // n
+    pq, pk = q_idx - cq * n, kv_idx - ck * n
+    bq, bk = pq // block_size, pk // block_size
+    q_clean, k_clean = cq == clean, ck == clean
+    allow = (q_clean & k_clean & (bk <= bq)) | (~q_clean & k_clean & (bk < bq)) | (~q_clean & (ck == cq) & (bk == bq))
+    if lengths is not None:
+        allow = allow & (pk < lengths[b])
+    return allow
 
 
 def flex_length(total: int) -> int:
@@ -95,19 +105,49 @@ def prepare(layout: MaskLayout, batch: int, device: torch.device):
     return block_mask(layout, batch, device) if device.type == "cuda" else None
 
 
-def block_mask(layout: MaskLayout, batch: int, device: torch.device):
+def block_mask(layout: MaskLayout, batch: int, device: torch.device, compiled: bool | None = None):
     """The layout's FlexAttention BlockMask over `flex_length(layout.total)` positions (any device); the padding
-    past `total` sees nothing and is seen by nothing."""
+    past `total` sees nothing and is seen by nothing.
+
+    The geometry reaches the mask_mod as a device tensor, not as Python ints: dynamo guards on the value of an
+    int a mask_mod closes over (the compiled flex_attention would recompile, forward and backward, for every
+    decoded length n, and past the recompile limit fall back to the unfused path), but only on a tensor's
+    metadata, so one compile serves every layout of the same (rows, padded length).
+    `compiled` (default: on CUDA) builds the block mask with a compiled create_block_mask, without the dense
+    [rows, padded, padded] boolean intermediate of the eager build."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    device = torch.device(device)
     lengths = layout.lengths.to(device) if layout.lengths is not None else None
-    lay = MaskLayout(layout.n, layout.num_copies, layout.block_size, lengths)
-    total, padded = lay.total, flex_length(lay.total)
+    total = layout.total
+    padded = flex_length(total)
+    geo = torch.tensor([layout.n, layout.block_size, layout.num_copies - 1, total], dtype=torch.int32, device=device)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return lay.allow(b, q_idx, kv_idx) & (q_idx < total) & (kv_idx < total)
+        allow = mask_predicate(geo[0], geo[1], geo[2], lengths, b, q_idx, kv_idx)
+        return allow & (q_idx < geo[3]) & (kv_idx < geo[3])
 
-    return create_block_mask(mask_mod, batch if lengths is not None else None, None, padded, padded, device=device)
+    if compiled is None:
+        compiled = device.type == "cuda"
+    build = _compiled_create_block_mask() if compiled else create_block_mask
+    with _recompile_limits():
+        return build(mask_mod, batch if lengths is not None else None, None, padded, padded, device=device)
+
+
+def _recompile_limits():
+    """dynamo's recompile limits raised (never lowered) to _FLEX_RECOMPILES, as a config patch."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    limits = {name: max(getattr(cfg, name), want) for name, want in _FLEX_RECOMPILES.items() if hasattr(cfg, name)}
+    return cfg.patch(**limits)
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask, dynamic=False)
 
 
 @functools.cache
@@ -129,11 +169,7 @@ def flex_masked_attention(flex, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     padded = plan.shape[-2] if plan is not None else flex_length(n)
     if padded != n:
         q, k, v = (F.pad(t, (0, 0, 0, padded - n)) for t in (q, k, v))
-    import torch._dynamo
-
-    cfg = torch._dynamo.config
-    limits = {name: max(getattr(cfg, name), want) for name, want in _FLEX_RECOMPILES.items() if hasattr(cfg, name)}
-    with cfg.patch(**limits):
+    with _recompile_limits():
         out = flex(q, k, v, block_mask=plan, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[:, :, :n]
 

@@ -159,10 +159,14 @@ def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, ranges: Sequence[
             chunks.append([])
         chunks[-1].append(r)
     for chunk in chunks:
-        subs = [lb.rows(r0, r1).to(device) for r0, r1 in chunk]
+        host_subs = [lb.rows(r0, r1) for r0, r1 in chunk]
+        subs = [sub.to(device) for sub in host_subs]
         xs, ropes, plans = [], [], []
-        for sub in subs:
-            x = model.model.embed_tokens(sub.input_ids.cpu()).to(device, non_blocking=True)  # [rows, N, H]
+        for host_sub, sub in zip(host_subs, subs):
+            x = model.model.embed_tokens(host_sub.input_ids.cpu())  # [rows, N, H] on the host (.cpu(): a no-op there)
+            if device.type == "cuda":
+                x = x.pin_memory()  # page-locked: the upload below is an async DMA, not a staged synchronous copy
+            x = x.to(device, non_blocking=True)
             xs.append(x)
             ropes.append(rope_cos_sin(sub.position_ids, cfg.head_dim, cfg.rope_theta, x.dtype))
             plans.append(prepare(sub.layout, sub.input_ids.shape[0], device))
