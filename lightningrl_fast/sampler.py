@@ -1,9 +1,10 @@
 """[rollout] Batched block-diffusion decoding with a static KV cache, folded commits and TPF accounting.
 
 `generate(model, prompts, cfg) -> Rollout` decodes every prompt (REFERENCE §2):
-  * blocks of B tokens are aligned at absolute position 0; one prefill forward writes each prompt's full
-    blocks into the cache; the prompt's tail shares the first generation block, whose other positions
-    start as the mask token;
+  * blocks of B tokens are aligned at absolute position 0; a prefill forward writes each prompt's full
+    blocks into the cache (in row chunks of at most `_PREFILL_TOKENS` prompt positions, so its activations
+    stay bounded); the prompt's tail shares the first generation block, whose other positions start as the
+    mask token;
   * one denoising step = one forward of each row's current block against its cache, then
     `ops.threshold_unmask` (top-1 + threshold, or SDAR's quota rule; greedy / temperature / top-k / top-p);
   * a finished block's clean K/V enter the cache by FOLDING it into the next forward: that row's query
@@ -28,9 +29,11 @@ parameters become views of one storage per group, so the trainer keeps updating 
 decode forward runs two GEMMs for them instead of five.
 
 On CUDA the per-step work (chunk gather -> forward -> unmask -> state update) runs without any host
-synchronization; the "all finished?" test reads one flag every `sync_every` steps. With `cuda_graphs` the
-step is captured once per working-set size and replayed. The random stream is Philox keyed by `seed`
-with a per-step offset, so the same seed gives the same tokens.
+synchronization; the "all finished?" test reads one flag every `sync_every` steps and at the loop's last
+step. `fold_commit=False` is the exception: it reads one flag every step (is any row's separate commit forward
+due?). With `cuda_graphs` the step is captured once per working-set size (on the model's device, current or
+not) and replayed. The random stream is Philox keyed by `seed` with a per-step offset, so the same seed gives
+the same tokens.
 
 The mask token is taken out of the distribution (logit -inf) before picks and confidences, so a position is
 never "unmasked" to it; SDAR's reference `block_diffusion_generate` keeps it in the softmax, so where a model
@@ -55,6 +58,8 @@ from .model import KVCache, SDARForCausalLM
 from .ops.unmask import NOISE_MODES, threshold_unmask
 from .profiling import nvtx_range
 
+_PREFILL_TOKENS = 16384  # prompt positions (rows x longest full-block prefix) per prefill forward
+
 
 @dataclass
 class SamplerConfig:
@@ -71,7 +76,7 @@ class SamplerConfig:
     max_new_tokens: int = 256
     max_length: int | None = None  # cap on prompt + response positions (default: max_position_embeddings)
     eos_ids: tuple[int, ...] = (151645, 151643)
-    fold_commit: bool = True  # fold the finished block's commit into the next forward
+    fold_commit: bool = True  # fold the finished block's commit into the next forward (False: + a host sync a step)
     cuda_graphs: bool = True  # capture the denoising step on CUDA
     sync_every: int = 4  # CUDA: steps between host checks for "all finished"
     compact: bool = True  # shrink the working set once at most half of it is active
@@ -221,7 +226,7 @@ def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int
     hidden = model.hidden_cached(chunk, cache, start.int(), chunk_lens, bs, check_lengths=False)  # [n, 2B, H]
     off = st.pending.long()[:, None] * bs + ar[:bs]  # [n, B] the current block inside the chunk
     h = hidden.gather(1, off[..., None].expand(-1, -1, hidden.shape[-1]))  # [n, B, H]
-    logits = model.lm_head(h)  # [n, B, V]
+    logits = model.decode_logits(h)  # [n, B, V] (ops.linear: the skinny-GEMM kernel when enabled)
     logits[..., model.config.mask_token_id] = float("-inf")  # never "unmask" to the mask token
     st.cache_len.copy_((st.cur_block * bs).int())  # a pending block is committed by this forward
     st.pending.zero_()
@@ -266,29 +271,44 @@ class _GraphedStep:
     """The denoising step captured in a CUDA graph for one working-set size (falls back to eager on failure).
 
     The first call runs eagerly (warm-up and real work); capture then records the step without running it,
-    so the decoding state is never advanced twice. Every graph of one `Decoder` draws on one memory pool:
-    they never run concurrently and keep no output alive between replays (the step updates the decoder's
-    static buffers in place), so the pool holds the largest step's temporaries instead of their sum."""
+    so the decoding state is never advanced twice. Every graph of one `Decoder` draws on one memory pool and
+    is captured on one side stream `stream` (a pool shared between captures wants the same stream): they
+    never run concurrently and keep no output alive between replays (the step updates the decoder's static
+    buffers in place), so the pool holds the largest step's temporaries instead of their sum.
 
-    def __init__(self, fn, pool) -> None:
-        self.fn, self.pool, self.graph, self.failed = fn, pool, None, False
+    Warm-up, capture and replay run with `stream`'s device (the model's) current: a capture on a stream of
+    another device would record none of the step's kernels (they go to the model's device) and run them."""
+
+    def __init__(self, fn, pool, stream: torch.cuda.Stream) -> None:
+        self.fn, self.pool, self.stream, self.graph, self.failed = fn, pool, stream, None, False
+        self.device = stream.device
 
     def __call__(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-            return
-        self.fn()  # the first call runs eagerly: it warms up kernels and allocator, and does real work
-        if self.failed:
-            return
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.fn()
-            self.graph = graph
-        except Exception as e:  # capture can fail when an op without a CUDA kernel needs a host sync
-            self.failed = True
-            warnings.warn(f"CUDA graph capture of the denoising step failed ({type(e).__name__}: {e}); "
-                          "decoding continues eagerly", RuntimeWarning, stacklevel=2)
+        with torch.cuda.device(self.device):
+            if self.graph is not None:
+                self.graph.replay()  # on the device's current stream, where the eager work and host reads go
+                return
+            self.fn()  # the first call runs eagerly: it warms up kernels and allocator, and does real work
+            if self.failed:
+                return
+            prev = torch.cuda.current_stream(self.device)
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                    self.fn()
+                self.graph = graph
+            except Exception as e:  # capture can fail when an op without a CUDA kernel needs a host sync
+                # graph.__exit__ leaves the capture stream current when capture_end raises: restore the old one
+                torch.cuda.set_stream(prev)
+                self.failed = True
+                warnings.warn(f"CUDA graph capture of the denoising step failed ({type(e).__name__}: {e}); "
+                              "decoding continues eagerly", RuntimeWarning, stacklevel=2)
+
+
+def _host_check_every(cfg: SamplerConfig, dev: torch.device) -> int:
+    """Denoising steps between host checks of "all rows finished?" (and compactions): `sync_every` on CUDA,
+    where a check waits for the device; every step on the CPU, where it costs nothing."""
+    return cfg.sync_every if dev.type == "cuda" else 1
 
 
 def _bucket(n: int) -> int:
@@ -326,11 +346,11 @@ class Decoder:
         self._graphs: dict[tuple, _GraphedStep] = {}
         self._eos: dict[tuple, torch.Tensor] = {}  # EOS id tensors the graphs read
         self._weights: tuple = ()
-        self._pool = None
+        self._pool = self._stream = None  # CUDA graphs: their memory pool and capture stream
 
     def release(self) -> None:
         """Free the buffers, the KV cache and the graphs (the next call allocates and captures again)."""
-        self._bufs = self._cache = self._layout = self._pool = None
+        self._bufs = self._cache = self._layout = self._pool = self._stream = None
         self._graphs, self._eos, self._weights = {}, {}, ()
 
     @property
@@ -445,8 +465,19 @@ class Decoder:
         pmax = int(full_blocks.max())
         if pmax > 0:
             with nvtx_range("prefill"):
+                # row chunks of <= _PREFILL_TOKENS positions: on CUDA a forward runs each row over the chunk's
+                # longest prefix, padding included, and its activations are outside _check_memory. Counted as
+                # one forward however many chunks it takes.
                 lens = full_blocks.int().to(dev)
-                model.hidden_cached(st.seq[:, :pmax], cache, st.cache_len, lens, bs, check_lengths=False)
+                per = max(1, _PREFILL_TOKENS // pmax)
+                for r0 in range(0, n0, per):
+                    rows = slice(r0, min(r0 + per, n0))
+                    c = int(full_blocks[rows].max())  # this chunk's longest prefix
+                    if c == 0:
+                        continue  # no row of the chunk has a full prompt block
+                    part = KVCache(cache.k[:, rows], cache.v[:, rows])  # views: each layer's [r, L, Hkv, D] rows
+                    model.hidden_cached(st.seq[rows, :c], part, st.cache_len[rows], lens[rows], bs,
+                                        check_lengths=False)
                 st.cache_len.copy_(lens)
                 st.forwards.add_((lens > 0).long())
                 total_forwards += 1
@@ -454,10 +485,10 @@ class Decoder:
         out = {k: getattr(st, k).clone() for k in ("seq", "step_map", "logp", "conf", "forwards", "steps")}
         use_graphs = cfg.cuda_graphs and dev.type == "cuda"
         if use_graphs and self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
         sig = (bs, cfg.rule, cfg.steps_per_block, cfg.threshold, cfg.temperature, cfg.top_k, cfg.top_p, cfg.noise,
                eos_key)
-        sync_every = cfg.sync_every if dev.type == "cuda" else 1
+        sync_every = _host_check_every(cfg, dev)
         max_steps = ltot + 1  # each active row unmasks >= 1 position per step
         for step_i in range(1, max_steps + 1):
             with nvtx_range("denoise_step"):
@@ -466,7 +497,8 @@ class Decoder:
                     if key not in self._graphs:
                         if len(self._graphs) >= 64:  # many step parameters seen (a threshold sweep): start over
                             self._graphs = {}
-                        self._graphs[key] = _GraphedStep(self._step_fn(st, cache, cfg, bs, eos_ids), self._pool)
+                        self._graphs[key] = _GraphedStep(self._step_fn(st, cache, cfg, bs, eos_ids), self._pool,
+                                                         self._stream)
                     self._graphs[key]()
                 else:
                     _denoise_step(model, st, cache, cfg, bs, eos_ids)
@@ -476,7 +508,7 @@ class Decoder:
                     with nvtx_range("commit"):
                         _commit_step(model, st, cache, bs)
                     total_forwards += 1
-            if step_i % sync_every:
+            if step_i % sync_every and step_i < max_steps:  # the last step always checks
                 continue
             active = ~st.done  # [n]
             n_active = int(active.sum())

@@ -229,6 +229,64 @@ def test_decoder_sees_in_place_weight_updates(model):
     assert not torch.equal(before.logp, after.logp)
 
 
+@pytest.mark.parametrize("fold_commit", [True, False])
+@pytest.mark.parametrize("bs,new,sync_every,prompts", [(4, 7, 16, [[17], [23, 41]]), (2, 5, 4, [[17]]),
+                                                        (4, 6, 8, [[17], [23, 41, 5]])])
+def test_host_check_at_the_last_step(model, monkeypatch, bs, new, sync_every, prompts, fold_commit):
+    """CUDA checks "all finished?" every `sync_every` steps; decoding that ends after the last multiple of it
+    below the step limit must still be seen as finished (it raised "did not finish"). Forced here on the CPU,
+    which otherwise checks every step; tau 1.0 unmasks one token per step, so the last step is needed."""
+    import lightningrl_fast.sampler as sampler
+
+    cfg = SamplerConfig(block_size=bs, threshold=1.0, temperature=0, max_new_tokens=new, eos_ids=(0,),
+                        sync_every=sync_every, fold_commit=fold_commit)
+    want = generate(model, prompts, cfg)  # the CPU's check every step
+    max_steps = want.sequences.shape[1] + 1  # the decoder's step limit: Ltot + 1
+    steps = int(want.seq_step_map.max()) + 1
+    assert not want.eos_found.any() and steps > max_steps // sync_every * sync_every  # the case of the bug
+    monkeypatch.setattr(sampler, "_host_check_every", lambda cfg, dev: cfg.sync_every)
+    got = generate(model, prompts, cfg)
+    assert_same_rollout(got, dataclasses.replace(want, total_forwards=got.total_forwards))
+    assert got.total_forwards > want.total_forwards  # the steps run after every row finished, before the check
+
+
+def test_prefill_in_row_chunks_equals_one_forward(model, monkeypatch):
+    """The prefill runs in row chunks of at most `_PREFILL_TOKENS` positions (bounded activations on CUDA)
+    and writes the same cache as one forward over every row: the decodes are identical."""
+    import contextlib
+
+    import lightningrl_fast.sampler as sampler
+
+    prompts = prompts_of([13, 2, 5, 9, 1, 14, 6, 12, 3, 8], seed=9)  # full blocks 12, 0, 4, 8, 0, 12, 4, ...
+    cfg = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=15, eos_ids=(EOS,))
+    sampled = dataclasses.replace(cfg, temperature=1.0, threshold=0.6, seed=2)
+    ranges, shapes = [], []
+    real_range, real_hidden = sampler.nvtx_range, model.hidden_cached
+
+    @contextlib.contextmanager
+    def named(name):
+        ranges.append(name)
+        with real_range(name):
+            yield
+        ranges.pop()
+
+    def spy(input_ids, *args, **kwargs):
+        if ranges and ranges[-1] == "prefill":
+            shapes.append(tuple(input_ids.shape))
+        return real_hidden(input_ids, *args, **kwargs)
+
+    want = [generate(model, prompts, c) for c in (cfg, sampled)]  # the default: one prefill forward
+    monkeypatch.setattr(sampler, "nvtx_range", named)
+    monkeypatch.setattr(model, "hidden_cached", spy)
+    for limit in (1, 24, 40):
+        monkeypatch.setattr(sampler, "_PREFILL_TOKENS", limit)
+        for c, w in zip((cfg, sampled), want):
+            shapes.clear()
+            assert_same_rollout(generate(model, prompts, c), w)
+            assert len(shapes) > 1 and all(r * n <= max(limit, 12) for r, n in shapes), shapes
+            assert sum(r for r, _ in shapes) <= len(prompts)
+
+
 def test_bad_requests(model):
     cfg = SamplerConfig(temperature=0, max_new_tokens=8, eos_ids=(EOS,))
     with pytest.raises(ValueError, match="prompt 1 is empty"):
@@ -378,6 +436,27 @@ def test_gpu_decoder_replays_its_graphs_across_calls(model):
     m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
     assert_same_rollout(dec.generate(prompts, cfg), generate(m, prompts, eager))
     assert not any(dec._graphs.get(k) is g for k, g in graphs.items())  # stale graphs were dropped
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_on_a_device_that_is_not_the_current_one(model):
+    """A model on cuda:1 while cuda:0 is current: the step is captured on cuda:1 (a capture on the current
+    device's stream recorded none of its kernels and ran them) and replays the eager tokens; the current
+    device and cuda:1's current stream are as they were."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    m = _on_cuda(model, torch.bfloat16).to("cuda:1")
+    prompts = prompts_of([1, 3, 4, 5, 9, 12, 2, 7], seed=16)
+    cfg = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=22, eos_ids=(EOS,), cuda_graphs=True)
+    with torch.cuda.device(0):
+        dec = Decoder(m)
+        a = dec.generate(prompts, cfg)
+        assert dec._graphs and all(g.graph is not None and not g.failed for g in dec._graphs.values())
+        assert torch.cuda.current_device() == 0
+        assert torch.cuda.current_stream(1) == torch.cuda.default_stream(1)
+        b = generate(m, prompts, dataclasses.replace(cfg, cuda_graphs=False))
+        assert_same_rollout(a, b)
+        assert_same_rollout(dec.generate(prompts, cfg), b)  # replayed
 
 
 @pytest.mark.gpu
