@@ -6,8 +6,8 @@
 // split-K partials are reduced through the cluster's shared memory), so the launch can be captured in a CUDA
 // graph and two launches on two streams never share state.
 //
-// Launch: linear_plan (kernels/linear.cuh) picks the feature tile and the cluster size from the device's SM
-// count; the kernel goes through cudaLaunchKernelEx with the cluster dimension (sm_90+; 1 before) and, when
+// Launch: linear_plan (kernels/linear.cuh) picks the feature tile and the cluster size from the CTAs the device
+// can hold at once per cluster size (occupancy API, read once); the kernel goes through cudaLaunchKernelEx with the cluster dimension (sm_90+; 1 before) and, when
 // asked (`pdl`), programmatic stream serialization. If the driver refuses the attributes the launch falls back
 // to one CTA per cluster and no PDL (the same result).
 #include <c10/cuda/CUDAException.h>
@@ -29,29 +29,51 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
-struct DeviceFacts {
-  int sms;
-  int max_cluster;
-};
-
-// SM count and cluster support of `device`, read once per device.
-DeviceFacts device_facts(int device) {
-  static std::array<std::atomic<int>, kMaxDevices> sms_cache{};
-  static std::array<std::atomic<int>, kMaxDevices> cluster_cache{};
-  if (device >= 0 && device < kMaxDevices) {
-    const int s = sms_cache[device].load(std::memory_order_relaxed);
-    if (s > 0) return {s, cluster_cache[device].load(std::memory_order_relaxed)};
+// slots[i] of kernels::linear_plan for linear_kernel<T, NT> on `device`: CTAs resident at once with clusters of
+// 2^i CTAs, from the occupancy API (cudaOccupancyMaxActiveClusters knows which clusters fit in the GPCs);
+// cluster sizes the device cannot launch (before sm_90, or refused) get 0. Read once per device and kernel.
+template <typename T, int NT>
+void plan_slots(int device, int64_t (&slots)[4]) {
+  static std::array<std::array<std::atomic<int64_t>, 4>, kMaxDevices> cache{};  // value + 1; 0 = not read yet
+  const bool cached = device >= 0 && device < kMaxDevices;
+  if (cached && cache[device][0].load(std::memory_order_acquire) > 0) {
+    for (int i = 0; i < 4; ++i) slots[i] = cache[device][i].load(std::memory_order_relaxed) - 1;
+    return;
   }
-  int sms = 0, major = 0, cluster_ok = 0;
+  const auto kernel = kernels::linear_kernel<T, NT>;
+  const int smem = kernels::linear_smem_bytes(NT);
+  int sms = 0, major = 0, cluster_ok = 0, per_sm = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&cluster_ok, cudaDevAttrClusterLaunch, device));
-  const DeviceFacts f{sms > 0 ? sms : 1, major >= 9 && cluster_ok ? kernels::kLinearMaxCluster : 1};
-  if (device >= 0 && device < kMaxDevices) {
-    cluster_cache[device].store(f.max_cluster, std::memory_order_relaxed);
-    sms_cache[device].store(f.sms, std::memory_order_relaxed);
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kernels::kLinearThreads, smem));
+  slots[0] = int64_t(sms) * (per_sm > 0 ? per_sm : 1);
+  for (int i = 1; i < 4; ++i) {
+    slots[i] = 0;
+    if (major < 9 || !cluster_ok) continue;
+    const unsigned cl = 1u << i;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(cl);
+    cfg.blockDim = dim3(kernels::kLinearThreads);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = cl;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess) {
+      slots[i] = int64_t(clusters) * cl;
+    } else {
+      (void)cudaGetLastError();  // that size cannot launch: leave it out of the plan
+    }
   }
-  return f;
+  if (cached) {
+    for (int i = 1; i < 4; ++i) cache[device][i].store(slots[i] + 1, std::memory_order_relaxed);
+    cache[device][0].store(slots[0] + 1, std::memory_order_release);
+  }
 }
 
 template <typename T, int NT>
@@ -93,12 +115,21 @@ void launch(kernels::LinearParams p, const kernels::LinearPlan& plan, cudaStream
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <typename T, int NT>
+void plan_and_launch(const kernels::LinearParams& p, int device, cudaStream_t stream) {
+  int64_t slots[4];
+  plan_slots<T, NT>(device, slots);
+  const kernels::LinearPlan plan = kernels::linear_plan(p.n, p.k, slots);
+  LRF_CHECK(plan.ctas <= std::numeric_limits<int32_t>::max(), "linear kernel: N too large for one grid: ", p.n);
+  launch<T, NT>(p, plan, stream);
+}
+
 template <typename T>
-void dispatch_tokens(const kernels::LinearParams& p, const kernels::LinearPlan& plan, cudaStream_t stream) {
-  if (p.m <= 8) launch<T, 1>(p, plan, stream);
-  else if (p.m <= 16) launch<T, 2>(p, plan, stream);
-  else if (p.m <= 32) launch<T, 4>(p, plan, stream);
-  else launch<T, 8>(p, plan, stream);
+void dispatch_tokens(const kernels::LinearParams& p, int device, cudaStream_t stream) {
+  if (p.m <= 8) plan_and_launch<T, 1>(p, device, stream);
+  else if (p.m <= 16) plan_and_launch<T, 2>(p, device, stream);
+  else if (p.m <= 32) plan_and_launch<T, 4>(p, device, stream);
+  else plan_and_launch<T, 8>(p, device, stream);
 }
 
 }  // namespace
@@ -139,13 +170,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, bool pdl) {
   p.x_stride = m == 1 ? k : x.stride(0);
   p.w_stride = n == 1 ? k : weight.stride(0);
   p.pdl = pdl ? 1 : 0;
-  const DeviceFacts facts = device_facts(x.get_device());
-  const kernels::LinearPlan plan = kernels::linear_plan(n, k, facts.sms, facts.max_cluster);
-  LRF_CHECK(plan.ctas <= std::numeric_limits<int32_t>::max(), "linear kernel: N too large for one grid: ", n);
   if (x.scalar_type() == at::kBFloat16) {
-    dispatch_tokens<kernels::Bf16>(p, plan, stream);
+    dispatch_tokens<kernels::Bf16>(p, x.get_device(), stream);
   } else {
-    dispatch_tokens<kernels::Fp16>(p, plan, stream);
+    dispatch_tokens<kernels::Fp16>(p, x.get_device(), stream);
   }
   return y;
 }

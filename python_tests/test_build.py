@@ -126,4 +126,6 @@ def test_tensor_core_kernels_sass_has_the_intended_instructions():
     for n, body in lin.items():
         assert "LDG.E.NA.LTC256B.128.CONSTANT" in body and "HMMA.16816.F32" in body, n
         assert "ACQBULK" in body and "UCGABAR_ARV" in body and "UCGABAR_WAIT" in body, n
+        # the PDL prefetch: weight loads are issued before griddepcontrol.wait (ptxas hoists a wait it may)
+        assert body.index("LDG.E.NA.LTC256B.128.CONSTANT") < body.index("ACQBULK"), n
         assert "LDL" not in body and "STL" not in body, f"{n} uses local memory"

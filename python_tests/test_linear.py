@@ -137,6 +137,8 @@ EMU_CASES = [
     ("bf16", 33, 40, 264, 272, 1, 8),  # NT = 8 (33 tokens), kw = 8 per CTA x 8 CTAs > chunks: idle warps
     ("fp16", 32, 48, 96, None, 2, 2),  # NT = 4 exactly full
     ("bf16", 64, 257, 512, None, 8, 4),  # the largest token count, odd N across tiles
+    ("bf16", 3, 40, 1000, None, 8, 1),  # 32 chunks per warp (the last partial): 8 prefetched groups of 4
+    ("fp16", 40, 20, 640, 648, 2, 1),  # NT = 8 (no prefetch): groups of 2, 2 and 1 chunks per warp
 ]
 
 
@@ -168,11 +170,11 @@ def test_emulated_plans_agree_with_each_other(emulator, tmp_path):
 @pytest.mark.parametrize(
     "n,k,sms,max_cluster,want",
     [
-        (4096, 4096, 132, 8, (8, 8, 256)),  # o_proj of SDAR-8B: 32 tiles x 8
-        (6144, 4096, 132, 8, (8, 8, 384)),  # packed q/k/v
-        (24576, 4096, 132, 8, (8, 2, 384)),  # packed gate/up
+        (4096, 4096, 132, 8, (8, 8, 256)),  # o_proj of SDAR-8B: 32 tiles x 8 = 97% of one wave of 264 slots
+        (6144, 4096, 132, 8, (4, 8, 768)),  # packed q/k/v: F = 128 gives 1.45 waves at best; F = 64: 2.9 of 3
+        (24576, 4096, 132, 8, (8, 4, 768)),  # packed gate/up: 2.9 of 3 waves
         (4096, 12288, 132, 8, (8, 8, 256)),  # down_proj
-        (151936, 4096, 132, 8, (8, 1, 1187)),  # lm_head: enough tiles, no split
+        (151936, 4096, 132, 8, (8, 2, 2374)),  # lm_head: no split = 4.5 waves (89.9%), split 2 = 8.99 of 9
         (4096, 4096, 132, 1, (1, 1, 256)),  # no clusters (pre-sm_90): narrow tiles instead
         (111, 120, 132, 8, (1, 1, 7)),  # tiny: the most CTAs
     ],

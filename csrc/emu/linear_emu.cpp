@@ -8,7 +8,8 @@
 //     OUT: y [m, n] (16-bit), as the launcher would leave it. Every CTA cluster runs as one emulated CTA
 //     (run_cluster), its threads interleaved at random from the seed. y starts as poison (0xFFFF) with guard
 //     elements after it; the driver fails if a guard changed.
-//   linear_emu plan N K SMS MAX_CLUSTER   -> prints "fw cluster ctas" of linear_plan(...)
+//   linear_emu plan N K SMS MAX_CLUSTER   -> prints "fw cluster ctas" of linear_plan(...) on an ideal GPU
+//                                           (SMS x 2 slots for every cluster size up to MAX_CLUSTER)
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -57,7 +58,9 @@ void run(const LinearParams& p, uint32_t seed) {
 
 int main(int argc, char** argv) {
   if (argc == 6 && std::string(argv[1]) == "plan") {
-    const LinearPlan pl = linear_plan(std::atoll(argv[2]), std::atoll(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]));
+    int64_t slots[4];
+    linear_ideal_slots(std::atoi(argv[4]), std::atoi(argv[5]), slots);
+    const LinearPlan pl = linear_plan(std::atoll(argv[2]), std::atoll(argv[3]), slots);
     std::printf("%d %d %lld\n", pl.fw, pl.cluster, static_cast<long long>(pl.ctas));
     return 0;
   }

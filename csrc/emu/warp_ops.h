@@ -47,6 +47,7 @@ inline constexpr char kMma[] = "mma.m16n8k16";
 inline constexpr char kShfl[] = "shfl.xor";
 inline constexpr char kBlockSync[] = "block_sync";
 inline constexpr char kClusterSync[] = "barrier.cluster";
+inline constexpr char kClusterSyncRelaxed[] = "barrier.cluster.relaxed";
 inline constexpr char kSyncWarp[] = "bar.warp.sync";
 inline constexpr char kWgmmaFence[] = "wgmma.fence";
 inline constexpr char kWgmma[] = "wgmma.mma_async";
@@ -491,6 +492,7 @@ inline int cluster_ctarank() {
   return emu::tid() / s.cta_threads;
 }
 inline void cluster_sync() { emu::block_barrier(emu::kClusterSync); }
+inline void cluster_sync_relaxed() { emu::block_barrier(emu::kClusterSyncRelaxed); }
 inline const float* cluster_map(const float* p, int rank) {
   const emu::WarpOpsState& s = emu::warp_ops_state();
   if (rank < 0 || rank >= s.cluster_ctas) emu::fail("cluster_map: rank outside the cluster");

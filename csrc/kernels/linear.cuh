@@ -13,7 +13,8 @@
 //    warps along K. Its warps read the same x slices, so x comes from L1 after the first warp: x costs
 //    M / F of W's bytes in L2 traffic.
 //  * A cluster of `cluster` CTAs (1..8, sm_90 thread-block clusters) splits K further. The grid is
-//    ceil(N / F) * cluster CTAs; the launcher's plan (linear_plan) picks the widest F that still fills the GPU.
+//    ceil(N / F) * cluster CTAs; the launcher's plan (linear_plan) picks the widest F that still fills whole
+//    waves of the GPU.
 // K is walked in chunks of 32 (two mma k-steps). Lane (g, c) = (lane / 4, lane % 4) loads, per chunk, 16
 // contiguous bytes at column 8c of W rows f0+g and f0+g+8 and of x rows 8j+g. Those registers ARE the mma
 // fragments: the sum over K does not depend on the order of k, so k is permuted within the chunk the same way
@@ -67,35 +68,60 @@ struct LinearPlan {
   int64_t ctas;
 };
 
-// The launch shape for n features and k inputs on `num_sms` SMs (2 CTAs resident per SM): the widest feature
-// tile (least x traffic) whose grid reaches 90% of one wave, splitting K over at most `max_cluster` CTAs, with
-// at least one 32-column chunk per warp; when no shape reaches it (small n and k), the one with the most CTAs.
-inline LinearPlan linear_plan(int64_t n, int64_t k, int num_sms, int max_cluster) {
+// Index of cluster size cl (1, 2, 4, 8) in a per-cluster-size table.
+constexpr int linear_cluster_index(int cl) { return cl >= 8 ? 3 : cl >= 4 ? 2 : cl >= 2 ? 1 : 0; }
+
+// The launch shape for n features and k inputs. slots[i]: CTAs resident at once with clusters of 2^i CTAs (the
+// launcher asks cudaOccupancyMaxActiveClusters: a cluster must fit in one GPC, so on a GPU whose GPCs have SM
+// counts that are not multiples of the cluster's footprint fewer than SMs x 2 slots are usable); 0 = that size
+// cannot launch. A grid of `ctas` runs in ceil(ctas / slots) waves, the last one possibly partial: its
+// efficiency is ctas / (waves x slots) (a partial last wave has fewer weight bytes in flight). The plan is the
+// widest feature tile (least x traffic) whose best cluster size reaches 90% efficiency, with at least one
+// 32-column chunk per warp; when none does (small n and k), the most efficient shape, the widest on ties.
+inline LinearPlan linear_plan(int64_t n, int64_t k, const int64_t (&slots)[4]) {
   const int64_t chunks = (k + kLinearChunk - 1) / kLinearChunk;
-  const int64_t want = (int64_t(num_sms) * 2 * 9 + 9) / 10;
   LinearPlan best{1, 1, (n + 15) / 16};
-  int64_t best_fill = -1;
+  double best_eff = -1.0;
   for (int fw = kLinearWarps; fw >= 1; fw /= 2) {
     const int64_t tiles = (n + 16 * fw - 1) / (16 * fw);
     const int kw = kLinearWarps / fw;
-    for (int cl = 1; cl <= max_cluster; cl *= 2) {
-      if (cl > 1 && chunks < int64_t(cl) * kw) break;
+    LinearPlan mine{fw, 1, tiles};
+    double mine_eff = -1.0;
+    for (int cl = 1; cl <= kLinearMaxCluster; cl *= 2) {
+      const int64_t sl = slots[linear_cluster_index(cl)];
+      if (sl <= 0 || (cl > 1 && chunks < int64_t(cl) * kw)) continue;
       const int64_t ctas = tiles * cl;
-      const int64_t fill = ctas < want ? ctas : want;
-      if (fill > best_fill) best = LinearPlan{fw, cl, ctas}, best_fill = fill;
-      if (ctas >= want) break;
+      const int64_t waves = (ctas + sl - 1) / sl;
+      const double eff = double(ctas) / double(waves * sl);
+      if (eff > mine_eff + 1e-9) mine = LinearPlan{fw, cl, ctas}, mine_eff = eff;
     }
-    if (best_fill >= want) break;
+    if (mine_eff >= 0.9) return mine;
+    if (mine_eff > best_eff + 1e-9) best = mine, best_eff = mine_eff;
   }
   return best;
 }
 
-// A warp's W chunks in flight: 8 (256 bytes per thread) up to 16 tokens, 4 at 32, 2 at 64: the accumulators
-// and x fragments need the registers (2 CTAs of 256 threads per SM leave 128 per thread; more spills, ptxas). Even 2
-// keep 32 KB of weights in flight per SM, above the ~25 KB per SM that H100's bandwidth-latency product asks.
+// Slots of an ideal GPU of `num_sms` SMs, 2 CTAs each, clusters up to `max_cluster` anywhere (tests, emulator).
+inline void linear_ideal_slots(int num_sms, int max_cluster, int64_t (&slots)[4]) {
+  for (int i = 0; i < 4; ++i) slots[i] = (1 << i) <= max_cluster ? int64_t(num_sms) * 2 : 0;
+}
+
+// W chunks a warp loads per group: 4 (128 bytes per thread) up to 16 tokens, 2 at 32 and 64 tokens. Up to 32
+// tokens the loop keeps two groups in registers (the next group's loads are issued before the current group's
+// math), so a warp always has one to two groups in flight; more spills at 128 registers (2 CTAs of 256 threads
+// per SM).
+// In flight per SM: 16 warps x 4-8 KB, above the ~25 KB per SM that H100's bandwidth-latency product asks.
 template <int NT>
 constexpr int linear_unroll() {
-  return NT >= 8 ? 2 : NT >= 4 ? 4 : 8;
+  return NT >= 8 ? 2 : NT >= 4 ? 2 : 4;
+}
+
+// Whether the next group is loaded before the current group's math (two groups in registers). At 64 tokens
+// the accumulators leave no room (ptxas spills even with one chunk per group): one group of 2 chunks, loaded
+// after the math of the previous one (the x loads of 64 tokens keep the warp's memory pipe busy meanwhile).
+template <int NT>
+constexpr bool linear_prefetch() {
+  return NT < 8;
 }
 
 // Shared memory of one CTA: the partial tiles of its 8 warps, [kw][8 NT tokens][F features] fp32.
@@ -127,9 +153,8 @@ LRF_DEVICE void linear_cta(const LinearParams& p, int64_t block, int tid, float*
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
 
-  bool waited = false;
-  for (int64_t ch = lo; ch < hi; ch += U) {
-    U128 wl[U], wh[U];
+  // Group loads: U chunks of W rows f0+g and f0+g+8 from chunk ch (zeros past `hi`, the last column or N).
+  auto load_group = [&](int64_t ch, U128 (&wl)[U], U128 (&wh)[U]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t kk = (ch + u) * kLinearChunk;
@@ -137,7 +162,17 @@ LRF_DEVICE void linear_cta(const LinearParams& p, int64_t block, int tid, float*
       wl[u] = in && v_lo ? ld_stream_16(w_lo + kk) : zero;
       wh[u] = in && v_hi ? ld_stream_16(w_hi + kk) : zero;
     }
-    if (!waited) {  // x is the previous kernel's output (a no-op without programmatic serialization)
+  };
+  U128 wl[U], wh[U];
+  load_group(lo, wl, wh);
+  // griddepcontrol.wait (x is the previous kernel's output; a no-op without programmatic serialization) is
+  // issued inside the first iteration, after the first groups' loads: ptxas hoists a wait that sits in
+  // straight-line code above every load (moving it earlier is always legal), which loses the PDL prefetch.
+  bool waited = false;
+  for (int64_t ch = lo; ch < hi; ch += U) {
+    U128 nl[U], nh[U];
+    if constexpr (linear_prefetch<NT>()) load_group(ch + U, nl, nh);  // streams in while this group is multiplied
+    if (!waited) {
       griddep_wait();
       waited = true;
     }
@@ -158,8 +193,14 @@ LRF_DEVICE void linear_cta(const LinearParams& p, int64_t block, int tid, float*
         mma_16816<T>(acc[j], a1, xv.z, xv.w);
       }
     }
+    if constexpr (linear_prefetch<NT>()) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) wl[u] = nl[u], wh[u] = nh[u];
+    } else if (ch + U < hi) {
+      load_group(ch + U, wl, wh);
+    }
   }
-  if (!waited) griddep_wait();  // nothing is written before the previous kernel is complete
+  if (!waited) griddep_wait();  // a warp without chunks: nothing is written before the previous kernel is done
 
   // The warp's partial tile: acc[j] = (feature g | g + 8, tokens 8j + 2c, 8j + 2c + 1).
   float* mine = part + size_t(kwarp) * MP * F + 16 * fwarp;
@@ -178,9 +219,9 @@ LRF_DEVICE void linear_cta(const LinearParams& p, int64_t block, int tid, float*
   // K slices in order: rank 0's kw warps, then rank 1's, ...
   uint16_t* Y = static_cast<uint16_t*>(p.y);
   const int pairs = F / 2;
-  const int64_t total = int64_t(p.m) * pairs;
-  for (int64_t e = int64_t(rank) * kLinearThreads + tid; e < total; e += int64_t(p.cluster) * kLinearThreads) {
-    const int t = static_cast<int>(e / pairs), f = 2 * static_cast<int>(e % pairs);
+  const int total = p.m * pairs;  // <= 64 x 64
+  for (int e = rank * kLinearThreads + tid; e < total; e += p.cluster * kLinearThreads) {
+    const int t = e / pairs, f = 2 * (e % pairs);
     const int64_t col = tile * F + f;
     if (col >= p.n) continue;
     float s0 = 0.0f, s1 = 0.0f;
@@ -204,7 +245,7 @@ LRF_DEVICE void linear_cta(const LinearParams& p, int64_t block, int tid, float*
   }
   if (p.cluster > 1) {
     warp_sync();
-    cluster_sync();  // no CTA exits while another still reads its shared memory
+    cluster_sync_relaxed();  // no CTA exits while another still reads its shared memory (nothing to publish)
   }
 }
 

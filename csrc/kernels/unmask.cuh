@@ -276,7 +276,10 @@ struct ScanState {
 __device__ __forceinline__ void merge_sum(float& m, float& sum, float m_o, float sum_o, float c2) {
   const float mn = fmaxf(m, m_o);
   const float mu = mn == -INFINITY ? 0.f : mn;
-  sum = sum * ex2_approx((m - mu) * c2) + sum_o * ex2_approx((m_o - mu) * c2);
+  // _rn intrinsics: never contracted into an FMA, so the merge is commutative bit for bit (a fused
+  // a*b + round(c*d) is not: the lanes of a butterfly would end with different sums, and which lane's sum a
+  // two-level bucket pick uses depends on the launch's split) and the device matches the emulator
+  sum = __fadd_rn(__fmul_rn(sum, ex2_approx((m - mu) * c2)), __fmul_rn(sum_o, ex2_approx((m_o - mu) * c2)));
   m = mn;
 }
 
@@ -888,7 +891,10 @@ __global__ void __launch_bounds__(kUnmaskThreads, kMode == kPickToken ? 3 : 4)
         __threadfence();
         const int arrived = atomicAdd(p.row_counters + row, 1);
         sh.is_last = arrived == p.nsplit - 1;
-        if (sh.is_last) p.row_counters[row] = 0;  // every CTA of the row has arrived
+        if (sh.is_last) {
+          p.row_counters[row] = 0;  // every CTA of the row has arrived
+          __threadfence();  // acquire in the observing thread too, before the barrier (the grid.sync ordering)
+        }
       }
       __syncthreads();
       if (!sh.is_last) return;
@@ -903,6 +909,7 @@ __global__ void __launch_bounds__(kUnmaskThreads, kMode == kPickToken ? 3 : 4)
     __threadfence();  // this CTA's partial is visible device-wide before it is counted
     const int arrived = atomicAdd(p.counters + b, 1);
     sh.is_last = arrived == (kMode == kPickBucket ? S : S * p.nsplit) - 1;
+    if (sh.is_last) __threadfence();  // acquire in the observing thread too, before the barrier
   }
   __syncthreads();
   if (!sh.is_last) return;

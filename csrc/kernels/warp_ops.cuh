@@ -210,8 +210,17 @@ LRF_DEVICE void block_sync() { __syncthreads(); }
 // Programmatic dependent launch (sm_90): the primary grid lets its dependent grid launch early; the
 // dependent grid waits until the primary grids have completed and their memory is visible. Both are no-ops
 // when the launch did not ask for programmatic serialization.
-LRF_DEVICE void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-LRF_DEVICE void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+// (sm_90+ instructions: no-ops in code compiled for older GPUs, which have no programmatic dependent launch)
+LRF_DEVICE void griddep_launch_dependents() {
+#if !defined(__CUDA_ARCH__) || (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+LRF_DEVICE void griddep_wait() {
+#if !defined(__CUDA_ARCH__) || (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 
 // 2^x, approximate (ex2.approx.ftz: ~2 ulp); 2^-inf = +0.
 LRF_DEVICE float fast_exp2(float x) {
@@ -226,10 +235,11 @@ LRF_DEVICE U128 ld_global_16(const void* p) { return *static_cast<const U128*>(p
 LRF_DEVICE void st_global_16(void* p, U128 v) { *static_cast<U128*>(p) = v; }
 
 // 16 bytes of data read once per launch (GEMM weights): read-only path, no L1 allocation, 256-byte L2
-// prefetch. Not volatile: the compiler may schedule it freely (nothing writes the weights during a launch).
+// prefetch. Volatile: issued where the code puts it, in particular before a griddepcontrol.wait that follows
+// (a non-volatile asm was moved below it, losing the PDL prefetch).
 LRF_DEVICE U128 ld_stream_16(const void* p) {
   U128 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;
@@ -262,6 +272,12 @@ LRF_DEVICE int cluster_ctarank() {
 }
 LRF_DEVICE void cluster_sync() {
   LRF_CLUSTER_OP(asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" :::
+                              "memory"));
+}
+// The same barrier without release / acquire: for a barrier that only keeps shared memory alive (the reads of
+// other CTAs' shared memory it waits for have completed: their values were used before it).
+LRF_DEVICE void cluster_sync_relaxed() {
+  LRF_CLUSTER_OP(asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" :::
                               "memory"));
 }
 LRF_DEVICE const float* cluster_map(const float* p, int rank) {
