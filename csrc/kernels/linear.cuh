@@ -20,7 +20,7 @@
 // fragments: the sum over K does not depend on the order of k, so k is permuted within the chunk the same way
 // for A and B (chunk column 8c + 4s + e plays k-step s's logical k 2c + e, and 8c + 4s + 2 + e plays 8 + 2c +
 // e). No shared memory and no shuffles in the main loop; W is read with streaming loads (no L1 allocation,
-// 256-byte L2 prefetch), U chunks (8, 4 or 2 as NT grows) in flight per warp.
+// 256-byte L2 prefetch), in groups of U chunks (linear_unroll), the next group in flight while one is multiplied.
 //
 // Reduction: each warp stores its 16 x 8NT fp32 partial tile in its CTA's shared memory; after a cluster barrier
 // the cluster's threads sum, for each output, the partials of every K slice in one fixed order (rank, then K
@@ -28,11 +28,11 @@
 // bits whatever the scheduling (no atomics). A second cluster barrier keeps every CTA's shared memory alive until
 // all reads of it are done.
 //
-// Programmatic dependent launch (p.pdl): the first U chunks of W are loaded before griddepcontrol.wait, so when
+// Programmatic dependent launch (p.pdl): the first groups of W are loaded before griddepcontrol.wait, so when
 // the kernel before this one on the stream lets it launch early, the weight stream starts while that kernel
 // drains. Only reads of W come before the wait: x (written by that kernel) and y (its memory may be a block the
-// caching allocator freed after that kernel read it) come after. Contract: W must not be written by the kernel
-// launched just before this one.
+// caching allocator freed after that kernel read it) come after. Contract: W must not be written by any grid
+// that may still run when this one starts (with PDL: the kernel launched just before this one).
 //
 // Numerics: fp32 products and sums (mma), rounded once to T at the end, like cuBLAS; the order of the sum
 // differs from torch's, so results agree with it to fp32 rounding before the final rounding.
