@@ -10,9 +10,10 @@
 //   t = fl_T(x * rsqrt(sum(x^2) * (1 / N) + eps))   in fp32, rounded to the storage type T,
 //   y = fl_T(w * t)                                  (T x T products are computed in fp32 and rounded),
 //   rope: out_i = fl_T(fl_T(y_i * cos_i) + fl_T(r_i * sin_i)),  r = (-y[D/2:], y[:D/2]).
-// Products and sums are written __fmul_rn / __fadd_rn so that no FMA contraction changes a rounding. Only the
-// fp32 sum's order differs from torch's reduction, so a result can differ from eager by one unit of T's last
-// place where t lands on a rounding boundary.
+// The products and sums that feed a rounding to T are written __fmul_rn / __fadd_rn, so no FMA contraction
+// changes those. The sum of squares and `total * (1 / N) + eps` are plain fp32 (the device fuses them into FMAs,
+// the emulator does not) and the sum's order differs from torch's reduction, so a result can differ from eager
+// by one unit of T's last place where t lands on a rounding boundary.
 //
 //   rms_norm_kernel:      one CTA of kRmsThreads per row of N, 16-byte vectors held in registers (one read).
 //                         With kAdd it first adds a residual row, s = fl_T(x + r) (the eager `x + r`), writes
@@ -118,21 +119,29 @@ __global__ void __launch_bounds__(kRmsThreads) rms_norm_kernel(const RmsNormPara
   S* yr = static_cast<S*>(p.y) + row * int64_t(p.n);
   const int nvec = p.n / kPer;
 
-  // one read: this thread's vectors v = tid + k * kRmsThreads stay in registers (nvec <= kRmsMaxVecs * threads)
+  // one read: this thread's vectors v = tid + k * kRmsThreads stay in registers (nvec <= kRmsMaxVecs * threads);
+  // every load of the row is issued before the first store (the stores of the sum may alias nothing, but the
+  // compiler cannot know that: without the split each vector's loads waited for the previous vector's store)
   float x[kRmsMaxVecs][kPer];
   float ss = 0.f;
+  uint4 xraw[kRmsMaxVecs], rraw[kRmsMaxVecs];
 #pragma unroll
   for (int k = 0; k < kRmsMaxVecs; ++k) {
     const int v = tid + k * kRmsThreads;
     if (v < nvec) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(xr + int64_t(v) * kPer);
+      xraw[k] = *reinterpret_cast<const uint4*>(xr + int64_t(v) * kPer);
+      if constexpr (kAdd) rraw[k] = *reinterpret_cast<const uint4*>(static_cast<const S*>(p.residual) + row * p.r_stride + int64_t(v) * kPer);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kRmsMaxVecs; ++k) {
+    const int v = tid + k * kRmsThreads;
+    if (v < nvec) {
       S e[kPer];
-      memcpy(e, &raw, 16);  // (not a pointer cast: strict aliasing, which the host-compiled emulator enforces)
+      memcpy(e, &xraw[k], 16);
       if constexpr (kAdd) {
-        const S* rr = static_cast<const S*>(p.residual) + row * p.r_stride;
-        const uint4 rraw = *reinterpret_cast<const uint4*>(rr + int64_t(v) * kPer);
         S re[kPer];
-        memcpy(re, &rraw, 16);
+        memcpy(re, &rraw[k], 16);
 #pragma unroll
         for (int j = 0; j < kPer; ++j) C::store(e + j, __fadd_rn(C::load(e + j), C::load(re + j)));
         uint4 sraw;
@@ -146,6 +155,12 @@ __global__ void __launch_bounds__(kRmsThreads) rms_norm_kernel(const RmsNormPara
       }
     }
   }
+  uint4 wr[kRmsMaxVecs];  // the weight's vectors, fetched while the block reduces
+#pragma unroll
+  for (int k = 0; k < kRmsMaxVecs; ++k) {
+    const int v = tid + k * kRmsThreads;
+    if (v < nvec) wr[k] = *reinterpret_cast<const uint4*>(w + int64_t(v) * kPer);
+  }
   ss = warp_sum(ss);
   if (lane == 0) partial[warp] = ss;
   __syncthreads();
@@ -158,7 +173,7 @@ __global__ void __launch_bounds__(kRmsThreads) rms_norm_kernel(const RmsNormPara
   for (int k = 0; k < kRmsMaxVecs; ++k) {
     const int v = tid + k * kRmsThreads;
     if (v < nvec) {
-      const uint4 wraw = *reinterpret_cast<const uint4*>(w + int64_t(v) * kPer);
+      const uint4 wraw = wr[k];
       S we[kPer], oe[kPer];
       memcpy(we, &wraw, 16);
 #pragma unroll
@@ -207,29 +222,38 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qk_norm_rope_kernel(const QkN
   const S* sn = static_cast<const S*>(p.sin) + bn * D;
   S* yv = static_cast<S*>(p.y) + vec * D;
 
-  float x[E];
-  float ss = 0.f;
+  // every load first (x, weight, cos, sin), then the math, then the stores: a load after a store waits for it
+  // (the compiler cannot rule out aliasing), which made each element a memory round trip
+  float x[E], wv[E], cv[E], sv[E];
 #pragma unroll
   for (int j = 0; j < E; ++j) {
-    x[j] = C::load(xv + lane * E + j);
-    ss += x[j] * x[j];
+    const int i = lane * E + j;
+    x[j] = C::load(xv + i);
+    wv[j] = C::load(w + i);
+    cv[j] = C::load(cs + i);
+    sv[j] = C::load(sn + i);
   }
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < E; ++j) ss += x[j] * x[j];
   ss = warp_sum(ss);
   const float r = rsqrtf(ss * p.inv_d + p.eps);
   float y[E];
 #pragma unroll
-  for (int j = 0; j < E; ++j) y[j] = C::round(__fmul_rn(C::load(w + lane * E + j), C::round(__fmul_rn(x[j], r))));
+  for (int j = 0; j < E; ++j) y[j] = C::round(__fmul_rn(wv[j], C::round(__fmul_rn(x[j], r))));
   // rotate half: lanes 0..15 hold the first half, their partners (lane ^ 16) the second
   const bool first = lane < 16;
+  float out[E];
 #pragma unroll
   for (int j = 0; j < E; ++j) {
     const float other = __shfl_xor_sync(0xffffffffu, y[j], 16);
     const float rot = first ? -other : other;
-    const int i = lane * E + j;
-    const float a = C::round(__fmul_rn(y[j], C::load(cs + i)));
-    const float c = C::round(__fmul_rn(rot, C::load(sn + i)));
-    C::store(yv + i, __fadd_rn(a, c));
+    const float a = C::round(__fmul_rn(y[j], cv[j]));
+    const float c = C::round(__fmul_rn(rot, sv[j]));
+    out[j] = __fadd_rn(a, c);
   }
+#pragma unroll
+  for (int j = 0; j < E; ++j) C::store(yv + lane * E + j, out[j]);
 }
 
 }  // namespace kernels
