@@ -425,6 +425,40 @@ def test_generate_cli_under_torchrun_writes_what_one_process_writes(tmp_path):
     assert a == b and [json.loads(x)["id"] for x in b.splitlines()] == list(range(7))
 
 
+TEARDOWN_SCRIPT = """
+import os, sys, weakref
+import torch
+import torch.distributed as dist
+from lightningrl_fast.rl import distributed as D
+
+env, _ = D.init(D.env_from_environment(), torch.device("cpu"))
+with torch.device("meta"):  # as checkpoint.load_model: the first init there imports torch._dynamo and through it
+    torch.nn.Embedding(4, 2)  # torch.distributed.nn, whose defaults would keep the group (no longer: D.init)
+D.all_gather(env, env.rank)
+group = weakref.ref(dist.group.WORLD)
+D.shutdown(env)
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(f"rank {env.rank}: freed {group() is None}, gloo threads {sum('gloo' in n for n in names)}")
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists the process's threads in /proc")
+def test_shutdown_frees_the_group_and_stops_gloo_threads(tmp_path):
+    """`shutdown` leaves nothing of the group running. A module imported after `init_process_group` whose
+    defaults keep `group.WORLD` (torch.distributed.nn, imported by the first module built on the meta device, as
+    in every CLI's model load) kept the gloo backend and its worker threads alive into interpreter exit, where a
+    worker still releasing a finished collective's tensors takes the GIL and the rank aborts (SIGABRT, "terminate
+    called without an active exception"; rare, under machine load)."""
+    script = tmp_path / "teardown.py"
+    script.write_text(TEARDOWN_SCRIPT)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", str(script)], env=cli_env(tmp_path), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for rank in range(2):
+        assert f"rank {rank}: freed True, gloo threads 0" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 def test_torchrun_configuration_errors(monkeypatch, capsys):
     """Found once the torchrun variables are read, before any process group or model: exit status 2."""
     from lightningrl_fast import train as T

@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import math
 import os
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -112,6 +115,7 @@ def init(env: DistEnv, device: torch.device, timeout_min: float = 60.0) -> tuple
     else:
         raise ValueError(f"data-parallel runs support cuda and cpu devices, got {device}")
     if not dist.is_initialized():
+        _import_group_defaults()
         kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=env.rank, world_size=env.world,
                                 timeout=datetime.timedelta(minutes=timeout_min), **kw)
@@ -119,19 +123,56 @@ def init(env: DistEnv, device: torch.device, timeout_min: float = 60.0) -> tuple
     return env, device
 
 
+def _import_group_defaults() -> None:
+    """Import, before the process group exists, the torch modules whose functions take `group=group.WORLD` as a
+    default argument: a default is evaluated once, at import, so imported after `init_process_group` they would
+    keep the default group alive for the life of the process, and `destroy_process_group` would leave its
+    backend running (see `shutdown`). Imported before it, the default is None (= the default group at call time).
+
+    `torch.distributed.nn` is such a module (10 collectives). Nothing here calls it, but every CLI's model load
+    imported it: `checkpoint.load_model` builds the model on the meta device, where the first weight init runs
+    `torch._refs.normal`, wrapped in `torch._disable_dynamo`, which imports torch._dynamo, which imports FSDP,
+    which imports `torch.distributed.nn.functional`."""
+    try:
+        import torch.distributed.nn  # noqa: F401
+    except ImportError:  # a torch build without it has nothing to bind
+        pass
+
+
 def shutdown(env: DistEnv, ok: bool = True) -> None:
     """Leave the process group. After a normal run (`ok`) the ranks first meet at a barrier, so that none tears
-    its end down and exits while another still works (a rank with nothing to write finishes first; one such rank
-    was aborted by SIGABRT in its teardown while rank 0 was still writing). After an error there is no barrier
-    (the other ranks may never reach it): a gloo group is destroyed at once, an NCCL group is left to the launcher,
-    which stops the other ranks (destroying it can block on a peer stuck in a collective)."""
+    its end down and exits while another still works. After an error there is no barrier (the other ranks may
+    never reach it): a gloo group is destroyed at once, an NCCL group is left to the launcher, which stops the
+    other ranks (destroying it can block on a peer stuck in a collective).
+
+    Destroying the group must free it: the backend's destructor is what stops gloo's worker threads (it joins
+    them). A gloo worker drops its reference to a finished collective's work item, and so to its tensors, only
+    after the caller has been released, and releasing a tensor made in Python takes the GIL. A worker that gets
+    there once interpreter finalization has begun is ended by CPython (pthread_exit) inside the work item's
+    noexcept destructor: std::terminate, SIGABRT, "terminate called without an active exception" (seen on a rank
+    with nothing to write, which reaches finalization first, under heavy machine load, which deschedules the
+    worker). torch's `destroy_process_group` only unregisters the group, so a reference left anywhere keeps the
+    backend and its threads running into finalization: `init` imports first the modules that would keep one
+    (`_import_group_defaults`), and this function checks that the group is gone once destroyed (a RuntimeWarning
+    says the hazard is back)."""
     if not (env.active and dist.is_initialized()):
         return
     if ok:
         dist.barrier()
     elif dist.get_backend() == "nccl":
         return
+    try:
+        group = weakref.ref(dist.group.WORLD)
+    except TypeError:  # a ProcessGroup without weak references: nothing to check
+        group = lambda: None  # noqa: E731
     dist.destroy_process_group()
+    if group() is not None:
+        gc.collect()  # a reference cycle that holds it
+    if group() is not None:
+        warnings.warn("the process group is still referenced after destroy_process_group, so its backend "
+                      "(gloo worker threads) keeps running into interpreter exit, where it can abort this process; "
+                      "something imported after init_process_group keeps a reference to dist.group.WORLD",
+                      RuntimeWarning, stacklevel=2)
 
 
 @contextlib.contextmanager
