@@ -7,8 +7,8 @@
 // graph and two launches on two streams never share state.
 //
 // Launch: linear_plan (kernels/linear.cuh) picks the feature tile and the cluster size from the CTAs the device
-// can hold at once per cluster size (occupancy API, read once); the kernel goes through cudaLaunchKernelEx with the cluster dimension (sm_90+; 1 before) and, when
-// asked (`pdl`), programmatic stream serialization. If the driver refuses the attributes the launch falls back
+// can hold at once per cluster size (occupancy API, read once); the kernel goes through cudaLaunchKernelEx with
+// the cluster dimension (sm_90+; 1 before) and, when asked (`pdl`), programmatic stream serialization. If the driver refuses the attributes the launch falls back
 // to one CTA per cluster and no PDL (the same result).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -77,7 +77,7 @@ void plan_slots(int device, int64_t (&slots)[4]) {
 }
 
 template <typename T, int NT>
-void launch(kernels::LinearParams p, const kernels::LinearPlan& plan, cudaStream_t stream) {
+void launch(kernels::LinearParams p, const kernels::LinearPlan& plan, bool pdl, cudaStream_t stream) {
   p.fw = plan.fw;
   p.cluster = plan.cluster;
   cudaLaunchConfig_t cfg{};
@@ -94,7 +94,7 @@ void launch(kernels::LinearParams p, const kernels::LinearPlan& plan, cudaStream
     attrs[n].val.clusterDim.z = 1;
     ++n;
   }
-  if (p.pdl) {
+  if (pdl) {
     attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attrs[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;
@@ -106,7 +106,6 @@ void launch(kernels::LinearParams p, const kernels::LinearPlan& plan, cudaStream
     (void)cudaGetLastError();  // clear it; the plain launch below reports its own errors
     const int64_t tiles = plan.ctas / plan.cluster;
     p.cluster = 1;
-    p.pdl = 0;
     kernels::linear_kernel<T, NT><<<static_cast<unsigned>(tiles), kernels::kLinearThreads,
                                     kernels::linear_smem_bytes(NT), stream>>>(p);
   } else if (err != cudaSuccess) {
@@ -116,20 +115,20 @@ void launch(kernels::LinearParams p, const kernels::LinearPlan& plan, cudaStream
 }
 
 template <typename T, int NT>
-void plan_and_launch(const kernels::LinearParams& p, int device, cudaStream_t stream) {
+void plan_and_launch(const kernels::LinearParams& p, bool pdl, int device, cudaStream_t stream) {
   int64_t slots[4];
   plan_slots<T, NT>(device, slots);
   const kernels::LinearPlan plan = kernels::linear_plan(p.n, p.k, slots);
   LRF_CHECK(plan.ctas <= std::numeric_limits<int32_t>::max(), "linear kernel: N too large for one grid: ", p.n);
-  launch<T, NT>(p, plan, stream);
+  launch<T, NT>(p, plan, pdl, stream);
 }
 
 template <typename T>
-void dispatch_tokens(const kernels::LinearParams& p, int device, cudaStream_t stream) {
-  if (p.m <= 8) plan_and_launch<T, 1>(p, device, stream);
-  else if (p.m <= 16) plan_and_launch<T, 2>(p, device, stream);
-  else if (p.m <= 32) plan_and_launch<T, 4>(p, device, stream);
-  else plan_and_launch<T, 8>(p, device, stream);
+void dispatch_tokens(const kernels::LinearParams& p, bool pdl, int device, cudaStream_t stream) {
+  if (p.m <= 8) plan_and_launch<T, 1>(p, pdl, device, stream);
+  else if (p.m <= 16) plan_and_launch<T, 2>(p, pdl, device, stream);
+  else if (p.m <= 32) plan_and_launch<T, 4>(p, pdl, device, stream);
+  else plan_and_launch<T, 8>(p, pdl, device, stream);
 }
 
 }  // namespace
@@ -169,11 +168,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, bool pdl) {
   p.k = static_cast<int32_t>(k);
   p.x_stride = m == 1 ? k : x.stride(0);
   p.w_stride = n == 1 ? k : weight.stride(0);
-  p.pdl = pdl ? 1 : 0;
   if (x.scalar_type() == at::kBFloat16) {
-    dispatch_tokens<kernels::Bf16>(p, x.get_device(), stream);
+    dispatch_tokens<kernels::Bf16>(p, pdl, x.get_device(), stream);
   } else {
-    dispatch_tokens<kernels::Fp16>(p, x.get_device(), stream);
+    dispatch_tokens<kernels::Fp16>(p, pdl, x.get_device(), stream);
   }
   return y;
 }

@@ -111,13 +111,13 @@ def emulator(emu_build):
     return emu_build("linear_emu.cpp")
 
 
-def emu_linear(exe, tmp, x, w, fw, cluster, seed=0, pdl=False):
+def emu_linear(exe, tmp, x, w, fw, cluster, seed=0):
     """The emulated kernel with the given plan on x [m, k] (rows x.stride(0) apart) and w [n, k]."""
     m, k = x.shape
     n = w.shape[0]
     xs = x.stride(0) if m > 1 else k
     xfull = torch.as_strided(x, (m, xs), (xs, 1)) if m > 1 else x
-    hdr = np.array([m, n, k, 0 if x.dtype == torch.bfloat16 else 1, fw, cluster, xs, k, seed, int(pdl)],
+    hdr = np.array([m, n, k, 0 if x.dtype == torch.bfloat16 else 1, fw, cluster, xs, k, seed],
                    dtype=np.int32).tobytes()
     fin, fout = tmp / "in.bin", tmp / "out.bin"
     fin.write_bytes(hdr + bits(xfull).numpy().tobytes() + bits(w).numpy().tobytes())
@@ -145,7 +145,7 @@ EMU_CASES = [
 @pytest.mark.parametrize("dt,m,n,k,xs,fw,cluster", EMU_CASES)
 def test_emulated_kernel_matches_reference(emulator, tmp_path, dt, m, n, k, xs, fw, cluster):
     x, w = make(m, n, k, DTYPES[dt], seed=m + n, x_stride=xs)
-    got = emu_linear(emulator, tmp_path, x, w, fw, cluster, seed=n, pdl=cluster % 2 == 0)
+    got = emu_linear(emulator, tmp_path, x, w, fw, cluster, seed=n)
     check_close(got, x, w)
 
 

@@ -3,7 +3,7 @@
 //   g++ -std=c++20 -O2 -ffp-contract=off -DLRF_KERNEL_EMULATION -Icsrc csrc/emu/linear_emu.cpp -o linear_emu
 //
 //   linear_emu run IN OUT
-//     IN: int32 m, n, k, dtype (0 bf16, 1 fp16), fw, cluster, x_stride, w_stride, seed, pdl;
+//     IN: int32 m, n, k, dtype (0 bf16, 1 fp16), fw, cluster, x_stride, w_stride, seed;
 //         then (16-bit elements) x [m, x_stride], w [n, w_stride].
 //     OUT: y [m, n] (16-bit), as the launcher would leave it. Every CTA cluster runs as one emulated CTA
 //     (run_cluster), its threads interleaved at random from the seed. y starts as poison (0xFFFF) with guard
@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
   FILE* in = std::fopen(argv[2], "rb");
   if (!in) lrf::emu::fail("cannot open input");
   std::vector<int32_t> hdr;
-  read_into(in, hdr, 10);
+  read_into(in, hdr, 9);
   const int m = hdr[0], n = hdr[1], k = hdr[2], dtype = hdr[3];
   const int64_t xs = hdr[6], ws = hdr[7];
   std::vector<uint16_t> x, w;
@@ -99,7 +99,6 @@ int main(int argc, char** argv) {
   p.w_stride = ws;
   p.fw = hdr[4];
   p.cluster = hdr[5];
-  p.pdl = hdr[9];
   const uint32_t seed = static_cast<uint32_t>(hdr[8]);
   if (m < 1 || m > kLinearMaxTokens || k % 8 || xs % 8 || ws % 8 || xs < k || ws < k) lrf::emu::fail("bad shape");
   if (p.fw != 1 && p.fw != 2 && p.fw != 4 && p.fw != 8) lrf::emu::fail("fw must be 1, 2, 4 or 8");

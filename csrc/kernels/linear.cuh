@@ -28,11 +28,12 @@
 // bits whatever the scheduling (no atomics). A second cluster barrier keeps every CTA's shared memory alive until
 // all reads of it are done.
 //
-// Programmatic dependent launch (p.pdl): the first groups of W are loaded before griddepcontrol.wait, so when
-// the kernel before this one on the stream lets it launch early, the weight stream starts while that kernel
-// drains. Only reads of W come before the wait: x (written by that kernel) and y (its memory may be a block the
-// caching allocator freed after that kernel read it) come after. Contract: W must not be written by any grid
-// that may still run when this one starts (with PDL: the kernel launched just before this one).
+// Programmatic dependent launch (the launcher's `pdl`): the first groups of W are loaded before
+// griddepcontrol.wait, so when the kernel before this one on the stream lets it launch early, the weight stream
+// starts while that kernel drains. Only reads of W come before the wait: x (written by that kernel) and y (its
+// memory may be a block the caching allocator freed after that kernel read it) come after. Contract: W must not
+// be written by any grid that may still run when this one starts (with PDL: the kernel launched just before
+// this one).
 //
 // Numerics: fp32 products and sums (mma), rounded once to T at the end, like cuBLAS; the order of the sum
 // differs from torch's, so results agree with it to fp32 rounding before the final rounding.
@@ -59,7 +60,6 @@ struct LinearParams {
   int64_t x_stride, w_stride;
   int32_t fw;         // warps along the features per CTA: 1, 2, 4 or 8 (F = 16 fw features per CTA)
   int32_t cluster;    // CTAs per cluster along K: 1..8; grid = ceil(n / F) * cluster
-  int32_t pdl;        // launched with programmatic stream serialization: prefetch W before griddepcontrol.wait
 };
 
 struct LinearPlan {
@@ -109,11 +109,11 @@ inline void linear_ideal_slots(int num_sms, int max_cluster, int64_t (&slots)[4]
 // W chunks a warp loads per group: 4 (128 bytes per thread) up to 16 tokens, 2 at 32 and 64 tokens. Up to 32
 // tokens the loop keeps two groups in registers (the next group's loads are issued before the current group's
 // math), so a warp always has one to two groups in flight; more spills at 128 registers (2 CTAs of 256 threads
-// per SM).
-// In flight per SM: 16 warps x 4-8 KB, above the ~25 KB per SM that H100's bandwidth-latency product asks.
+// per SM). In flight per SM: 16 warps x 4-8 KB, above the ~25 KB per SM that H100's bandwidth-latency product
+// asks.
 template <int NT>
 constexpr int linear_unroll() {
-  return NT >= 8 ? 2 : NT >= 4 ? 2 : 4;
+  return NT >= 4 ? 2 : 4;
 }
 
 // Whether the next group is loaded before the current group's math (two groups in registers). At 64 tokens
