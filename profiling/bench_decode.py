@@ -62,7 +62,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, device_name, emit_json, print_table  # noqa: E402
+from common import copy_bandwidth_gbs, device_name, emit_json, ints, print_table  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import SDARConfig, SDARForCausalLM, build_model  # noqa: E402
@@ -88,16 +88,6 @@ CONFIGS = {  # REFERENCE §1
 }
 DECODE_OPS = ("kv_cache_write", "block_attention", "threshold_unmask")
 DISABLE_ENV = "LRF_DISABLE_KERNELS"
-
-
-def ints(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
 
 
 def make_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> SDARForCausalLM:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, device_name, device_time_us, emit_json, print_table, rotation  # noqa: E402
+from common import copy_bandwidth_gbs, device_name, device_time_us, emit_json, ints, print_table, rotation  # noqa: E402
 
 from bench_decode import CONFIGS  # noqa: E402  (the named model shapes, REFERENCE §1)
 
@@ -48,16 +48,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (reference only, tiny shapes)")
     ap.add_argument("--config", default="sdar-8b", choices=sorted(CONFIGS), help="model shapes")
-    ap.add_argument("--tokens", default="1,4,8,32,64", help="comma-separated M values (1..64)")
+    ap.add_argument("--tokens", type=ints, default=[1, 4, 8, 32, 64], help="comma-separated M values (1..64)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     on_gpu = device.type == "cuda"
     mod = _ext.ext()
     kernels = on_gpu and _ext.has_cuda_kernels() and hasattr(mod, "linear")
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    tokens = [int(t) for t in args.tokens.split(",")]
+    tokens = args.tokens
     if any(not 1 <= t <= 64 for t in tokens):
-        raise SystemExit(f"--tokens must be in 1..64, got {args.tokens}")
+        ap.error(f"--tokens must be in 1..64, got {args.tokens}")
     cfg = SDARConfig(**CONFIGS[args.config if on_gpu else "tiny"])
     bw = copy_bandwidth_gbs(device)
     print(f"device: {device_name(device)}; copy bandwidth {bw:.0f} GB/s; {args.config if on_gpu else 'tiny'} "

@@ -34,7 +34,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, device_name, emit_json, print_table, time_fn  # noqa: E402
+from common import copy_bandwidth_gbs, device_name, emit_json, ints, print_table, time_fn  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.unmask import threshold_unmask, threshold_unmask_reference  # noqa: E402
@@ -131,9 +131,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (reference only, one tiny shape)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
-    ap.add_argument("--rows", type=str, default=",".join(map(str, GPU_ROWS)), help="comma-separated row counts")
+    ap.add_argument("--rows", type=ints, default=GPU_ROWS, help="comma-separated row counts (multiples of the block, 32)")
     ap.add_argument("--vocab", type=int, default=151936)
     args = ap.parse_args()
+    if any(r % BLOCK for r in args.rows):
+        ap.error(f"--rows must be multiples of the block ({BLOCK}): rows = sequences x {BLOCK}, got {args.rows}")
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     on_gpu = device.type == "cuda"
@@ -151,7 +153,7 @@ def main() -> None:
           f"block {BLOCK}; flashinfer {'yes' if fi else 'not installed'}")
 
     plan = []
-    for rows in ([int(r) for r in args.rows.split(",")] if on_gpu else [2 * BLOCK]):
+    for rows in (args.rows if on_gpu else [2 * BLOCK]):
         plan += [(rows, "greedy"), (rows, "sample"), (rows, "pertok")]
         if rows in FLAT_ROWS or not on_gpu:
             plan += [(rows, "sample-flat"), (rows, "pertok-peaked"), (rows, "pertok-flat")]

@@ -8,6 +8,7 @@
   cycle through so that a call does not find the previous call's inputs in L2.
 * `copy_bandwidth_gbs(device)`: measured device-to-device copy bandwidth (read + write bytes / s), the
   roofline for memory-bound kernels.
+* `ints("1,8,64")`: an argparse type for comma-separated positive integers (a clear usage error otherwise).
 * `print_table(rows)`: one aligned table; `emit_json(name, **fields)`: the ONE final JSON line a script ends
   with (`python profiling/bench_x.py | tail -n 1` is machine-readable).
 
@@ -17,6 +18,7 @@ with its extension to time the kernels).
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -24,6 +26,17 @@ import time
 from typing import Callable, Sequence
 
 import torch
+
+
+def ints(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers ("1,8,64")."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
 
 
 def device_name(device: torch.device) -> str:
