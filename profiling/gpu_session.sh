@@ -4,13 +4,20 @@
 #
 #   bash profiling/gpu_session.sh [stage ...]
 #
-# Stages (default: build tests sass kernels): build, tests, sass, kernels (unmask, linear, kv_cache, rms_norm, silu_mul, block_attn
+# Stages (default: build tests sass kernels): build (or prebuilt), tests, sass, kernels (unmask, linear, kv_cache, rms_norm, silu_mul, block_attn
 # --quick, grpo_loss), decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32, graphs on, cuBLAS and the
 # skinny-GEMM kernel, the reference child capped at 240 s), attn_full (every bench_block_attn shape), ncu (Nsight Compute of the unmask and block-attention
 # kernels). The build uses $CC / $CXX when set (RESULTS.md, 2026-11-22: launcher messages crashed in a build
 # made with the lent image's /opt/gcc; try CC=/usr/bin/gcc CXX=/usr/bin/g++).
-# Each stage has its own time limit so that one hung stage cannot eat the lease. The logs are plain text;
-# copy the figures into profiling/RESULTS.md with the device, date, commit and shapes.
+# Each stage has its own time limit so that one hung stage cannot eat the lease, and the whole command has a
+# budget ($GPU_SESSION_BUDGET_S, default 560 s: the device tool kills a call at 600 s, and a killed call returns
+# the logs but none of the stages after the kill): a stage gets at most what is left of it, and a stage that
+# would get less than 30 s is skipped with a line saying so. The logs are plain text; copy the figures into
+# profiling/RESULTS.md with the device, date, commit and shapes.
+# Reusing a build: the build stage leaves the extension gzipped in $OUT/_C.so.gz (the uncompressed library is
+# over the 16 MiB a returned file may have). Copy it into .prebuilt/ of the checkout (ignored by git), carry
+# .prebuilt, and start the next call's stages with `prebuilt` instead of `build`: the library goes into the
+# source tree's package and PYTHONPATH points there (same machine image only: same Python, torch and driver).
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -19,8 +26,15 @@ export MAX_JOBS=${MAX_JOBS:-12} NVCC_THREADS=${NVCC_THREADS:-4} LRF_PTXAS_VERBOS
 REPO=$PWD
 stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(build tests sass kernels)
 
+BUDGET=${GPU_SESSION_BUDGET_S:-560}
 stage() {  # stage NAME LIMIT_S LOGFILE CMD...
   local name=$1 limit=$2 log=$3; shift 3
+  local left=$((BUDGET - SECONDS - 5))
+  if [ "$left" -lt 30 ]; then
+    echo "=== $name: skipped, ${left}s left of the ${BUDGET}s budget" | tee -a "$OUT/$log"
+    return 124
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s)" | tee -a "$OUT/$log"
   timeout -k 10 "$limit" "$@" >>"$OUT/$log" 2>&1
@@ -38,8 +52,8 @@ for s in "${stages[@]}"; do
         nvcc --version | tail -n 2; python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
       } >"$OUT/build.log" 2>&1
       stage build 300 build.log python3 -m pip install --no-build-isolation --no-deps -v . || exit 1
-      # The built library travels back so a later call can reuse it (profiling/README.md, "GPU session").
-      cp "$(so_path)" "$OUT/" 2>/dev/null
+      # The built library travels back so a later call can reuse it (the `prebuilt` stage; see the header).
+      gzip -c "$(so_path)" >"$OUT/_C.so.gz" 2>/dev/null
       # The launcher-message crash of the first lease (RESULTS.md): which libstdc++ the extension was linked
       # against and which one the process actually loads (a newer compiler's headers over an older runtime
       # would explain number formatting -- std::num_put -- crashing while string-only messages work).
@@ -47,6 +61,18 @@ for s in "${stages[@]}"; do
         (cd /tmp && python3 -c 'import lightningrl_fast._C, torch; print([l.split()[-1] for l in open("/proc/self/maps") if "stdc++" in l][:1])')
       } >"$OUT/libstdcxx.log" 2>&1
       grep -E "ptxas info|spill|Used [0-9]+ registers|stack frame" "$OUT/build.log" | sort -u | tail -n 60 ;;
+    prebuilt)
+      gz=$REPO/.prebuilt/_C.so.gz
+      [ -f "$gz" ] || { echo "prebuilt: no $gz (carry .prebuilt)"; exit 1; }
+      { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+        python3 -c 'import torch, sysconfig; print("torch", torch.__version__, torch.version.cuda, sysconfig.get_config_var("EXT_SUFFIX"))'
+      } >"$OUT/build.log" 2>&1
+      suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+      gunzip -c "$gz" >"$REPO/lightningrl_fast/_C$suffix" || exit 1
+      export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+      (cd /tmp && python3 -c 'import torch, lightningrl_fast._C as c; print(c.__file__, c.has_cuda(), c.cuda_archs())') \
+        >>"$OUT/build.log" 2>&1 || { tail -n 20 "$OUT/build.log"; exit 1; }
+      tail -n 1 "$OUT/build.log" ;;
     tests)
       # One pytest process per file, from a directory outside the checkout (so the installed package with _C is
       # the one imported): a crash in one file loses only that file's results.
