@@ -66,3 +66,36 @@ def test_bench_rejects_a_bad_argument_with_a_usage_error(args, message):
     proc = _run("bench_unmask.py", ["--cpu", *args])
     assert proc.returncode == 2, proc.stderr  # argparse's usage error, not a traceback
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_results_rows_turns_json_lines_into_results_md_rows(tmp_path):
+    sys.path.insert(0, str(REPO / "profiling"))
+    try:
+        import results_rows
+    finally:
+        sys.path.pop(0)
+    gpu = {"bench": "decode", "device": "NVIDIA H100 80GB HBM3", "copy_gbs": 2985.2, "config": "sdar-8b",
+           "dtype": "bfloat16", "tpf": 4, "rows": [
+               {"batch": 1, "block": 4, "graphs": "on", "impl": "kernels", "fwd/s": 151.234, "tok/s": 604.9,
+                "bound": 196.8, "%bw": 76.85, "steady fwd/s": 160.0, "steady %bw": 81.3, "note": ""}]}
+    cpu = dict(gpu, device="cpu (2 threads)")
+    log = tmp_path / "bench_decode.log"
+    log.write_text("=== bench_decode\nsome table\n" + json.dumps(cpu) + "\n" + json.dumps(gpu) + "\n{not json\n")
+    rows = [r for _, obj in results_rows.json_lines([log]) if not obj["device"].startswith("cpu")
+            for r in results_rows.rows_of(obj, "3d3d72e", "2026-11-24")]
+    assert len(rows) == 1
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert len(cells) == 9
+    device, date, commit, bench, shapes, result, bound, ratio, notes = cells
+    assert (device, date, commit, bench) == ("NVIDIA H100 80GB HBM3 (2985)", "2026-11-24", "3d3d72e", "bench_decode")
+    assert shapes.startswith("config sdar-8b; dtype bfloat16; tpf 4") and "batch 1" in shapes and "impl kernels" in shapes
+    assert result == "fwd/s 151.2; tok/s 604.9; steady fwd/s 160.0"
+    assert bound == "bound 196.8" and ratio == "%bw 76.8; steady %bw 81.3" and notes == "on"
+    # the CLI drops CPU rows unless asked, and names a missing file
+    cli = [sys.executable, str(REPO / "profiling" / "results_rows.py"), str(log), "--commit", "3d3d72e"]
+    out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.count("\n") == 1 and "cpu" not in out.stdout
+    out = subprocess.run(cli + ["--cpu"], capture_output=True, text=True, timeout=60)
+    assert out.stdout.count("\n") == 2
+    out = subprocess.run(cli + [str(tmp_path / "missing.log")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no such log file" in out.stderr
