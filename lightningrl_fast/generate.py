@@ -20,7 +20,8 @@ Output: one JSON row per prompt, in input order — `prompt`, `text` (the respon
 `tokens` (response length, EOS included), `token_ids`, `tpf`, `forwards` (forwards the row took part in),
 `finish_reason` ("eos" or "length") and `id` when the input had one — to `--out`, or to stdout when `--out`
 is absent (the summary then goes to stderr). The summary: tokens/s, forwards/s (the engine's forwards over the
-decode time) and mean TPF. A progress bar over batches uses tqdm when it is installed.
+decode time), mean TPF, and the bandwidth use: weight bytes per forward x forwards/s in GB/s and, on a GPU, its
+fraction of the measured device copy bandwidth (KV-cache reads not counted: a lower bound on the bytes moved). A progress bar over batches uses tqdm when it is installed.
 
 Several GPUs: `torchrun --nproc-per-node N -m lightningrl_fast.generate ...` decodes batch g on rank g % N with
 the seed a single process would use, and rank 0 writes the rows in input order: the same output, N times faster.
@@ -373,7 +374,7 @@ def _generate(args, env, device, model_dir: Path, rows: list) -> dict:
     Several ranks: batch g (the same batches and Philox seeds as one process) is decoded by rank g % world; after
     each round of `world` batches the rows are all-gathered and rank 0 writes them in order, so the output equals
     a one-process run's, with N times the decode throughput (tokens/s over the slowest rank's decode time)."""
-    from .profiling import nvtx_range
+    from .profiling import copy_bandwidth_gbs, nvtx_range
     from .rl.distributed import all_gather
     from .sampler import Decoder
 
@@ -440,6 +441,12 @@ def _generate(args, env, device, model_dir: Path, rows: list) -> dict:
         "mean_tpf": mean_tpf, "finish": finish, "device": str(device), "dtype": str(dtype)[6:],
         "block_size": cfg.block_size or model.config.block_size, "threshold": cfg.threshold, "ranks": env.world,
     }
+    wbytes = model.forward_weight_bytes()
+    summary["weight_gb_per_forward"] = wbytes / 1e9
+    summary["weight_gbs"] = wbytes * n_fwd / seconds / 1e9 if seconds > 0 else math.nan
+    copy = copy_bandwidth_gbs(device) if env.main else None
+    summary["copy_gbs"] = copy
+    summary["bandwidth_use"] = summary["weight_gbs"] / env.world / copy if copy else None  # per GPU
     if not env.main:
         return summary
     ranks = f" x {env.world} ranks" if env.active else ""
@@ -448,6 +455,11 @@ def _generate(args, env, device, model_dir: Path, rows: list) -> dict:
     print(f"tokens/s {summary['tokens_per_s']:.1f}  forwards/s {summary['forwards_per_s']:.1f}  "
           f"mean TPF {summary['mean_tpf']:.3f}  (forwards {n_fwd}; finish: eos {finish.get('eos', 0)}, "
           f"length {finish.get('length', 0)})", file=log)
+    use = (f" = {100 * summary['bandwidth_use']:.1f}% of the device copy bandwidth ({copy:.0f} GB/s)"
+           f"{' per GPU' if env.active else ''}"
+           if summary["bandwidth_use"] is not None else "")
+    print(f"weights streamed {summary['weight_gbs']:.4g} GB/s ({summary['weight_gb_per_forward']:.4g} GB per forward"
+          f"; KV-cache reads not counted){use}", file=log)
     if args.out:
         print(f"wrote {args.out}", file=log)
     return summary

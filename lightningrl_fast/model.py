@@ -395,6 +395,17 @@ class SDARForCausalLM(nn.Module):
             pack_linears(layer.mlp._projections())
         return self
 
+    def forward_weight_bytes(self) -> int:
+        """Bytes of weights one decode forward reads: every parameter once (a tied LM head counted once, as the
+        LM head reads it whole), except an untied embedding table, of which a forward gathers a few rows."""
+        emb = self.model.embed_tokens.weight
+        total = 0
+        for p in {id(p): p for p in self.parameters()}.values():
+            if p is emb and not self.config.tie_word_embeddings:
+                continue
+            total += p.numel() * p.element_size()
+        return total
+
     def state_dict_for_save(self) -> dict[str, torch.Tensor]:
         """state_dict with the tied lm_head omitted (the SDAR/HF convention)."""
         sd = self.state_dict()

@@ -111,14 +111,8 @@ def make_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 
 
 
 def weight_bytes(model: SDARForCausalLM) -> int:
-    """Bytes of weights one forward reads: every parameter once, except an untied embedding table (gathered)."""
-    emb = model.model.embed_tokens.weight
-    total = 0
-    for p in {id(p): p for p in model.parameters()}.values():
-        if p is emb and not model.config.tie_word_embeddings:
-            continue
-        total += p.numel() * p.element_size()
-    return total
+    """Bytes of weights one forward reads (`SDARForCausalLM.forward_weight_bytes`)."""
+    return model.forward_weight_bytes()
 
 
 def kv_bytes(cfg: SDARConfig, batch: int, context: float, elt: int) -> float:

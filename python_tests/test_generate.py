@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,14 @@ def test_cli_end_to_end_jsonl(ckpt, tmp_path, capsys):
     assert rows[1]["id"] == "q2" and "id" not in rows[0]
     printed = capsys.readouterr().out
     assert "tokens/s" in printed and "forwards/s" in printed and "mean TPF" in printed
+    # bandwidth use: weight bytes per forward x forwards / s (the forwards and seconds of the printed summary)
+    m = re.search(r"weights streamed ([0-9.e+-]+) GB/s \(([0-9.e+-]+) GB per forward", printed)
+    assert m, printed
+    model = build_model(SDARConfig.from_dict(json.loads((ckpt / "config.json").read_text())))
+    assert float(m.group(2)) == pytest.approx(model.forward_weight_bytes() / 1e9, rel=1e-3)
+    fwd_s = float(re.search(r"forwards/s ([0-9.]+)", printed).group(1))
+    assert float(m.group(1)) == pytest.approx(fwd_s * model.forward_weight_bytes() / 1e9, rel=0.02)
+    assert "% of the device copy bandwidth" not in printed  # measured on a GPU only
 
 
 def test_cli_matches_the_sampler_and_is_deterministic(ckpt, tmp_path):

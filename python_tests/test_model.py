@@ -317,3 +317,16 @@ def test_packing_survives_optimizer_steps_and_is_undone_by_assignment(tmp_path):
     with torch.no_grad():
         out = model.forward_cached(ids, cache, lens, lens + 8)
         torch.testing.assert_close(out, model(ids), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_forward_weight_bytes_counts_what_a_decode_forward_reads(tied):
+    cfg = tiny_config(tie_word_embeddings=tied)
+    model = build_model(cfg, dtype=torch.bfloat16)
+    h, v, inter = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h + 2 * cfg.head_dim  # projections, 2 norms, q/k norms
+    expected = cfg.num_hidden_layers * per_layer + h + v * h  # + final norm + LM head (the tied table counted once)
+    assert model.forward_weight_bytes() == 2 * expected
+    model.pack_decode_weights()  # packed q/k/v and gate/up views: still each byte once
+    assert model.forward_weight_bytes() == 2 * expected
