@@ -8,8 +8,9 @@
 //
 // Launch: linear_plan (kernels/linear.cuh) picks the feature tile and the cluster size from the CTAs the device
 // can hold at once per cluster size (occupancy API, read once); the kernel goes through cudaLaunchKernelEx with
-// the cluster dimension (sm_90+; 1 before) and, when asked (`pdl`), programmatic stream serialization. If the driver refuses the attributes the launch falls back
-// to one CTA per cluster and no PDL (the same result).
+// the cluster dimension (sm_90+; 1 before) and, when asked (`pdl`), programmatic stream serialization. If the
+// driver refuses the attributes the launch falls back to one CTA per cluster and no PDL (the same sum in another
+// order: equal up to fp32 rounding, not bit for bit).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

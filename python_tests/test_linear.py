@@ -92,6 +92,12 @@ def test_kernel_eligibility_rules():
     assert kernel_eligible(xb, w)  # rows 48 elements apart: fine
     assert not kernel_eligible(torch.zeros(2, 5, 32, dtype=torch.bfloat16)[:, :4], w)  # no single row stride
     assert kernel_eligible(torch.zeros(2, 4, 32, dtype=torch.bfloat16), w)  # [2, 4, K] -> 8 rows
+    # overlapping rows (expanded: stride 0, or a stride below K) are refused by the launcher: F.linear takes them
+    assert not kernel_eligible(x[:1].expand(4, 32), w)
+    assert not kernel_eligible(x, w[:1].expand(16, 32))
+    flat = torch.zeros(64, dtype=torch.bfloat16)
+    assert not kernel_eligible(flat.as_strided((4, 32), (8, 1)), w)
+    assert kernel_eligible(x, w[:1].expand(1, 32))  # one feature: its row stride is never used
 
 
 def test_grad_enabled_inputs_take_the_reference(monkeypatch):

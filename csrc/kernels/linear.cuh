@@ -24,8 +24,9 @@
 //
 // Reduction: each warp stores its 16 x 8NT fp32 partial tile in its CTA's shared memory; after a cluster barrier
 // the cluster's threads sum, for each output, the partials of every K slice in one fixed order (rank, then K
-// warp) through distributed shared memory and write y rounded to T. Deterministic: the same inputs give the same
-// bits whatever the scheduling (no atomics). A second cluster barrier keeps every CTA's shared memory alive until
+// warp) through distributed shared memory and write y rounded to T. Deterministic for a given plan (fw, cluster:
+// the launcher's choice for the device): the same inputs give the same bits whatever the scheduling (no atomics);
+// another plan splits K differently and may round differently. A second cluster barrier keeps every CTA's shared memory alive until
 // all reads of it are done.
 //
 // Programmatic dependent launch (the launcher's `pdl`): the first groups of W are loaded before
@@ -35,8 +36,9 @@
 // be written by any grid that may still run when this one starts (with PDL: the kernel launched just before
 // this one).
 //
-// Numerics: fp32 products and sums (mma), rounded once to T at the end, like cuBLAS; the order of the sum
-// differs from torch's, so results agree with it to fp32 rounding before the final rounding.
+// Numerics: exact products, fp32-class tensor-core accumulation (mma; its internal rounding of the additions
+// is not IEEE round-to-nearest per add), the K slices summed in fp32, rounded once to T at the end, as cuBLAS
+// does; the order of the sum differs from torch's, so results agree with F.linear to about one ulp of T.
 #pragma once
 
 #include <cstdint>

@@ -1,14 +1,16 @@
 """The decode forward's GEMM, y = x W^T, with a skinny-GEMM CUDA kernel for few tokens.
 
   * `linear(x, weight, impl=None, pdl=False)`: x [..., K], weight [N, K] (an nn.Linear's weight, no bias) ->
-    [..., N] in x's dtype. What `F.linear(x, weight)` returns, to fp32 rounding of the sum before the final
-    rounding to the dtype.
+    [..., N] in x's dtype. What `F.linear(x, weight)` returns up to the order of the fp32 sums (tensor-core
+    accumulation, as cuBLAS's): about one unit in the last place of the dtype.
 
 Why a kernel: a denoising step of a batch-1 model multiplies 4-64 tokens by every weight once, so the step is a
 stream of the weights and its speed is the share of copy bandwidth the GEMMs reach. `_C.linear`
 (csrc/linear.cu, device code csrc/kernels/linear.cuh) reads W with 16-byte streaming loads straight into the
 tensor-core fragments, splits K over the CTAs of a thread-block cluster, and sums the partials in a fixed order
-through distributed shared memory (deterministic, no workspace, CUDA-graph safe).
+through distributed shared memory (no workspace, CUDA-graph safe; deterministic for a given GPU: the launch plan,
+and with it the order of the sum, depends on the device's SM count and occupancy, so the bits may differ between
+GPU models).
 
 Which path runs:
   * impl "cublas": `F.linear` (the reference; the CPU path).
@@ -69,10 +71,12 @@ def kernel_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     m = x.numel() // k
     if not 1 <= m <= MAX_KERNEL_ROWS or weight.shape[0] == 0:
         return False
-    x2 = _rows(x)
-    if x2 is None or x2.stride(1) != 1 or (m > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16:
+    x2 = _rows(x)  # rows must not overlap (an expanded x has stride 0: the launcher refuses it, F.linear takes it)
+    if x2 is None or x2.stride(1) != 1 or (m > 1 and (x2.stride(0) % 8 or x2.stride(0) < k)) or x2.data_ptr() % 16:
         return False
-    return weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and weight.data_ptr() % 16 == 0
+    n = weight.shape[0]
+    return (weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and (n == 1 or weight.stride(0) >= k)
+            and weight.data_ptr() % 16 == 0)
 
 
 @torch.library.custom_op("lightningrl_fast::linear", mutates_args=())
