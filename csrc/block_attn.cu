@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "checks.h"
+#include "launch.h"
 #include "kernels/block_attn.cuh"
 
 namespace lrf {
@@ -70,32 +71,16 @@ template <typename T, int D, bool WG>
 void launch(const kernels::BlockAttnParams& p, int device, cudaStream_t stream) {
   resident_ctas<T, D, WG>(device);  // raises the shared-memory limit on this device first
   const int64_t grid = int64_t(p.m_tiles) * p.num_splits * p.batch * p.hkv;
-  kernels::block_attn_kernel<T, D, WG>
-      <<<static_cast<unsigned>(grid), kernels::kBlockAttnThreads, kernels::block_attn_smem_bytes(D, WG), stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Programmatic dependent launches (launch.h): the main grid waits for the kernel before it (q/k-norm + RoPE)
+  // before its first memory access; the combine grid is scheduled while the main grid drains and waits in
+  // griddepcontrol.wait for its completion. Both hide a launch latency; plain launches if the driver refuses.
+  C10_CUDA_CHECK(launch_pdl(kernels::block_attn_kernel<T, D, WG>, dim3(static_cast<unsigned>(grid)),
+                            dim3(kernels::kBlockAttnThreads), kernels::block_attn_smem_bytes(D, WG), stream, p));
   if (p.num_splits > 1) {
     const int64_t rows = int64_t(p.batch) * p.chunk * p.hq;
     const int64_t cgrid = (rows + kernels::kBlockAttnCombineWarps - 1) / kernels::kBlockAttnCombineWarps;
-    // Programmatic dependent launch: the combine grid is scheduled while the main grid drains (it waits in
-    // griddepcontrol.wait for the main grid's completion), hiding its launch latency; plain launch if the
-    // driver refuses the attribute.
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(cgrid));
-    cfg.blockDim = dim3(kernels::kBlockAttnCombineWarps * 32);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, kernels::block_attn_combine_kernel<T, D>, p);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();  // clear it; the plain launch below reports its own errors
-      kernels::block_attn_combine_kernel<T, D>
-          <<<static_cast<unsigned>(cgrid), kernels::kBlockAttnCombineWarps * 32, 0, stream>>>(p);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    C10_CUDA_CHECK(launch_pdl(kernels::block_attn_combine_kernel<T, D>, dim3(static_cast<unsigned>(cgrid)),
+                              dim3(kernels::kBlockAttnCombineWarps * 32), 0, stream, p));
   }
 }
 

@@ -17,6 +17,7 @@
 #include <tuple>
 
 #include "checks.h"
+#include "launch.h"
 #include "kernels/rms_norm.cuh"
 
 namespace lrf {
@@ -84,22 +85,24 @@ void launch_rms_norm(const at::Tensor& x, const at::Tensor* residual, const at::
     p.r_stride = r2.stride(0);
     p.sum = sum->data_ptr();
   }
-  const dim3 grid(static_cast<unsigned>(rows));
+  const dim3 grid(static_cast<unsigned>(rows)), block(kernels::kRmsThreads);
   const bool add = residual != nullptr;
+  // launch_pdl (launch.h): the kernel waits for the previous one before touching memory
+  cudaError_t err;
   switch (x.scalar_type()) {
     case at::kBFloat16:
-      if (add) kernels::rms_norm_kernel<kernels::Bf16Bits, true><<<grid, kernels::kRmsThreads, 0, stream>>>(p);
-      else kernels::rms_norm_kernel<kernels::Bf16Bits><<<grid, kernels::kRmsThreads, 0, stream>>>(p);
+      err = add ? launch_pdl(kernels::rms_norm_kernel<kernels::Bf16Bits, true>, grid, block, 0, stream, p)
+                : launch_pdl(kernels::rms_norm_kernel<kernels::Bf16Bits>, grid, block, 0, stream, p);
       break;
     case at::kHalf:
-      if (add) kernels::rms_norm_kernel<kernels::HalfBits, true><<<grid, kernels::kRmsThreads, 0, stream>>>(p);
-      else kernels::rms_norm_kernel<kernels::HalfBits><<<grid, kernels::kRmsThreads, 0, stream>>>(p);
+      err = add ? launch_pdl(kernels::rms_norm_kernel<kernels::HalfBits, true>, grid, block, 0, stream, p)
+                : launch_pdl(kernels::rms_norm_kernel<kernels::HalfBits>, grid, block, 0, stream, p);
       break;
     default:
-      if (add) kernels::rms_norm_kernel<float, true><<<grid, kernels::kRmsThreads, 0, stream>>>(p);
-      else kernels::rms_norm_kernel<float><<<grid, kernels::kRmsThreads, 0, stream>>>(p);
+      err = add ? launch_pdl(kernels::rms_norm_kernel<float, true>, grid, block, 0, stream, p)
+                : launch_pdl(kernels::rms_norm_kernel<float>, grid, block, 0, stream, p);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(err);
 }
 
 }  // namespace
@@ -172,22 +175,23 @@ at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at:
   p.eps = static_cast<float>(eps);
   p.inv_d = 1.0f / static_cast<float>(D);
   const dim3 grid(static_cast<unsigned>((vecs + kernels::kRopeWarps - 1) / kernels::kRopeWarps));
-  const int threads = kernels::kRopeWarps * 32;
+  const dim3 block(kernels::kRopeWarps * 32);
   const bool d128 = D == 128;
+  cudaError_t err;  // launch_pdl (launch.h): the kernel waits for the previous one before touching memory
   switch (x.scalar_type()) {
     case at::kBFloat16:
-      if (d128) kernels::qk_norm_rope_kernel<kernels::Bf16Bits, 4><<<grid, threads, 0, stream>>>(p);
-      else kernels::qk_norm_rope_kernel<kernels::Bf16Bits, 2><<<grid, threads, 0, stream>>>(p);
+      err = d128 ? launch_pdl(kernels::qk_norm_rope_kernel<kernels::Bf16Bits, 4>, grid, block, 0, stream, p)
+                 : launch_pdl(kernels::qk_norm_rope_kernel<kernels::Bf16Bits, 2>, grid, block, 0, stream, p);
       break;
     case at::kHalf:
-      if (d128) kernels::qk_norm_rope_kernel<kernels::HalfBits, 4><<<grid, threads, 0, stream>>>(p);
-      else kernels::qk_norm_rope_kernel<kernels::HalfBits, 2><<<grid, threads, 0, stream>>>(p);
+      err = d128 ? launch_pdl(kernels::qk_norm_rope_kernel<kernels::HalfBits, 4>, grid, block, 0, stream, p)
+                 : launch_pdl(kernels::qk_norm_rope_kernel<kernels::HalfBits, 2>, grid, block, 0, stream, p);
       break;
     default:
-      if (d128) kernels::qk_norm_rope_kernel<float, 4><<<grid, threads, 0, stream>>>(p);
-      else kernels::qk_norm_rope_kernel<float, 2><<<grid, threads, 0, stream>>>(p);
+      err = d128 ? launch_pdl(kernels::qk_norm_rope_kernel<float, 4>, grid, block, 0, stream, p)
+                 : launch_pdl(kernels::qk_norm_rope_kernel<float, 2>, grid, block, 0, stream, p);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(err);
   return y;
 }
 

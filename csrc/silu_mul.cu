@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "launch.h"
 #include "kernels/silu_mul.cuh"
 
 namespace lrf {
@@ -54,18 +55,19 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t vecs = rows * (inner / per_vec);
   // enough CTAs to cover every vector once up to ~16 waves of 132 SMs; larger inputs loop (grid stride)
   const int64_t ctas = std::min<int64_t>((vecs + kernels::kSiluThreads - 1) / kernels::kSiluThreads, 132 * 16);
-  const dim3 grid(static_cast<unsigned>(ctas));
+  const dim3 grid(static_cast<unsigned>(ctas)), block(kernels::kSiluThreads);
+  cudaError_t err;  // launch_pdl (launch.h): the kernel waits for the previous one before touching memory
   switch (gate_up.scalar_type()) {
     case at::kBFloat16:
-      kernels::silu_mul_kernel<kernels::Bf16Bits><<<grid, kernels::kSiluThreads, 0, stream>>>(p);
+      err = launch_pdl(kernels::silu_mul_kernel<kernels::Bf16Bits>, grid, block, 0, stream, p);
       break;
     case at::kHalf:
-      kernels::silu_mul_kernel<kernels::HalfBits><<<grid, kernels::kSiluThreads, 0, stream>>>(p);
+      err = launch_pdl(kernels::silu_mul_kernel<kernels::HalfBits>, grid, block, 0, stream, p);
       break;
     default:
-      kernels::silu_mul_kernel<float><<<grid, kernels::kSiluThreads, 0, stream>>>(p);
+      err = launch_pdl(kernels::silu_mul_kernel<float>, grid, block, 0, stream, p);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(err);
   return y;
 }
 

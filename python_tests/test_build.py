@@ -129,3 +129,49 @@ def test_tensor_core_kernels_sass_has_the_intended_instructions():
         # the PDL prefetch: weight loads are issued before griddepcontrol.wait (ptxas hoists a wait it may)
         assert body.index("LDG.E.NA.LTC256B.128.CONSTANT") < body.index("ACQBULK"), n
         assert "LDL" not in body and "STL" not in body, f"{n} uses local memory"
+        # griddepcontrol.launch_dependents (PREEXIT) after the main loop's last wait, before the partial tiles
+        assert body.rindex("ACQBULK") < body.index("PREEXIT") < body.index("STS"), n
+
+
+def _first(body: str, ops: tuple[str, ...]) -> int:
+    """Offset of the first instruction of `body` whose opcode is one of ops (len(body) if none)."""
+    import re
+
+    m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?(" + "|".join(ops) + r")[\s.]", body)
+    return m.start() if m else len(body)
+
+
+def test_programmatically_launched_kernels_wait_before_touching_memory():
+    """The launchers start the norms, q/k-norm + RoPE, silu_mul and both block-attention kernels with
+    programmatic stream serialization (csrc/launch.h): each may run while the kernel before it on the stream is
+    still writing its input, which is safe only because griddepcontrol.wait (ACQBULK) comes before its first
+    global load or store (and before its cp.async copies). Checked on the sm_90a SASS."""
+    import subprocess
+
+    C = _C_or_skip()
+    if not C.has_cuda():
+        pytest.skip("CPU-only build")
+    exe = _cuobjdump()
+    if exe is None:
+        if EXPECT_CUDA_BUILD:
+            pytest.fail("no cuobjdump (CUDA toolkit or triton package)")
+        pytest.skip("no cuobjdump")
+    sass = subprocess.run([exe, "--dump-sass", C.__file__], capture_output=True, text=True, timeout=600).stdout
+    funcs: dict[str, str] = {}
+    name = None
+    for line in sass.splitlines():
+        if "Function :" in line:
+            name = line.split("Function :", 1)[1].strip()
+            funcs[name] = ""
+        elif name is not None:
+            funcs[name] += line + "\n"
+    stems = {"rms_norm_kernel": 6, "qk_norm_rope_kernel": 6, "silu_mul_kernel": 3, "block_attn_kernel": 8,
+             "block_attn_combine_kernel": 4}
+    memory_ops = ("LDG", "STG", "LDGSTS", "LD", "ST", "ATOMG", "RED", "UTMALDG", "UBLKCP")
+    for stem, count in stems.items():
+        found = {n: b for n, b in funcs.items() if stem + "I" in n}
+        assert len(found) == count, (stem, sorted(found))
+        for n, body in found.items():
+            wait = _first(body, ("ACQBULK",))
+            assert wait < len(body), f"{n}: no griddepcontrol.wait"
+            assert wait < _first(body, memory_ops), f"{n}: a global memory access before griddepcontrol.wait"

@@ -287,6 +287,38 @@ def test_gpu_kernel_in_a_cuda_graph(cuda_ext_with):
 
 
 
+@pytest.mark.gpu
+def test_gpu_pdl_chain_sees_the_whole_gemm_output(cuda_ext_with):
+    """The skinny GEMM lets its successor launch after its main loop (griddepcontrol.launch_dependents), and the
+    norms / silu_mul / attention are launched with programmatic serialization (csrc/launch.h): each must still
+    read the GEMM's complete output. The GEMM's output block is handed back by the caching allocator every
+    iteration, so a successor reading before the GEMM finished would see the previous iteration's values."""
+    mod = cuda_ext_with("linear", "rms_norm", "add_rms_norm", "silu_mul")
+    _, w = make(8, 16384, 4096, torch.bfloat16, seed=1, device="cuda")
+    nw = torch.rand(16384, device="cuda", dtype=torch.bfloat16) + 0.5
+    res = torch.randn(8, 16384, device="cuda", dtype=torch.bfloat16)
+    got = []
+    for seed in range(8):
+        x, _ = make(8, 16, 4096, torch.bfloat16, seed=10 + seed, device="cuda")
+        y = mod.linear(x, w, True)  # [8, 16384]: the reduction phase overlaps the next launches
+        n = mod.rms_norm(y, nw, 1e-6)
+        a, s = mod.add_rms_norm(y, res, nw, 1e-6)
+        got.append((x, n, a, s, mod.silu_mul(y)))  # [8, 8192]
+        del y
+    torch.cuda.synchronize()
+    for x, n, a, s, sm in got:
+        y = mod.linear(x, w, False)
+        torch.cuda.synchronize()  # nothing overlaps in the expected values
+        exp_n = mod.rms_norm(y, nw, 1e-6)
+        torch.cuda.synchronize()
+        exp_a, exp_s = mod.add_rms_norm(y, res, nw, 1e-6)
+        torch.cuda.synchronize()
+        exp_sm = mod.silu_mul(y)
+        torch.cuda.synchronize()
+        assert torch.equal(n, exp_n) and torch.equal(a, exp_a) and torch.equal(s, exp_s)
+        assert torch.equal(sm, exp_sm)
+
+
 def _cuda_model():
     from lightningrl_fast.model import SDARConfig, build_model
 

@@ -178,6 +178,9 @@ LRF_DEVICE void block_attn_cta(const BlockAttnParams& p, int64_t cta64, int tid,
   // The combine grid (S > 1) may launch now: it only becomes resident in the space this grid leaves and
   // waits (griddepcontrol.wait) for this whole grid to finish before it reads a partial.
   griddep_launch_dependents();
+  // Launched with programmatic serialization (launch.h): the kernel before this one (q/k-norm + RoPE, which
+  // writes q and k) may still run. Nothing is read or written before this wait.
+  griddep_wait();
 
   const int warp = tid / 32, lane = tid % 32;
   uint32_t rest = static_cast<uint32_t>(cta64);

@@ -31,7 +31,8 @@
 //
 // Programmatic dependent launch (the launcher's `pdl`): the first groups of W are loaded before
 // griddepcontrol.wait, so when the kernel before this one on the stream lets it launch early, the weight stream
-// starts while that kernel drains. Only reads of W come before the wait: x (written by that kernel) and y (its
+// starts while that kernel drains. After its main loop the kernel lets its own successor launch
+// (griddepcontrol.launch_dependents), which overlaps that kernel's launch with the reduction. Only reads of W come before the wait: x (written by that kernel) and y (its
 // memory may be a block the caching allocator freed after that kernel read it) come after. Contract: W must not
 // be written by any grid that may still run when this one starts (with PDL: the kernel launched just before
 // this one).
@@ -203,6 +204,10 @@ LRF_DEVICE void linear_cta(const LinearParams& p, int64_t block, int tid, float*
     }
   }
   if (!waited) griddep_wait();  // a warp without chunks: nothing is written before the previous kernel is done
+  // This warp has read all its weights: the kernel after this one (a norm, silu_mul or the attention, launched
+  // with programmatic serialization: csrc/launch.h) may become resident once every CTA got here, during the
+  // reduction; it waits for this grid's completion before it reads y.
+  griddep_launch_dependents();
 
   // The warp's partial tile: acc[j] = (feature g | g + 8, tokens 8j + 2c, 8j + 2c + 1).
   float* mine = part + size_t(kwarp) * MP * F + 16 * fwarp;

@@ -46,6 +46,16 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
+// The launchers start these kernels with programmatic serialization (csrc/launch.h), so the kernel before one
+// on the stream (the GEMM whose output it reads) may still be running when it starts: this wait, before the
+// first access to global memory, returns once that grid has completed and its writes are visible. A no-op in
+// a plain launch, before sm_90 and in emulation.
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 struct Bf16Bits {};  // bfloat16 as raw 16-bit words
 struct HalfBits {};
 
@@ -107,6 +117,7 @@ struct RmsNormParams {
 template <typename T, bool kAdd = false>
 __global__ void __launch_bounds__(kRmsThreads) rms_norm_kernel(const RmsNormParams p) {
   allow_dependent_launch();
+  wait_for_prerequisites();
   using C = Conv<T>;
   using S = typename C::Storage;
   constexpr int kPer = 16 / int(sizeof(S));  // elements per 16-byte vector
@@ -205,6 +216,7 @@ struct QkNormRopeParams {
 template <typename T, int E>
 __global__ void __launch_bounds__(kRopeWarps * 32) qk_norm_rope_kernel(const QkNormRopeParams p) {
   allow_dependent_launch();
+  wait_for_prerequisites();
   using C = Conv<T>;
   using S = typename C::Storage;
   constexpr int D = 32 * E;

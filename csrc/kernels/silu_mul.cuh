@@ -34,6 +34,7 @@ struct SiluMulParams {
 template <typename T>
 __global__ void __launch_bounds__(kSiluThreads) silu_mul_kernel(const SiluMulParams p) {
   allow_dependent_launch();  // the down-projection GEMM may start streaming its weights
+  wait_for_prerequisites();  // the gate/up GEMM that writes gu may still run (programmatic launch)
   using C = Conv<T>;
   using S = typename C::Storage;
   constexpr int kPer = 16 / int(sizeof(S));
