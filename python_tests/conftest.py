@@ -15,6 +15,17 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 
+# Switches that change which implementation the ops run. A test that wants one sets it itself (monkeypatch);
+# inherited from the shell, LRF_DISABLE_KERNELS=1 would make every kernel-vs-reference GPU test compare the
+# reference with itself, and the others would move the defaults the tests assume.
+KERNEL_SWITCHES = ("LRF_DISABLE_KERNELS", "LRF_DECODE_GEMM", "LRF_BLOCK_ATTN_VARIANT")
+
+
+def pytest_configure(config):
+    dropped = [k for k in KERNEL_SWITCHES if os.environ.pop(k, None) is not None]
+    if dropped:
+        print(f"conftest: ignoring {', '.join(dropped)} from the environment (tests set the switches they test)")
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:

@@ -322,7 +322,8 @@ def test_gpu_wgmma_variant_on_rollout_shapes(cuda_kernels):
 
 
 @pytest.mark.gpu
-def test_gpu_strided_and_misaligned_inputs(cuda_kernels):
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
+def test_gpu_strided_and_misaligned_inputs(cuda_kernels, variant):
     """q/k/v as views of a fused projection (strided, aligned: read in place) or misaligned (copied)."""
     B, C, Hq, Hkv, D, L, bs = 3, 8, 8, 2, 128, 300, 4
     cache_lens, chunk_lens = [0, 100, 292], [8, 5, 8]
@@ -340,13 +341,14 @@ def test_gpu_strided_and_misaligned_inputs(cuda_kernels):
 
     for qq, kk, vv in ((qs, ks, vs), (misaligned(q), misaligned(k), misaligned(v))):
         kc2, vc2 = kc.clone(), vc.clone()
-        got = block_attention(qq, kk, vv, kc2, vc2, cl, nl, bs).double()
+        got = block_attention(qq, kk, vv, kc2, vc2, cl, nl, bs, variant=variant).double()
         assert (got - want).abs().max().item() < 3e-2
         assert torch.equal(bits(kc2[1, 100:105]), bits(k[1, :5]))
 
 
 @pytest.mark.gpu
-def test_gpu_lengths_past_capacity_never_write_out_of_bounds(cuda_kernels):
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
+def test_gpu_lengths_past_capacity_never_write_out_of_bounds(cuda_kernels, variant):
     """_C called directly (no host check): bad rows write nothing, inside or outside their cache, and output zeros."""
     B, C, Hkv, D, L = 4, 8, 2, 128, 64
     dtype = torch.bfloat16
@@ -365,7 +367,7 @@ def test_gpu_lengths_past_capacity_never_write_out_of_bounds(cuda_kernels):
         nl = torch.tensor(chunk_lens, dtype=torch.int32, device="cuda")
         storage.copy_(before_k)
         vstore.copy_(before_v)
-        out = _ext.ext().block_attention(q, k, v, kc, vc, cl, nl, 4, D**-0.5, 0)
+        out = _ext.ext().block_attention(q, k, v, kc, vc, cl, nl, 4, D**-0.5, 0, VARIANTS[variant])
         torch.cuda.synchronize()
         want_k, want_v = expected_caches(before_k[: B * L * Hkv * D].view(B, L, Hkv, D),
                                          before_v[: B * L * Hkv * D].view(B, L, Hkv, D), k, v, cache_lens, chunk_lens)

@@ -367,10 +367,12 @@ def test_group_normalize_equal_values_give_exact_zero():
 # ---- CUDA kernels (GPU) -------------------------------------------------------------------------------------------
 
 def _kernels_or_skip(name):
+    from conftest import skip_or_fail
+
     from lightningrl_fast import _ext
 
     if not (_ext.has_cuda_kernels() and hasattr(_ext.ext(), name)):
-        pytest.skip(f"lightningrl_fast._C has no CUDA kernel {name}")
+        skip_or_fail(f"lightningrl_fast._C has no CUDA kernel {name}")  # a lost kernel fails CI's CUDA build
     return getattr(_ext.ext(), name)
 
 

@@ -252,12 +252,14 @@ def test_gpu_strided_rows_and_views(cuda_ext_with):
 
 @pytest.mark.gpu
 def test_gpu_op_dispatch_and_determinism(cuda_ext_with):
-    cuda_ext_with("linear")
+    mod = cuda_ext_with("linear")
     x, w = make(32, 4096, 4096, torch.bfloat16, seed=1, device="cuda")
     a = linear(x.view(2, 16, 4096), w, impl="kernel")
     b = linear(x.view(2, 16, 4096), w, impl="kernel", pdl=True)
     assert a.shape == (2, 16, 4096)
     assert torch.equal(bits(a), bits(b)), "two launches of the same product differ"
+    # the op ran the kernel (not its F.linear fallback): the same bits as a direct launch
+    assert torch.equal(bits(a.view(32, 4096)), bits(mod.linear(x, w, False)))
     check_close(a.view(32, 4096), x, w)
     big = torch.randn(65, 4096, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(linear(big, w, impl="kernel"), F.linear(big, w))  # > 64 rows: cuBLAS
@@ -294,16 +296,16 @@ def test_gpu_pdl_chain_sees_the_whole_gemm_output(cuda_ext_with):
     read the GEMM's complete output. The GEMM's output block is handed back by the caching allocator every
     iteration, so a successor reading before the GEMM finished would see the previous iteration's values."""
     mod = cuda_ext_with("linear", "rms_norm", "add_rms_norm", "silu_mul")
-    _, w = make(8, 16384, 4096, torch.bfloat16, seed=1, device="cuda")
-    nw = torch.rand(16384, device="cuda", dtype=torch.bfloat16) + 0.5
-    res = torch.randn(8, 16384, device="cuda", dtype=torch.bfloat16)
+    _, w = make(8, 8192, 4096, torch.bfloat16, seed=1, device="cuda")  # 8192: the widest row rms_norm takes
+    nw = torch.rand(8192, device="cuda", dtype=torch.bfloat16) + 0.5
+    res = torch.randn(8, 8192, device="cuda", dtype=torch.bfloat16)
     got = []
     for seed in range(8):
         x, _ = make(8, 16, 4096, torch.bfloat16, seed=10 + seed, device="cuda")
-        y = mod.linear(x, w, True)  # [8, 16384]: the reduction phase overlaps the next launches
+        y = mod.linear(x, w, True)  # [8, 8192]: the reduction phase overlaps the next launches
         n = mod.rms_norm(y, nw, 1e-6)
         a, s = mod.add_rms_norm(y, res, nw, 1e-6)
-        got.append((x, n, a, s, mod.silu_mul(y)))  # [8, 8192]
+        got.append((x, n, a, s, mod.silu_mul(y)))  # [8, 4096]
         del y
     torch.cuda.synchronize()
     for x, n, a, s, sm in got:
@@ -329,6 +331,7 @@ def _cuda_model():
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("error:CUDA graph capture")  # graphs on must really be captured
 def test_gpu_decode_forward_with_the_kernel_gemms(cuda_ext_with, monkeypatch):
     """The model's cached forward (packed q/k/v and gate/up, o_proj, down, LM head through ops.linear with PDL)
     gives the cuBLAS forward's logits to bf16 rounding, and the sampler (CUDA graphs on) decodes with it,
@@ -346,10 +349,16 @@ def test_gpu_decode_forward_with_the_kernel_gemms(cuda_ext_with, monkeypatch):
     chunk = torch.tensor([8, 8], dtype=torch.int32, device="cuda")
     with torch.no_grad():
         out = {}
+        fallbacks = []
+        reference = linear_mod.linear_reference
         for impl in ("cublas", "kernel"):
             monkeypatch.setenv(IMPL_ENV, impl)
+            if impl == "kernel":  # every GEMM of this forward is kernel-eligible: none may fall back to F.linear
+                monkeypatch.setattr(linear_mod, "linear_reference", lambda *a: fallbacks.append(a) or reference(*a))
             cache = KVCache.allocate(m.config, 2, 32, dtype=torch.bfloat16, device="cuda")
             out[impl] = m.forward_cached(ids, cache, lens, chunk).float()
+        monkeypatch.setattr(linear_mod, "linear_reference", reference)
+        assert not fallbacks, [tuple(a[1].shape) for a in fallbacks]
     scale = out["cublas"].abs().max().item()
     assert (out["kernel"] - out["cublas"]).abs().max().item() <= 0.03 * scale
     monkeypatch.setenv(IMPL_ENV, "kernel")
