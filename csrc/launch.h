@@ -11,13 +11,22 @@
 // that never triggers (cuBLAS, torch's own kernels) simply completes first, as with a plain launch.
 // Under CUDA-graph capture the attribute becomes a programmatic edge of the graph (CUDA 12.3+). If the driver
 // refuses the attribute, the kernel is launched plainly (the same result: the wait is then a no-op).
+// LRF_PDL=0 in the environment (read at every launch, so a benchmark can compare both in one process; the
+// Python side reads the same switch for the GEMM's `pdl`, ops/_common.py) launches everything plainly.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <utility>
 
 namespace lrf {
+
+// False when LRF_PDL starts with '0' (LRF_PDL=0): programmatic dependent launch off.
+inline bool pdl_allowed() {
+  const char* v = std::getenv("LRF_PDL");
+  return v == nullptr || v[0] != '0';
+}
 
 template <typename... Params, typename... Args>
 cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
@@ -31,9 +40,9 @@ cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = pdl_allowed() ? 1 : 0;
   cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
-  if (err != cudaSuccess) {
+  if (err != cudaSuccess && cfg.numAttrs > 0) {
     (void)cudaGetLastError();  // clear it; the plain launch reports its own errors
     cfg.numAttrs = 0;
     err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops._common import host_checks_allowed
+from .ops._common import host_checks_allowed, pdl_allowed
 from .ops.block_attn import block_attention, check_cache_lengths
 from .ops.linear import linear
 from .ops.masked_attn import MaskLayout, masked_attention, prepare
@@ -165,8 +165,8 @@ def _decode_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 def _decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The decode forward's GEMMs through `ops.linear`: its skinny-GEMM kernel on CUDA for <= 64 tokens when
     $LRF_DECODE_GEMM=kernel, F.linear otherwise. pdl: the kernel launched before each of these GEMMs (a norm,
-    the attention, silu_mul) never writes the weights, so the GEMM may start streaming them early."""
-    return linear(x, weight, pdl=x.is_cuda)
+    the attention, silu_mul) never writes the weights, so the GEMM may start streaming them early (LRF_PDL=0: off)."""
+    return linear(x, weight, pdl=x.is_cuda and pdl_allowed())
 
 
 def _decode_add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

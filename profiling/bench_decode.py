@@ -34,6 +34,8 @@ variant is set through LRF_BLOCK_ATTN_VARIANT for that combination, ops/block_at
 GEMMs: `--gemm cublas,kernel` times the kernel rows once per implementation of the decode forward's GEMMs
 (column `gemm`; LRF_DECODE_GEMM for that combination, ops/linear.py: cuBLAS, or the skinny-GEMM kernel for
 <= 64 tokens per forward); default `cublas`.
+Programmatic dependent launch: `--pdl on,off` times the kernel rows with and without it (column `pdl`; LRF_PDL=0
+for "off": every kernel launched plainly, csrc/launch.h); default `on`.
 
 Reference vs kernels: kernel rows run in this process. Reference rows run in a child process started with
 LRF_DISABLE_KERNELS=1, which the ops must honour (the child checks that `ops._common.cuda_kernel` then returns
@@ -68,6 +70,7 @@ from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import SDARConfig, SDARForCausalLM, build_model  # noqa: E402
 from lightningrl_fast.ops.block_attn import VARIANT_ENV as ATTN_ENV  # noqa: E402
 from lightningrl_fast.ops.block_attn import VARIANTS  # noqa: E402
+from lightningrl_fast.ops._common import PDL_ENV  # noqa: E402
 from lightningrl_fast.ops.linear import IMPL_ENV as GEMM_ENV  # noqa: E402
 from lightningrl_fast.ops.linear import IMPLS as GEMM_IMPLS  # noqa: E402
 from lightningrl_fast.profiling import Timer, nvtx_range  # noqa: E402
@@ -237,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--impl", choices=("both", "kernels", "reference"), default="both")
     ap.add_argument("--attn", type=attn_variants, default=["auto"],
                     help="block-attention kernel variants for the kernel rows, comma-separated: auto, mma, wgmma")
+    ap.add_argument("--pdl", type=pdl_modes, default=["on"],
+                    help="programmatic dependent launch for the kernel rows, comma-separated: on, off")
     ap.add_argument("--gemm", type=gemm_impls, default=["cublas"],
                     help="decode GEMM implementations for the kernel rows, comma-separated: cublas, kernel")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (tiny config, reference ops)")
@@ -308,14 +313,16 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     trace = args.torch_trace
     for impl in local:
-        combos = [(a, m) for a in args.attn for m in args.gemm] if impl == "kernels" else [("-", "-")]
-        for attn, gemm in combos:
+        combos = ([(a, m, d) for a in args.attn for m in args.gemm for d in args.pdl] if impl == "kernels"
+                  else [("-", "-", "-")])
+        for attn, gemm, pdl in combos:
             for batch in args.batches:
                 for block in args.blocks:
                     for g in graphs:
-                        with env_setting(ATTN_ENV, attn), env_setting(GEMM_ENV, gemm):
+                        pdl_env = {"on": "1", "off": "0"}.get(pdl, "-")
+                        with env_setting(ATTN_ENV, attn), env_setting(GEMM_ENV, gemm), env_setting(PDL_ENV, pdl_env):
                             rows.append({**run_combo(model, device, batch, block, g, impl, args, trace), "attn": attn,
-                                         "gemm": gemm})
+                                         "gemm": gemm, "pdl": pdl})
                         print(f"done: {rows[-1]}", file=sys.stderr, flush=True)  # progress, if a later one hangs
                         trace = None
     if args.child:
@@ -350,6 +357,13 @@ def gemm_impls(text: str) -> list[str]:
     bad = [n for n in names if n not in GEMM_IMPLS]
     if not names or bad:
         raise argparse.ArgumentTypeError(f"GEMM implementations must be among {', '.join(GEMM_IMPLS)}, got {text!r}")
+    return names
+
+
+def pdl_modes(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names or any(n not in ("on", "off") for n in names):
+        raise argparse.ArgumentTypeError(f"PDL modes must be among on, off, got {text!r}")
     return names
 
 

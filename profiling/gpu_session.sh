@@ -6,8 +6,9 @@
 #
 # Stages (default: build tests sass kernels): build (or prebuilt), tests, sass, kernels (unmask, linear, kv_cache, rms_norm, silu_mul, block_attn
 # --quick, grpo_loss), decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32, graphs on, cuBLAS and the
-# skinny-GEMM kernel, the reference child capped at 240 s), attn_full (every bench_block_attn shape), ncu (Nsight Compute of the unmask and block-attention
-# kernels). The build uses $CC / $CXX when set (RESULTS.md, 2026-11-22: launcher messages crashed in a build
+# skinny-GEMM kernel, the reference child capped at 240 s), pdl (decode at batch 1 with programmatic dependent
+# launch on and off), attn_full (every bench_block_attn shape), ncu (Nsight Compute of the unmask and
+# block-attention kernels). The build uses $CC / $CXX when set (RESULTS.md, 2026-11-22: launcher messages crashed in a build
 # made with the lent image's /opt/gcc; try CC=/usr/bin/gcc CXX=/usr/bin/g++).
 # Each stage has its own time limit so that one hung stage cannot eat the lease, and the whole command has a
 # budget ($GPU_SESSION_BUDGET_S, default 560 s: the device tool kills a call at 600 s, and a killed call returns
@@ -116,6 +117,11 @@ for s in "${stages[@]}"; do
       # $DECODE_ARGS replaces the default shapes (e.g. "--batches 1,8 --impl kernels")
       stage bench_decode 540 bench_decode.log python3 profiling/bench_decode.py --config sdar-8b \
         ${DECODE_ARGS:---batches 1,8,64 --blocks 4,32 --graphs on --gemm cublas,kernel --repeats 3 --new-tokens 256 --child-timeout 240} ;;
+    pdl)
+      # programmatic dependent launch on / off (LRF_PDL=0) at batch 1, with both decode GEMMs
+      stage bench_decode_pdl 300 bench_decode_pdl.log python3 profiling/bench_decode.py --config sdar-8b \
+        --batches 1 --blocks 4 --graphs on --impl kernels --gemm cublas,kernel --pdl on,off --repeats 3 \
+        --new-tokens 256 ;;
     ncu)
       stage ncu 300 ncu.log bash profiling/ncu_kernels.sh ;;
     *) echo "unknown stage $s"; exit 2 ;;

@@ -18,7 +18,7 @@ HAS_CUDA = torch.cuda.is_available()
 # Switches that change which implementation the ops run. A test that wants one sets it itself (monkeypatch);
 # inherited from the shell, LRF_DISABLE_KERNELS=1 would make every kernel-vs-reference GPU test compare the
 # reference with itself, and the others would move the defaults the tests assume.
-KERNEL_SWITCHES = ("LRF_DISABLE_KERNELS", "LRF_DECODE_GEMM", "LRF_BLOCK_ATTN_VARIANT")
+KERNEL_SWITCHES = ("LRF_DISABLE_KERNELS", "LRF_DECODE_GEMM", "LRF_BLOCK_ATTN_VARIANT", "LRF_PDL")
 
 
 def pytest_configure(config):

@@ -232,4 +232,8 @@ def test_bench_decode_cpu_tiny_final_json_line():
         assert r["fwd"] == 1 + 8 // 2  # prefill + one forward per 2 tokens
         assert r["tok/s"] > 0 and r["fwd/s"] > 0 and r["bound"] > 0
         assert 0 < r["%bw"] < 100 and r["GB/fwd"] > 0
+        assert r["attn"] == r["gemm"] == r["pdl"] == "-"  # kernel-only switches: not applied to reference rows
+    bad = subprocess.run([sys.executable, str(script), "--cpu", "--pdl", "maybe"], capture_output=True, text=True,
+                         env=_env(), timeout=300, cwd=str(REPO))
+    assert bad.returncode == 2 and "PDL modes must be among on, off" in bad.stderr
     assert sum(line.startswith("{") for line in lines) == 1  # ONE JSON line

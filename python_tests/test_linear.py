@@ -79,6 +79,18 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         linear(x, w)
 
 
+def test_pdl_switch(monkeypatch):
+    """LRF_PDL=0 turns programmatic dependent launch off (the C++ launchers read the same variable)."""
+    from lightningrl_fast.ops._common import PDL_ENV, pdl_allowed
+
+    monkeypatch.delenv(PDL_ENV, raising=False)
+    assert pdl_allowed()
+    monkeypatch.setenv(PDL_ENV, "0")
+    assert not pdl_allowed()
+    monkeypatch.setenv(PDL_ENV, "1")
+    assert pdl_allowed()
+
+
 def test_kernel_eligibility_rules():
     x, w = make(4, 16, 32, torch.bfloat16)
     assert kernel_eligible(x, w)
@@ -290,12 +302,14 @@ def test_gpu_kernel_in_a_cuda_graph(cuda_ext_with):
 
 
 @pytest.mark.gpu
-def test_gpu_pdl_chain_sees_the_whole_gemm_output(cuda_ext_with):
+@pytest.mark.parametrize("pdl_env", ["1", "0"])
+def test_gpu_pdl_chain_sees_the_whole_gemm_output(cuda_ext_with, monkeypatch, pdl_env):
     """The skinny GEMM lets its successor launch after its main loop (griddepcontrol.launch_dependents), and the
     norms / silu_mul / attention are launched with programmatic serialization (csrc/launch.h): each must still
     read the GEMM's complete output. The GEMM's output block is handed back by the caching allocator every
     iteration, so a successor reading before the GEMM finished would see the previous iteration's values."""
     mod = cuda_ext_with("linear", "rms_norm", "add_rms_norm", "silu_mul")
+    monkeypatch.setenv("LRF_PDL", pdl_env)  # "0": every launch plain (the same results)
     _, w = make(8, 8192, 4096, torch.bfloat16, seed=1, device="cuda")  # 8192: the widest row rms_norm takes
     nw = torch.rand(8192, device="cuda", dtype=torch.bfloat16) + 0.5
     res = torch.randn(8, 8192, device="cuda", dtype=torch.bfloat16)

@@ -59,6 +59,16 @@ def same_device(*named: tuple[str, torch.Tensor]) -> torch.device:
     return dev
 
 
+PDL_ENV = "LRF_PDL"  # "0": no programmatic dependent launch (pdl_allowed)
+
+
+def pdl_allowed() -> bool:
+    """False when LRF_PDL=0: no programmatic dependent launch anywhere (the launchers of csrc/launch.h read the
+    same switch at every launch; the decode GEMM's `pdl` argument follows it). For A/B timing (bench_decode
+    --pdl on,off) and debugging; on by default."""
+    return not os.environ.get(PDL_ENV, "").startswith("0")
+
+
 def cuda_kernel(name: str, *tensors: torch.Tensor):
     """The `_C` entry point `name` when every tensor is on CUDA and the extension provides it, else None.
 
