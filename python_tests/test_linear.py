@@ -373,6 +373,11 @@ def test_gpu_decode_forward_with_the_kernel_gemms(cuda_ext_with, monkeypatch):
             out[impl] = m.forward_cached(ids, cache, lens, chunk).float()
         monkeypatch.setattr(linear_mod, "linear_reference", reference)
         assert not fallbacks, [tuple(a[1].shape) for a in fallbacks]
+        # the PDL chain (the attention reads v straight from the q/k/v GEMM, two kernels back) changes no bit
+        monkeypatch.setenv("LRF_PDL", "0")
+        cache = KVCache.allocate(m.config, 2, 32, dtype=torch.bfloat16, device="cuda")
+        assert torch.equal(m.forward_cached(ids, cache, lens, chunk).float(), out["kernel"])
+        monkeypatch.delenv("LRF_PDL")
     scale = out["cublas"].abs().max().item()
     assert (out["kernel"] - out["cublas"]).abs().max().item() <= 0.03 * scale
     monkeypatch.setenv(IMPL_ENV, "kernel")

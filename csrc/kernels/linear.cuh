@@ -34,8 +34,10 @@
 // starts while that kernel drains. After its main loop the kernel lets its own successor launch
 // (griddepcontrol.launch_dependents), which overlaps that kernel's launch with the reduction. Only reads of W come before the wait: x (written by that kernel) and y (its
 // memory may be a block the caching allocator freed after that kernel read it) come after. Contract: W must not
-// be written by any grid that may still run when this one starts (with PDL: the kernel launched just before
-// this one).
+// be written by any grid that may still run when this one starts. With the PDL chain (csrc/launch.h) that is
+// more than the kernel just before: the norms, silu_mul and the attention signal their successor before their
+// own wait, so the GEMM two kernels back may still be storing its output when this one loads W. Weights are
+// written only by plain torch kernels (optimizer steps, copies), which end any chain.
 //
 // Numerics: exact products, fp32-class tensor-core accumulation (mma; its internal rounding of the additions
 // is not IEEE round-to-nearest per add), the K slices summed in fp32, rounded once to T at the end, as cuBLAS
