@@ -12,8 +12,12 @@ from lightningrl_fast.ops.block_attn import VARIANTS, block_attention, block_att
 
 
 def make_inputs(bsz, c, hq, hkv, d, cap, cache_lens, chunk_lens, dtype=torch.float64, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)  # noqa: E731
+    if torch.device(device).type == "cuda":  # drawn on the GPU: CPU float64 draws of 5k-position caches took seconds
+        g = torch.Generator(device=device).manual_seed(seed)
+        rnd = lambda *s: torch.randn(*s, generator=g, device=device).to(dtype)  # noqa: E731
+    else:
+        g = torch.Generator().manual_seed(seed)
+        rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)  # noqa: E731
     q, k, v = rnd(bsz, c, hq, d), rnd(bsz, c, hkv, d), rnd(bsz, c, hkv, d)
     kc, vc = rnd(bsz, cap, hkv, d), rnd(bsz, cap, hkv, d)  # random "old" cache content beyond the lengths too
     cl = torch.tensor(cache_lens, dtype=torch.int32, device=device)
