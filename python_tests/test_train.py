@@ -357,6 +357,7 @@ def test_cli_time_budget_ends_the_rl_phase(tmp_path, cache_env, capsys):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(180)  # SFT + RL + eval with first compiles of flex attention (fwd + bwd) in each dtype
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_cli_smoke_runs_the_whole_loop_on_cuda(tmp_path, cache_env, capsys, dtype):
     """The smoke run on the GPU with a model the kernels take (head_dim 64): SFT, CUDA-graph rollouts through the
