@@ -183,6 +183,17 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
         raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
     examples = list(examples)
     ids = _encode(tokenizer, task, examples)
+    # found here, not in the middle of the run by the sampler (which knows only a batch-local prompt index)
+    max_len = sampler_cfg.max_length or model.config.max_position_embeddings
+    for ex, p in zip(examples, ids):
+        if len(p) + sampler_cfg.max_new_tokens > max_len:
+            raise ValueError(f"example {getattr(ex, 'id', examples.index(ex))!r}: the prompt has {len(p)} tokens; "
+                             f"with max_new_tokens {sampler_cfg.max_new_tokens} it needs "
+                             f"{len(p) + sampler_cfg.max_new_tokens} positions but the model has {max_len} "
+                             f"(lower the response cap or leave the example out)")
+        if model.config.mask_token_id in p:
+            raise ValueError(f"example {getattr(ex, 'id', examples.index(ex))!r}: the prompt encodes to the mask "
+                             f"token id {model.config.mask_token_id}")
     mine = list(range(env.rank, len(ids), env.world))  # this rank's examples (all of them with one rank)
     groups = [mine[r.start:r.stop] for r in batches(len(mine), batch_size)]
     was_training = model.training

@@ -217,6 +217,42 @@ def _load_examples(path: str, fmt: str | None, limit: int | None, say, task: str
     return list(res.examples)
 
 
+def fit_examples(examples: list, task: Any, tokenizer: Any, model_cfg: Any, max_new_tokens: int, max_length: int | None,
+                 label: str, say: Callable[[str], None]) -> list:
+    """Encode every templated prompt once, before the first rollout: a prompt the tokenizer cannot encode, or that
+    encodes to the mask token, is an error naming its example (it would stop the run at whatever step drew it);
+    a prompt too long for the model's positions with `max_new_tokens` of response is dropped, with a count (an
+    error when none is left)."""
+    from .tasks.data import DataFormatError
+
+    max_len = max_length or model_cfg.max_position_embeddings
+    mask_id = model_cfg.mask_token_id
+    kept, too_long = [], []
+    for ex in examples:
+        name = getattr(ex, "id", None) or f"#{len(kept) + len(too_long)}"
+        try:
+            ids = tokenizer.encode(task.build_prompt(ex))
+        except ValueError as e:
+            raise DataFormatError(f"{label} example {name}: its prompt cannot be encoded by the tokenizer: {e}") from None
+        if not ids:
+            raise DataFormatError(f"{label} example {name}: the prompt encodes to no tokens")
+        if mask_id in ids:
+            raise DataFormatError(f"{label} example {name}: the prompt encodes to the mask token id {mask_id} "
+                                  f"(position {ids.index(mask_id)}); remove the literal mask token from the text")
+        if len(ids) + max_new_tokens > max_len:
+            too_long.append((name, len(ids)))
+        else:
+            kept.append(ex)
+    if too_long:
+        longest = max(n for _, n in too_long)
+        msg = (f"{label}: {len(too_long)} of {len(examples)} prompts are too long for {max_len} positions with "
+               f"{max_new_tokens} new tokens (e.g. {too_long[0][0]}; longest {longest} tokens)")
+        if not kept:
+            raise DataFormatError(msg + "; none is left: lower --max-new-tokens or use shorter prompts")
+        say(f"warning: {msg}: dropped")
+    return kept
+
+
 def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistEnv = SINGLE,
                   device: torch.device | None = None) -> RunContext:
     """Task, model, tokenizer, data and sampler settings of a run. Several ranks: every rank loads the same
@@ -302,6 +338,11 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistE
                          f"vocabulary ({model.config.vocab_size})")
     scfg = dataclasses.replace(cfg.sampler, eos_ids=eos, max_new_tokens=default_max_new_tokens(cfg, task, bs))
     assert isinstance(scfg, SamplerConfig)
+    fit = dict(task=task, tokenizer=tokenizer, model_cfg=model.config, max_new_tokens=scfg.max_new_tokens,
+               max_length=scfg.max_length, say=say)
+    train_examples = fit_examples(train_examples, label="training data", **fit)
+    if eval_examples:
+        eval_examples = fit_examples(eval_examples, label="evaluation data", **fit)
     return RunContext(cfg, out, device, model, tokenizer, task, train_examples, eval_examples, scfg,
                       reference_dir, reference_fp, resume_from, env)
 

@@ -165,3 +165,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def ascii_checkpoint():
+    """`ascii_checkpoint(folder, max_pos=512)` -> folder: a tiny random SDAR checkpoint (float32, block 4) whose
+    char tokenizer encodes every printable ASCII character, so the math / code tasks' prompt templates encode:
+    the `--model DIR` path of the CLIs without a real tokenizer."""
+    import string
+
+    from lightningrl_fast.checkpoint import save_model
+    from lightningrl_fast.model import SDARConfig, build_model
+    from lightningrl_fast.tokenizer import CharTokenizer
+
+    def make(folder: Path, max_pos: int = 512) -> Path:
+        tok = CharTokenizer("".join(c for c in string.printable if c not in "\r\x0b\x0c\t"))
+        cfg = SDARConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=4,
+                         mask_token_id=tok.mask_token_id, torch_dtype="float32", max_position_embeddings=max_pos)
+        save_model(build_model(cfg, dtype=torch.float32, seed=0), cfg, folder, tokenizer=tok)
+        return folder
+
+    return make

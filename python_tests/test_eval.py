@@ -265,3 +265,16 @@ def test_cli_errors(synth_ckpt, tmp_path, capsys):
                                      "test_list": ["assert f(1,2)==3"]}) + "\n")
     assert ev.main(base + ["--task", "math", "--data", str(code_rows)]) == 2
     assert "'code' problems" in capsys.readouterr().err
+
+
+def test_cli_names_an_example_too_long_for_the_model_before_decoding(tmp_path, capsys, ascii_checkpoint):
+    model = ascii_checkpoint(tmp_path / "model")
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"question": "What is 1+2?", "answer": "#### 3"}) + "\n"
+                    + json.dumps({"question": "What is 1+1?" + " pad" * 200, "answer": "#### 2"}) + "\n")
+    rc = ev.main(["--model", str(model), "--task", "math", "--data", str(data), "--max-new-tokens", "16",
+                  "--out", str(tmp_path / "o"), "--quiet"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "example 'long/2': the prompt has" in err and "with max_new_tokens 16 it needs" in err
+    assert "the model has 512" in err and "Traceback" not in err

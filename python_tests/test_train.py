@@ -356,6 +356,66 @@ def test_cli_time_budget_ends_the_rl_phase(tmp_path, cache_env, capsys):
     assert not list(out.glob("checkpoint-*"))
 
 
+# ------------------------------------------------------------------------------------------------------------
+# --model DIR --task math --train-data FILE: the real-checkpoint path, end to end on a tiny model
+# ------------------------------------------------------------------------------------------------------------
+
+def _gsm8k_rows(path: Path, questions: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"question": q, "answer": f"step\n#### {i + 1}"}) + "\n"
+                            for i, q in enumerate(questions)))
+    return path
+
+
+def test_cli_trains_a_checkpoint_folder_on_a_math_file(tmp_path, capsys, ascii_checkpoint):
+    model = ascii_checkpoint(tmp_path / "model")
+    data = _gsm8k_rows(tmp_path / "train.jsonl", [f"What is {i}+{i + 1}?" for i in range(6)]
+                       + ["What is 7+1?" + " padding" * 60])  # 600+ tokens: does not fit 512 positions
+    out = tmp_path / "run"
+    argv = ["--model", str(model), "--task", "math", "--train-data", str(data), "--eval-data", str(data),
+            "--out", str(out), "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "16", "--eval-limit", "3", "--eval-thresholds", "0.9", "--threads", "1",
+            "--no-plots", "--progress", "plain"]
+    assert T.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "1 of 7 prompts are too long for 512 positions with 16 new tokens" in printed  # dropped, said so
+    assert "6 train / 3 eval examples" in printed
+    rows = L.read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    final = sorted(out.glob("checkpoint-*"))[-1]
+    trained, cfg = load_model(final)
+    assert cfg.vocab_size == load_tokenizer(final).vocab_size  # a loadable SDAR folder with its tokenizer
+
+
+def test_cli_names_a_prompt_the_tokenizer_cannot_encode_before_training(tmp_path, capsys):
+    from lightningrl_fast.checkpoint import save_model
+    from lightningrl_fast.model import SDARConfig, build_model
+    from lightningrl_fast.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()  # lower-case letters only: the math template's "Please ..." cannot be encoded
+    cfg = SDARConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=4,
+                     mask_token_id=tok.mask_token_id, torch_dtype="float32", max_position_embeddings=512)
+    save_model(build_model(cfg, dtype=torch.float32, seed=0), cfg, tmp_path / "model", tokenizer=tok)
+    data = _gsm8k_rows(tmp_path / "train.jsonl", ["what is 1+2?"])
+    argv = ["--model", str(tmp_path / "model"), "--task", "math", "--train-data", str(data), "--out",
+            str(tmp_path / "run"), "--steps", "1", "--threads", "1", "--no-plots", "--progress", "plain"]
+    assert T.main(argv) == T.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "training data example train/1: its prompt cannot be encoded by the tokenizer" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_cli_refuses_data_whose_prompts_all_exceed_the_positions(tmp_path, capsys, ascii_checkpoint):
+    model = ascii_checkpoint(tmp_path / "model", max_pos=64)
+    data = _gsm8k_rows(tmp_path / "train.jsonl", ["What is 1+2?", "What is 2+2?"])  # template alone is ~110 tokens
+    argv = ["--model", str(model), "--task", "math", "--train-data", str(data), "--out", str(tmp_path / "run"),
+            "--steps", "1", "--max-new-tokens", "8", "--threads", "1", "--no-plots", "--progress", "plain"]
+    assert T.main(argv) == T.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "2 of 2 prompts are too long for 64 positions with 8 new tokens" in err and "none is left" in err
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(180)  # SFT + RL + eval with first compiles of flex attention (fwd + bwd) in each dtype
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
