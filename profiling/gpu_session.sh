@@ -15,10 +15,12 @@
 # the logs but none of the stages after the kill): a stage gets at most what is left of it, and a stage that
 # would get less than 30 s is skipped with a line saying so. The logs are plain text; copy the figures into
 # profiling/RESULTS.md with the device, date, commit and shapes.
-# Reusing a build: the build stage leaves the extension gzipped in $OUT/_C.so.gz (the uncompressed library is
-# over the 16 MiB a returned file may have). Copy it into .prebuilt/ of the checkout (ignored by git), carry
-# .prebuilt, and start the next call's stages with `prebuilt` instead of `build`: the library goes into the
-# source tree's package and PYTHONPATH points there (same machine image only: same Python, torch and driver).
+# Reusing a build: the build stage leaves the extension gzipped in $OUT/_C-<hash>.so.gz (the uncompressed library
+# is over the 16 MiB a returned file may have; <hash> = src_hash below, of the C++/CUDA sources and the build
+# script). Copy it into .prebuilt/ of the checkout (ignored by git), carry .prebuilt, and start the next call's
+# stages with `prebuilt` instead of `build`: the library goes into the source tree's package and PYTHONPATH
+# points there (same machine image only: same Python, torch and driver). A library built from other sources
+# (csrc/ changed since) is refused.
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -44,7 +46,8 @@ stage() {  # stage NAME LIMIT_S LOGFILE CMD...
   return $rc
 }
 
-so_path() { (cd /tmp && python3 -c 'import lightningrl_fast._C as c; print(c.__file__)' 2>/dev/null); }
+src_hash() { (cd "$REPO" && find csrc setup.py -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-12); }
+so_path() { (cd /tmp && python3 -c 'import torch, lightningrl_fast._C as c; print(c.__file__)' 2>/dev/null); }  # torch first: _C links libc10
 
 for s in "${stages[@]}"; do
   case $s in
@@ -54,17 +57,18 @@ for s in "${stages[@]}"; do
       } >"$OUT/build.log" 2>&1
       stage build 300 build.log python3 -m pip install --no-build-isolation --no-deps -v . || exit 1
       # The built library travels back so a later call can reuse it (the `prebuilt` stage; see the header).
-      gzip -c "$(so_path)" >"$OUT/_C.so.gz" 2>/dev/null
+      gzip -c "$(so_path)" >"$OUT/_C-$(src_hash).so.gz" 2>/dev/null
       # The launcher-message crash of the first lease (RESULTS.md): which libstdc++ the extension was linked
       # against and which one the process actually loads (a newer compiler's headers over an older runtime
       # would explain number formatting -- std::num_put -- crashing while string-only messages work).
       { ${CXX:-c++} --version | head -n 1; ldd "$(so_path)" | grep -E "stdc\+\+|gcc_s"
-        (cd /tmp && python3 -c 'import lightningrl_fast._C, torch; print([l.split()[-1] for l in open("/proc/self/maps") if "stdc++" in l][:1])')
+        (cd /tmp && python3 -c 'import torch, lightningrl_fast._C; print([l.split()[-1] for l in open("/proc/self/maps") if "stdc++" in l][:1])')
       } >"$OUT/libstdcxx.log" 2>&1
       grep -E "ptxas info|spill|Used [0-9]+ registers|stack frame" "$OUT/build.log" | sort -u | tail -n 60 ;;
     prebuilt)
-      gz=$REPO/.prebuilt/_C.so.gz
-      [ -f "$gz" ] || { echo "prebuilt: no $gz (carry .prebuilt)"; exit 1; }
+      gz=$REPO/.prebuilt/_C-$(src_hash).so.gz
+      [ -f "$gz" ] || { echo "prebuilt: no $gz: carry .prebuilt with the build of these sources" \
+                             "(present: $(ls "$REPO/.prebuilt" 2>/dev/null | tr '\n' ' '))"; exit 1; }
       { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
         python3 -c 'import torch, sysconfig; print("torch", torch.__version__, torch.version.cuda, sysconfig.get_config_var("EXT_SUFFIX"))'
       } >"$OUT/build.log" 2>&1
@@ -92,14 +96,19 @@ for s in "${stages[@]}"; do
       grep -E "^=== tests|passed|failed|error" "$OUT/tests.log" | tail -n 30 ;;
     sass)
       so=$(so_path)
-      { cuobjdump --list-elf "$so"
+      [ -n "$so" ] || { echo "sass: lightningrl_fast._C does not import"; exit 1; }
+      objdump=$(command -v cuobjdump || echo "$CUDA_HOME/bin/cuobjdump")
+      full=$(mktemp)  # the whole SASS once (tens of MB), then one pass per kernel family
+      { "$objdump" --dump-sass "$so" >"$full"
+        "$objdump" --list-elf "$so"
         for k in block_attn unmask lm_head group_normalize kv_cache linear_kernel rms_norm qk_norm_rope silu_mul; do
           echo "--- $k: instruction mix"
-          cuobjdump --dump-sass "$so" | awk -v k="$k" '/Function :/ {on = index($0, k) > 0} on' \
+          awk -v k="$k" '/Function :/ {on = index($0, k) > 0} on' "$full" \
             | grep -oE '^\s+/\*[0-9a-f]{4}\*/\s+[A-Z][A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' \
             | sort | uniq -c | sort -rn | head -n 25
         done
       } >"$OUT/sass.log" 2>&1
+      rm -f "$full"
       grep -cE "HMMA|HGMMA" "$OUT/sass.log" ;;
     kernels)
       # bench_unmask times 3 modes per row count (greedy, two-level and per-token sampling) + 3 more at 32 / 1024

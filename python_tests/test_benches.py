@@ -99,3 +99,88 @@ def test_results_rows_turns_json_lines_into_results_md_rows(tmp_path):
     assert out.stdout.count("\n") == 2
     out = subprocess.run(cli + [str(tmp_path / "missing.log")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no such log file" in out.stderr
+
+
+# ------------------------------------------------------------------------------------------------ gpu_session.sh
+
+def _cuobjdump() -> str | None:
+    import shutil
+
+    for cand in (shutil.which("cuobjdump"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin",
+                                                        "cuobjdump")):
+        if cand and os.path.isfile(cand):
+            return cand
+    try:
+        import triton
+    except ImportError:
+        return None
+    cand = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(cand) if cand.is_file() else None
+
+
+def _session(stages: list[str], repo: Path, out: Path, **env) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, OUT=str(out), CUDA_VISIBLE_DEVICES="", **env)
+    return subprocess.run(["bash", str(repo / "profiling" / "gpu_session.sh"), *stages], cwd=str(repo),
+                          capture_output=True, text=True, timeout=600, env=full_env)
+
+
+def _installed_extension() -> Path:
+    import torch  # noqa: F401  (_C links torch's libraries)
+
+    from lightningrl_fast import _ext
+
+    mod = _ext.ext()
+    if mod is None:
+        pytest.skip("lightningrl_fast._C is not built")
+    return Path(mod.__file__)
+
+
+def test_gpu_session_sass_stage_reads_the_installed_extension(tmp_path):
+    """The lease's SASS stage finds the extension (torch imported first) and cuobjdump, and writes the mix."""
+    so = _installed_extension()
+    exe = _cuobjdump()
+    import lightningrl_fast._C as C
+
+    if not C.has_cuda() or exe is None:
+        pytest.skip("needs a CUDA build and cuobjdump")
+    proc = _session(["sass"], REPO, tmp_path, PATH=os.path.dirname(exe) + os.pathsep + os.environ["PATH"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = (tmp_path / "sass.log").read_text()
+    assert so.name in log or "sm_90a" in log  # --list-elf of the library
+    for k in ("block_attn", "linear_kernel", "rms_norm"):
+        section = log.split(f"--- {k}: instruction mix", 1)[1].split("---", 1)[0]
+        assert "MMA" in section or "FFMA" in section or "FADD" in section, (k, section[:300])
+
+
+def test_gpu_session_prebuilt_stage_and_budget(tmp_path):
+    """A later call reuses the build of the same sources (`prebuilt`), refuses one of other sources, and keeps to
+    its time budget (stages that would get < 30 s are skipped, not killed)."""
+    import gzip
+    import re
+    import shutil
+
+    so = _installed_extension()
+    repo = tmp_path / "repo"
+    for item in ("csrc", "lightningrl_fast", "profiling"):
+        shutil.copytree(REPO / item, repo / item, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copy(REPO / "setup.py", repo / "setup.py")
+    out = tmp_path / "out"
+    proc = _session(["prebuilt"], repo, out)
+    assert proc.returncode == 1
+    want = re.search(r"no (\S+/_C-[0-9a-f]{12}\.so\.gz)", proc.stdout + proc.stderr)
+    assert want, proc.stdout + proc.stderr
+    gz = Path(want.group(1))
+    gz.parent.mkdir(parents=True, exist_ok=True)
+    gz.write_bytes(gzip.compress(so.read_bytes(), compresslevel=1))
+    (repo / "csrc" / "launch.h").write_text((repo / "csrc" / "launch.h").read_text() + "\n// edited\n")
+    proc = _session(["prebuilt"], repo, out)  # the sources changed: that build is not theirs
+    assert proc.returncode == 1 and "carry .prebuilt with the build of these sources" in proc.stdout
+    shutil.copy(REPO / "csrc" / "launch.h", repo / "csrc" / "launch.h")
+    proc = _session(["prebuilt", "kernels"], repo, out, GPU_SESSION_BUDGET_S="45")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{repo}/lightningrl_fast/_C" in (out / "build.log").read_text()  # the unpacked library was imported
+    bench = (out / "bench.log").read_text()
+    # the first bench ran within what was left (or was already skipped on a slow machine); the last, after six
+    # script starts, cannot fit into 45 s and is skipped with a line instead of the call being killed
+    assert re.search(r"=== bench_unmask\.py( \(limit \d+s\)|: skipped)", bench), bench[:500]
+    assert re.search(r"=== bench_grpo_loss.py: skipped, -?\d+s left of the 45s budget", bench), bench[-2000:]
