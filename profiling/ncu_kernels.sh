@@ -5,7 +5,8 @@
 #   KERNELS='regex:kv_cache_write' bash profiling/ncu_kernels.sh kv --config sdar-4b --batches 64 --blocks 4
 #
 # Profiles only kernels whose names match $KERNELS (default: our kernels kv_cache_write, block_attention /
-# block_attn, threshold_unmask / unmask, grpo) launched inside the NVTX push/pop range `bench_timed` (the timed
+# block_attn, threshold_unmask / unmask, grpo, the decode skinny GEMM linear_kernel (the default arguments select
+# it with --gemm kernel), rms_norm, qk_norm_rope, silu_mul) launched inside the NVTX push/pop range `bench_timed` (the timed
 # decode calls, not the warmup), $COUNT launches at most (default 20), with the full section set
 # (speed of light, memory workload, occupancy, launch stats). Writes OUT_BASENAME.ncu-rep (default
 # profiling/out/ncu_kernels) and prints the per-kernel summary. Clocks are left alone (--clock-control none),
@@ -25,14 +26,14 @@ if [ -z "$NCU" ]; then
 fi
 [ -n "$NCU" ] || { echo "ncu (Nsight Compute) not found: set NCU=/path/to/ncu" >&2; exit 1; }
 
-KERNELS="${KERNELS:-regex:kv_cache_write|block_att|threshold_unmask|unmask|grpo}"
+KERNELS="${KERNELS:-regex:kv_cache_write|block_att|threshold_unmask|unmask|grpo|linear_kernel|rms_norm|qk_norm_rope|silu_mul}"
 COUNT="${COUNT:-20}"
 ARGS=("$@")
-[ ${#ARGS[@]} -eq 0 ] && ARGS=(--config sdar-8b --batches 8 --blocks 32 --impl kernels --repeats 1)
+[ ${#ARGS[@]} -eq 0 ] && ARGS=(--config sdar-8b --batches 8 --blocks 32 --impl kernels --gemm kernel --repeats 1)
 
 "$NCU" --nvtx --nvtx-include "bench_timed/" --kernel-name "$KERNELS" --launch-count "$COUNT" \
   --set full --clock-control none --target-processes all --force-overwrite --export "$OUT" \
-  python profiling/bench_decode.py --graphs off "${ARGS[@]}"
+  "${PYTHON:-python3}" profiling/bench_decode.py --graphs off "${ARGS[@]}"
 "$NCU" --import "$OUT.ncu-rep" --page raw --csv \
   --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes.sum \
   > "$OUT.csv" || true

@@ -35,6 +35,6 @@ ARGS=("$@")
 [ ${#ARGS[@]} -eq 0 ] && ARGS=(--config sdar-8b --batches 8 --blocks 32 --graphs off --impl kernels --repeats 1)
 
 "$NSYS" profile --trace cuda,nvtx,osrt --sample none --cuda-graph-trace node --force-overwrite true \
-  --output "$OUT" python profiling/bench_decode.py "${ARGS[@]}"
+  --output "$OUT" "${PYTHON:-python3}" profiling/bench_decode.py "${ARGS[@]}"
 "$NSYS" stats --report nvtx_sum,cuda_gpu_kern_sum --format column "$OUT.nsys-rep" || true
 echo "timeline: $OUT.nsys-rep (open in the Nsight Systems GUI)"
