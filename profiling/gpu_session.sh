@@ -132,7 +132,7 @@ for s in "${stages[@]}"; do
         --batches 1 --blocks 4 --graphs on --impl kernels --gemm cublas,kernel --pdl on,off --repeats 3 \
         --new-tokens 256 ;;
     ncu)
-      stage ncu 300 ncu.log bash profiling/ncu_kernels.sh ;;
+      stage ncu 300 ncu.log bash profiling/ncu_kernels.sh "$OUT/ncu_kernels" ;;  # report + csv come back under $OUT
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
