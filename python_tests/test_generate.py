@@ -237,3 +237,20 @@ def test_bench_decode_cpu_tiny_final_json_line():
                          env=_env(), timeout=300, cwd=str(REPO))
     assert bad.returncode == 2 and "PDL modes must be among on, off" in bad.stderr
     assert sum(line.startswith("{") for line in lines) == 1  # ONE JSON line
+
+
+@pytest.mark.gpu
+def test_gpu_cli_prints_the_bandwidth_use(ckpt, tmp_path, capsys):
+    from lightningrl_fast.profiling import copy_bandwidth_gbs
+
+    bw = copy_bandwidth_gbs(torch.device("cuda"))
+    assert bw is not None and 50 < bw < 20000  # GB/s, read + written: any current GPU
+    prompts = _write(tmp_path / "p.txt", ["1+2?", "hello"])
+    rc = gen.main(["--model", str(ckpt), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"),
+                   "--max-new-tokens", "8", "--device", "cuda", "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    m = re.search(r"weights streamed [0-9.e+-]+ GB/s .* = ([0-9.]+)% of the device copy bandwidth \(([0-9]+) GB/s\)",
+                  printed)
+    assert m, printed
+    assert float(m.group(1)) >= 0 and float(m.group(2)) > 50
