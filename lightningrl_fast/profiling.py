@@ -45,12 +45,16 @@ class Timer:
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 28, iters: int = 5) -> float | None:
     """Device-to-device copy bandwidth of a CUDA device in GB/s, counting the bytes read and written (the
-    bandwidth bound a decode forward is compared with); None off CUDA. ~20 ms on an H100 with the defaults."""
+    bandwidth bound a decode forward is compared with); None off CUDA or when the 2 x `nbytes` buffers do not fit.
+    ~20 ms on an H100 with the defaults."""
     if device.type != "cuda":
         return None
     with torch.cuda.device(device):
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
+        try:
+            src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            dst = torch.empty_like(src)
+        except torch.cuda.OutOfMemoryError:  # a full device (model + KV cache): no figure rather than a crash
+            return None
         dst.copy_(src)  # warm-up
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
