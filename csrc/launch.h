@@ -43,6 +43,10 @@ cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
   cfg.numAttrs = pdl_allowed() ? 1 : 0;
   cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
   if (err != cudaSuccess && cfg.numAttrs > 0) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
+      return err;  // a failed launch has invalidated the capture: report the first error, not the retry's
+    }
     (void)cudaGetLastError();  // clear it; the plain launch reports its own errors
     cfg.numAttrs = 0;
     err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
