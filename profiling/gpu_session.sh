@@ -88,7 +88,7 @@ for s in "${stages[@]}"; do
       [ ${#files[@]} -eq 0 ] && files=("$REPO"/python_tests/test_*.py)
       for f in "${files[@]}"; do
         grep -q "mark.gpu" "$f" || continue
-        (cd /tmp && stage "tests $(basename "$f")" 240 tests.log python3 -m pytest "$f" -m gpu -q -rfE \
+        (cd /tmp && stage "tests $(basename "$f")" 240 tests.log python3 -m pytest "$f" -m gpu -q -rfE --durations 5 \
             -p no:cacheprovider --timeout 100 -k "not launcher_checks")
       done
       (cd /tmp && stage "launcher checks" 120 tests.log python3 -m pytest "$REPO/python_tests" -q -rfE \
