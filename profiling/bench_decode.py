@@ -113,11 +113,6 @@ def make_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 
     return model.eval()
 
 
-def weight_bytes(model: SDARForCausalLM) -> int:
-    """Bytes of weights one forward reads (`SDARForCausalLM.forward_weight_bytes`)."""
-    return model.forward_weight_bytes()
-
-
 def kv_bytes(cfg: SDARConfig, batch: int, context: float, elt: int) -> float:
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * elt * batch * context
 
@@ -194,7 +189,7 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
     s = statistics.median(secs)
     toks = int(ro.lengths.sum())
     elt = next(model.parameters()).element_size()
-    gb = (weight_bytes(model) + kv_bytes(cfg_m, batch, args.prompt_len + args.new_tokens / 2, elt)) / 1e9
+    gb = (model.forward_weight_bytes() + kv_bytes(cfg_m, batch, args.prompt_len + args.new_tokens / 2, elt)) / 1e9
     bound = args.copy_gbs / gb
     fwd_s = ro.total_forwards / s
     row.update({"tpf": round(float(ro.tpf.mean()), 3), "fwd": ro.total_forwards, "s": s, "tok/s": toks / s,
@@ -298,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     args.copy_gbs = copy_bandwidth_gbs(device)
     with torch.device("meta"):  # sizes only; the real model is built when this process times something
         shape_model = SDARForCausalLM(SDARConfig(**CONFIGS[args.config])).to(dtype)
-    wb = weight_bytes(shape_model)
+    wb = shape_model.forward_weight_bytes()
     n_params = sum(p.numel() for p in {id(p): p for p in shape_model.parameters()}.values())
     del shape_model
     model = make_model(args.config, device, dtype) if local else None

@@ -187,3 +187,37 @@ def ascii_checkpoint():
         return folder
 
     return make
+
+
+def find_cuobjdump() -> str | None:
+    """cuobjdump from the CUDA toolkit, else the one the triton package ships (as .ci/run finds it)."""
+    import importlib.util
+    import shutil
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    for root in (os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "cuobjdump").is_file():
+            return str(Path(root) / "bin" / "cuobjdump")
+    if shutil.which("cuobjdump"):
+        return shutil.which("cuobjdump")
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.submodule_search_locations:
+        exe = Path(next(iter(spec.submodule_search_locations))) / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if exe.is_file():
+            return str(exe)
+    return None
+
+
+def sass_functions(cuobjdump: str, library: str) -> dict[str, str]:
+    """{mangled kernel name: its SASS text} of every function in `library` (cuobjdump --dump-sass)."""
+    sass = subprocess.run([cuobjdump, "--dump-sass", library], capture_output=True, text=True, timeout=600).stdout
+    funcs: dict[str, str] = {}
+    name = None
+    for line in sass.splitlines():
+        if "Function :" in line:
+            name = line.split("Function :", 1)[1].strip()
+            funcs[name] = ""
+        elif name is not None:
+            funcs[name] += line + "\n"
+    return funcs

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import find_cuobjdump
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,21 +104,6 @@ def test_results_rows_turns_json_lines_into_results_md_rows(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ gpu_session.sh
 
-def _cuobjdump() -> str | None:
-    import shutil
-
-    for cand in (shutil.which("cuobjdump"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin",
-                                                        "cuobjdump")):
-        if cand and os.path.isfile(cand):
-            return cand
-    try:
-        import triton
-    except ImportError:
-        return None
-    cand = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return str(cand) if cand.is_file() else None
-
-
 def _session(stages: list[str], repo: Path, out: Path, **env) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, OUT=str(out), CUDA_VISIBLE_DEVICES="", **env)
     return subprocess.run(["bash", str(repo / "profiling" / "gpu_session.sh"), *stages], cwd=str(repo),
@@ -138,7 +124,7 @@ def _installed_extension() -> Path:
 def test_gpu_session_sass_stage_reads_the_installed_extension(tmp_path):
     """The lease's SASS stage finds the extension (torch imported first) and cuobjdump, and writes the mix."""
     so = _installed_extension()
-    exe = _cuobjdump()
+    exe = find_cuobjdump()
     import lightningrl_fast._C as C
 
     if not C.has_cuda() or exe is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 from pathlib import Path
 
@@ -11,6 +10,8 @@ import pytest
 
 import lightningrl_fast
 from lightningrl_fast import _ext
+
+from conftest import find_cuobjdump, sass_functions
 
 EXPECT_CUDA_BUILD = os.environ.get("LRF_EXPECT_CUDA_BUILD") == "1"
 
@@ -63,48 +64,19 @@ def test_readme_quotes_ci_run_verbatim():
     assert f"```bash\n{script.read_text()}```" in text, "README's copy of .ci/run is out of date"
 
 
-def _cuobjdump() -> str | None:
-    """cuobjdump from the CUDA toolkit, else the one the triton package ships (as .ci/run finds it)."""
-    import shutil
-
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    for root in (os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"):
-        if root and (Path(root) / "bin" / "cuobjdump").is_file():
-            return str(Path(root) / "bin" / "cuobjdump")
-    if shutil.which("cuobjdump"):
-        return shutil.which("cuobjdump")
-    spec = importlib.util.find_spec("triton")
-    if spec is not None and spec.submodule_search_locations:
-        exe = Path(next(iter(spec.submodule_search_locations))) / "backends" / "nvidia" / "bin" / "cuobjdump"
-        if exe.is_file():
-            return str(exe)
-    return None
-
-
 def test_tensor_core_kernels_sass_has_the_intended_instructions():
     """The sm_90a SASS (no GPU needed) of both block-attention variants: the mma.sync kernel issues HMMA.16816,
     the wgmma kernel HGMMA 64x64x16 (S = Q K^T, K-major B) and 64xDx16 with a transposed (MN-major) B (O += P V)
     behind warpgroup fences and async-proxy fences; and of the decode skinny GEMM. None touches local memory."""
-    import subprocess
-
     C = _C_or_skip()
     if not C.has_cuda():
         pytest.skip("CPU-only build")
-    exe = _cuobjdump()
+    exe = find_cuobjdump()
     if exe is None:
         if EXPECT_CUDA_BUILD:
             pytest.fail("no cuobjdump (CUDA toolkit or triton package)")
         pytest.skip("no cuobjdump")
-    sass = subprocess.run([exe, "--dump-sass", C.__file__], capture_output=True, text=True, timeout=600).stdout
-    funcs: dict[str, str] = {}
-    name = None
-    for line in sass.splitlines():
-        if "Function :" in line:
-            name = line.split("Function :", 1)[1].strip()
-            funcs[name] = ""
-        elif name is not None:
-            funcs[name] += line + "\n"
+    funcs = sass_functions(exe, C.__file__)
     attn = {n: body for n, body in funcs.items() if "block_attn_kernel" in n}
     wg = {n: b for n, b in attn.items() if "Lb1E" in n}
     mma = {n: b for n, b in attn.items() if "Lb0E" in n}
@@ -146,25 +118,15 @@ def test_programmatically_launched_kernels_wait_before_touching_memory():
     programmatic stream serialization (csrc/launch.h): each may run while the kernel before it on the stream is
     still writing its input, which is safe only because griddepcontrol.wait (ACQBULK) comes before its first
     global load or store (and before its cp.async copies). Checked on the sm_90a SASS."""
-    import subprocess
-
     C = _C_or_skip()
     if not C.has_cuda():
         pytest.skip("CPU-only build")
-    exe = _cuobjdump()
+    exe = find_cuobjdump()
     if exe is None:
         if EXPECT_CUDA_BUILD:
             pytest.fail("no cuobjdump (CUDA toolkit or triton package)")
         pytest.skip("no cuobjdump")
-    sass = subprocess.run([exe, "--dump-sass", C.__file__], capture_output=True, text=True, timeout=600).stdout
-    funcs: dict[str, str] = {}
-    name = None
-    for line in sass.splitlines():
-        if "Function :" in line:
-            name = line.split("Function :", 1)[1].strip()
-            funcs[name] = ""
-        elif name is not None:
-            funcs[name] += line + "\n"
+    funcs = sass_functions(exe, C.__file__)
     stems = {"rms_norm_kernel": 6, "qk_norm_rope_kernel": 6, "silu_mul_kernel": 3, "block_attn_kernel": 8,
              "block_attn_combine_kernel": 4}
     memory_ops = ("LDG", "STG", "LDGSTS", "LD", "ST", "ATOMG", "RED", "UTMALDG", "UBLKCP")
