@@ -64,10 +64,8 @@ def test_readme_quotes_ci_run_verbatim():
     assert f"```bash\n{script.read_text()}```" in text, "README's copy of .ci/run is out of date"
 
 
-def test_tensor_core_kernels_sass_has_the_intended_instructions():
-    """The sm_90a SASS (no GPU needed) of both block-attention variants: the mma.sync kernel issues HMMA.16816,
-    the wgmma kernel HGMMA 64x64x16 (S = Q K^T, K-major B) and 64xDx16 with a transposed (MN-major) B (O += P V)
-    behind warpgroup fences and async-proxy fences; and of the decode skinny GEMM. None touches local memory."""
+def _sass_or_skip() -> dict[str, str]:
+    """{kernel: SASS} of the built CUDA extension; skipped for a CPU-only build, failed in CI without cuobjdump."""
     C = _C_or_skip()
     if not C.has_cuda():
         pytest.skip("CPU-only build")
@@ -76,7 +74,14 @@ def test_tensor_core_kernels_sass_has_the_intended_instructions():
         if EXPECT_CUDA_BUILD:
             pytest.fail("no cuobjdump (CUDA toolkit or triton package)")
         pytest.skip("no cuobjdump")
-    funcs = sass_functions(exe, C.__file__)
+    return sass_functions(exe, C.__file__)
+
+
+def test_tensor_core_kernels_sass_has_the_intended_instructions():
+    """The sm_90a SASS (no GPU needed) of both block-attention variants: the mma.sync kernel issues HMMA.16816,
+    the wgmma kernel HGMMA 64x64x16 (S = Q K^T, K-major B) and 64xDx16 with a transposed (MN-major) B (O += P V)
+    behind warpgroup fences and async-proxy fences; and of the decode skinny GEMM. None touches local memory."""
+    funcs = _sass_or_skip()
     attn = {n: body for n, body in funcs.items() if "block_attn_kernel" in n}
     wg = {n: b for n, b in attn.items() if "Lb1E" in n}
     mma = {n: b for n, b in attn.items() if "Lb0E" in n}
@@ -118,15 +123,7 @@ def test_programmatically_launched_kernels_wait_before_touching_memory():
     programmatic stream serialization (csrc/launch.h): each may run while the kernel before it on the stream is
     still writing its input, which is safe only because griddepcontrol.wait (ACQBULK) comes before its first
     global load or store (and before its cp.async copies). Checked on the sm_90a SASS."""
-    C = _C_or_skip()
-    if not C.has_cuda():
-        pytest.skip("CPU-only build")
-    exe = find_cuobjdump()
-    if exe is None:
-        if EXPECT_CUDA_BUILD:
-            pytest.fail("no cuobjdump (CUDA toolkit or triton package)")
-        pytest.skip("no cuobjdump")
-    funcs = sass_functions(exe, C.__file__)
+    funcs = _sass_or_skip()
     stems = {"rms_norm_kernel": 6, "qk_norm_rope_kernel": 6, "silu_mul_kernel": 3, "block_attn_kernel": 8,
              "block_attn_combine_kernel": 4}
     memory_ops = ("LDG", "STG", "LDGSTS", "LD", "ST", "ATOMG", "RED", "UTMALDG", "UBLKCP")
