@@ -26,18 +26,19 @@
 // the cluster's threads sum, for each output, the partials of every K slice in one fixed order (rank, then K
 // warp) through distributed shared memory and write y rounded to T. Deterministic for a given plan (fw, cluster:
 // the launcher's choice for the device): the same inputs give the same bits whatever the scheduling (no atomics);
-// another plan splits K differently and may round differently. A second cluster barrier keeps every CTA's shared memory alive until
-// all reads of it are done.
+// another plan splits K differently and may round differently. A second cluster barrier keeps every CTA's shared
+// memory alive until all reads of it are done.
 //
 // Programmatic dependent launch (the launcher's `pdl`): the first groups of W are loaded before
 // griddepcontrol.wait, so when the kernel before this one on the stream lets it launch early, the weight stream
 // starts while that kernel drains. After its main loop the kernel lets its own successor launch
-// (griddepcontrol.launch_dependents), which overlaps that kernel's launch with the reduction. Only reads of W come before the wait: x (written by that kernel) and y (its
-// memory may be a block the caching allocator freed after that kernel read it) come after. Contract: W must not
-// be written by any grid that may still run when this one starts. With the PDL chain (csrc/launch.h) that is
-// more than the kernel just before: the norms, silu_mul and the attention signal their successor before their
-// own wait, so the GEMM two kernels back may still be storing its output when this one loads W. Weights are
-// written only by plain torch kernels (optimizer steps, copies), which end any chain.
+// (griddepcontrol.launch_dependents), which overlaps that kernel's launch with the reduction. Only reads of W
+// come before the wait: x (written by that kernel) and y (its memory may be a block the caching allocator freed
+// after that kernel read it) come after. Contract: W must not be written by any grid that may still run when
+// this one starts. With the PDL chain (csrc/launch.h) that is more than the kernel just before: the norms,
+// silu_mul and the attention signal their successor before their own wait, so the GEMM two kernels back may
+// still be storing its output when this one loads W. Weights are written only by plain torch kernels
+// (optimizer steps, copies), which end any chain.
 //
 // Numerics: exact products, fp32-class tensor-core accumulation (mma; its internal rounding of the additions
 // is not IEEE round-to-nearest per add), the K slices summed in fp32, rounded once to T at the end, as cuBLAS
