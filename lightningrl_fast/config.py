@@ -206,7 +206,9 @@ EXTERNAL_HELP: dict[str, str] = {
     "updates_per_step": "optimizer steps (PPO mini-batches) per pass over a rollout batch",
     "epochs_per_step": "passes over each rollout batch (PPO epochs): > 1 reuses the rollouts for more updates, "
                        "the ratio to the rollout policy clipped by --eps-low/--eps-high",
-    "micro_batch_tokens": "token budget of one training forward/backward (memory knob)",
+    "micro_batch_tokens": "positions per training forward/backward (memory knob): samples, each cut to its own "
+                          "length, are packed back to back into rows of this many positions; a longer sample runs "
+                          "alone",
     "rollout_batch_size": "sequences per generate() call of a rollout (prompts x G are decoded in chunks of this "
                           "many; the KV cache is sized by it: memory knob)",
     "max_nonfinite_steps": "stop (exit non-zero) after this many non-finite updates in a row",

@@ -2,7 +2,8 @@
 
 One model, three ways to run it:
   * `forward(input_ids, position_ids, layout)` — full sequences under a `MaskLayout` predicate:
-    block-causal (layout None), the block-proxy training layout [x_t ; x_0], or trace replay.
+    block-causal (layout None), the block-proxy training layout [x_t ; x_0], or trace replay; or under a
+    `PackedLayout`: several such sequences back to back in a row (the trainer's packed micro-batches).
   * `forward_cached(input_ids, cache, cache_lens, chunk_lens)` — incremental: a chunk of new tokens per
     row against a preallocated static-shape `KVCache` (prefill, one denoising block, or a finished block
     folded with the next). The chunk's K/V are written into the cache; the caller advances the lengths.
@@ -34,7 +35,7 @@ from torch import nn
 from .ops._common import host_checks_allowed, pdl_allowed
 from .ops.block_attn import block_attention, check_cache_lengths
 from .ops.linear import linear
-from .ops.masked_attn import MaskLayout, masked_attention, prepare
+from .ops.masked_attn import MaskLayout, PackedLayout, masked_attention, prepare
 from .ops.rms_norm import add_rms_norm, qk_norm_rope, rms_norm
 from .ops.silu_mul import silu_mul
 
@@ -241,7 +242,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, n, self.hkv, self.d)  # [B, N, Hkv, D]
         return q, k, v
 
-    def forward(self, x, cos, sin, layout: MaskLayout, plan) -> torch.Tensor:
+    def forward(self, x, cos, sin, layout: MaskLayout | PackedLayout, plan) -> torch.Tensor:
         b, n, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
         o = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout, plan)  # [B, Hq, N, D]
@@ -420,14 +421,16 @@ class SDARForCausalLM(nn.Module):
                              f"{getattr(input_ids, 'dtype', type(input_ids))} {tuple(getattr(input_ids, 'shape', ()))}")
 
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-               layout: MaskLayout | None = None) -> torch.Tensor:
+               layout: MaskLayout | PackedLayout | None = None) -> torch.Tensor:
         """Final normalized hidden states [B, N, H] under `layout` (None = block-causal over N with the
-        config's block size; a layout carries its own block size)."""
+        config's block size; a layout carries its own block size; a PackedLayout needs position_ids)."""
         self._check_ids(input_ids)
         bsz, n = input_ids.shape
         cfg = self.config
         if layout is None:
             layout = MaskLayout.block_causal(n, cfg.block_size)
+        if position_ids is None and isinstance(layout, PackedLayout):
+            raise ValueError("a PackedLayout needs position_ids (each segment's own positions)")
         if position_ids is None:
             position_ids = torch.arange(layout.n, device=input_ids.device).repeat(layout.num_copies).expand(bsz, n)
         if position_ids.shape != input_ids.shape:
@@ -443,7 +446,7 @@ class SDARForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                layout: MaskLayout | None = None) -> torch.Tensor:
+                layout: MaskLayout | PackedLayout | None = None) -> torch.Tensor:
         """Logits [B, N, V] (see `hidden`)."""
         return self.lm_head(self.hidden(input_ids, position_ids, layout))
 

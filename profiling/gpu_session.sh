@@ -7,8 +7,8 @@
 # Stages (default: build tests sass kernels): build (or prebuilt), tests, sass, kernels (unmask, linear, kv_cache, rms_norm, silu_mul, block_attn
 # --quick, grpo_loss), decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32, graphs on, cuBLAS and the
 # skinny-GEMM kernel, the reference child capped at 240 s), pdl (decode at batch 1 with programmatic dependent
-# launch on and off), attn_full (every bench_block_attn shape), ncu (Nsight Compute of the unmask and
-# block-attention kernels). The build uses $CC / $CXX when set (RESULTS.md, 2026-11-22: launcher messages crashed in a build
+# launch on and off), attn_full (every bench_block_attn shape), rl_step (bench_rl_step.py: the RL training
+# pass, padded vs packed micro-batches, sdar-1.7b), ncu (Nsight Compute of the unmask and block-attention kernels). The build uses $CC / $CXX when set (RESULTS.md, 2026-11-22: launcher messages crashed in a build
 # made with the lent image's /opt/gcc; try CC=/usr/bin/gcc CXX=/usr/bin/g++).
 # Each stage has its own time limit so that one hung stage cannot eat the lease, and the whole command has a
 # budget ($GPU_SESSION_BUDGET_S, default 560 s: the device tool kills a call at 600 s, and a killed call returns
@@ -131,6 +131,9 @@ for s in "${stages[@]}"; do
       stage bench_decode_pdl 300 bench_decode_pdl.log python3 profiling/bench_decode.py --config sdar-8b \
         --batches 1 --blocks 4 --graphs on --impl kernels --gemm cublas,kernel --pdl on,off --repeats 3 \
         --new-tokens 256 ;;
+    rl_step)
+      # first calls compile FlexAttention (forward + backward) per row length: a few per path and layout
+      stage bench_rl_step 420 bench_rl_step.log python3 profiling/bench_rl_step.py ${RL_STEP_ARGS:-} ;;
     ncu)
       stage ncu 300 ncu.log bash profiling/ncu_kernels.sh "$OUT/ncu_kernels" ;;  # report + csv come back under $OUT
     *) echo "unknown stage $s"; exit 2 ;;

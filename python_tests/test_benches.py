@@ -28,6 +28,7 @@ BENCHES = [
     ("bench_kv_cache.py", ["--cpu"], "kv_cache_write", "ref_us"),
     ("bench_block_attn.py", ["--cpu", "--quick"], "block_attention", "ref_us"),
     ("bench_grpo_loss.py", ["--cpu", "--no-compile", "--iters", "2"], "grpo_loss", None),
+    ("bench_rl_step.py", ["--cpu", "--iters", "1"], "rl_step", "ms"),
 ]
 
 

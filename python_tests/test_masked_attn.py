@@ -259,3 +259,169 @@ def test_compiled_block_mask_build_matches_eager_and_compiles_once():
             assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+# --- PackedLayout: several sequences back to back per row (the trainer's packed micro-batches) ---------------
+
+# (row, start, n, copies, length) per segment; row length 70 (not a multiple of 128), gaps and a tail of padding
+SEGMENTS = [(0, 0, 8, 2, 7), (0, 16, 12, 3, 12), (0, 52, 4, 2, 3), (0, 60, 5, 1, 5), (1, 3, 12, 2, 9),
+            (1, 27, 1, 1, 1), (1, 40, 8, 2, 8), (1, 56, 7, 2, 0)]
+
+
+def packed_layout(segments=SEGMENTS, rows=2, total=70, bs=4):
+    from lightningrl_fast.ops.masked_attn import PackedLayout
+
+    row, start, n, copies, length = (torch.tensor(x) for x in zip(*segments))
+    return PackedLayout(rows, total, bs, row, start, n, copies, length)
+
+
+def naive_packed_allow(segments, bs, row, i, j):
+    for r, a, n, copies, length in segments:
+        if r == row and a <= i < a + n * copies:
+            return a <= j < a + n * copies and naive_allow(n, copies, bs, length, i - a, j - a)
+    return False
+
+
+def test_packed_predicate_matches_naive():
+    """token_tables + packed_predicate (and block_mask's mask_mod over the padded square) on every (row, q, kv):
+    the MaskLayout predicate inside each segment, nothing across segments or at padding."""
+    from lightningrl_fast.ops.masked_attn import block_mask, flex_length, packed_predicate
+
+    lay = packed_layout()
+    padded = flex_length(70)
+    b = torch.arange(2).view(2, 1, 1)
+    q = torch.arange(padded).view(1, -1, 1)
+    k = torch.arange(padded).view(1, 1, -1)
+    tabs = lay.token_tables(padded)
+    got = packed_predicate(tabs, b, q, k)
+    want = torch.zeros(2, padded, padded, dtype=torch.bool)
+    for row in range(2):
+        for i in range(70):
+            for j in range(70):
+                want[row, i, j] = naive_packed_allow(SEGMENTS, 4, row, i, j)
+    assert want.any() and torch.equal(got, want)
+    plan = block_mask(lay, 2, torch.device("cpu"), compiled=False)
+    assert torch.equal(plan.mask_mod(b, torch.zeros((), dtype=torch.long), q, k).expand(2, padded, padded), want)
+
+
+def test_packed_reference_equals_each_segment_alone():
+    """Forward and gradients of a packed batch equal each segment run alone under its MaskLayout (float64);
+    padding positions give zeros and receive no gradient."""
+    torch.manual_seed(7)
+    lay = packed_layout()
+    q = torch.randn(2, 4, 70, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 70, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 70, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 4, 70, 8, dtype=torch.float64)
+    out = masked_attention(q, k, v, lay, softmax_scale=0.4)
+    (out * w).sum().backward()
+    covered = torch.zeros(2, 70, dtype=torch.bool)
+    for r, a, n, copies, length in SEGMENTS:
+        sl = slice(a, a + n * copies)
+        covered[r, sl] = True
+        qs, ks, vs = (t.detach()[r:r + 1, :, sl].clone().requires_grad_() for t in (q, k, v))
+        want = naive_attention(qs.detach(), ks.detach(), vs.detach(), n, copies, 4, [length], 0.4)
+        torch.testing.assert_close(out[r:r + 1, :, sl], want, rtol=0, atol=1e-12)
+        alone = masked_attention_reference(qs, ks, vs, MaskLayout(n, copies, 4, torch.tensor([length])), 0.4)
+        (alone * w[r:r + 1, :, sl]).sum().backward()
+        for packed_t, seg_t in zip((q, k, v), (qs, ks, vs)):
+            torch.testing.assert_close(packed_t.grad[r:r + 1, :, sl], seg_t.grad, rtol=0, atol=1e-12)
+    pad = ~covered
+    assert pad.any()
+    assert torch.equal(out.detach().transpose(1, 2)[pad], torch.zeros_like(out.detach().transpose(1, 2)[pad]))
+    for t in (q, k, v):
+        assert torch.equal(t.grad.transpose(1, 2)[pad], torch.zeros_like(t.grad.transpose(1, 2)[pad]))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_packed_flex_path_matches_reference():
+    """The CUDA path of a PackedLayout (padded block mask over token tables, eager flex_attention on CPU, forward)
+    equals the reference."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from lightningrl_fast.ops.masked_attn import block_mask, flex_masked_attention
+
+    torch.manual_seed(8)
+    lay = packed_layout()
+    q = torch.randn(2, 4, 70, 16, dtype=torch.float64)
+    k = torch.randn(2, 2, 70, 16, dtype=torch.float64)
+    v = torch.randn(2, 2, 70, 16, dtype=torch.float64)
+    got = flex_masked_attention(flex_attention, q, k, v, block_mask(lay, 2, torch.device("cpu")), 0.3)
+    torch.testing.assert_close(got, masked_attention(q, k, v, lay, softmax_scale=0.3), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_compiled_flex_compiles_once_for_packed_layouts_of_one_length():
+    """Every full packed micro-batch has the same row length but other segments: one compile serves them all."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from lightningrl_fast.ops.masked_attn import block_mask, flex_masked_attention
+
+    torch._dynamo.reset()
+    cnt = CompileCounter()
+    flex = torch.compile(flex_attention, backend=cnt, dynamic=False)
+    torch.manual_seed(9)
+    for segs in (SEGMENTS, [(0, 0, 32, 2, 29)], [(0, 5, 8, 3, 8), (0, 40, 12, 2, 5)], [(1, 1, 4, 1, 4)]):
+        lay = packed_layout(segs)
+        q = torch.randn(2, 4, 70, 16, dtype=torch.float64)
+        k = torch.randn(2, 2, 70, 16, dtype=torch.float64)
+        v = torch.randn(2, 2, 70, 16, dtype=torch.float64)
+        got = flex_masked_attention(flex, q, k, v, block_mask(lay, 2, torch.device("cpu")), 0.25)
+        torch.testing.assert_close(got, masked_attention(q, k, v, lay, softmax_scale=0.25), rtol=1e-10, atol=1e-10)
+    assert cnt.frame_count == 1, f"flex_attention compiled {cnt.frame_count} times for one packed length"
+    torch._dynamo.reset()
+
+
+def test_packed_layout_bad_inputs():
+    from lightningrl_fast.ops.masked_attn import PackedLayout
+
+    with pytest.raises(ValueError, match="overlap in row 0"):
+        packed_layout([(0, 0, 8, 2, 8), (0, 10, 4, 1, 4)])
+    with pytest.raises(ValueError, match="segment 1 .* does not fit"):
+        packed_layout([(0, 0, 8, 2, 8), (0, 60, 8, 2, 8)])  # ends at 76 > 70
+    with pytest.raises(ValueError, match="segment 0 .* does not fit"):
+        packed_layout([(2, 0, 8, 1, 8)])  # row 2 of 2
+    with pytest.raises(ValueError, match="length <= n"):
+        packed_layout([(0, 0, 8, 1, 9)])
+    with pytest.raises(ValueError, match="has 1 segments but row has 2"):
+        PackedLayout(1, 16, 4, torch.tensor([0, 0]), torch.tensor([0, 4]), torch.tensor([4]), torch.tensor([1]),
+                     torch.tensor([4]))
+    lay = packed_layout()
+    q = torch.randn(1, 4, 70, 8)
+    with pytest.raises(ValueError, match="PackedLayout has 2 rows but the batch is 1"):
+        masked_attention(q, q[:, :2], q[:, :2], lay)
+    q = torch.randn(2, 4, 64, 8)
+    with pytest.raises(ValueError, match="does not match the layout \\(70 packed positions\\)"):
+        masked_attention(q, q[:, :2], q[:, :2], lay)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_packed_flex_matches_reference(dtype):
+    """The compiled FlexAttention path of a packed micro-batch (one row of 1024 positions: segments of odd sizes,
+    rounds and lengths, then padding), forward and backward, within 2x the error of the same-dtype reference."""
+    torch.manual_seed(11)
+    segs = [(0, 0, 97, 2, 93), (0, 194, 64, 3, 64), (0, 386, 123, 2, 123), (0, 632, 8, 1, 5), (0, 640, 200, 1, 181)]
+    lay = packed_layout(segs, rows=1, total=1024, bs=8)
+    shapes = ((1, 8, 1024, 64), (1, 2, 1024, 64), (1, 2, 1024, 64))
+    q64, k64, v64 = (torch.randn(s, dtype=torch.float64, device="cuda", requires_grad=True) for s in shapes)
+    w = torch.randn(shapes[0], dtype=torch.float64, device="cuda")
+
+    def run(dtype_, force_reference):
+        ts = [t.detach().to(dtype_).requires_grad_() for t in (q64, k64, v64)]
+        if force_reference:
+            from lightningrl_fast.ops.masked_attn import packed_attention_reference
+            out = packed_attention_reference(*ts, lay)
+        else:
+            out = masked_attention(*ts, lay)
+        (out.double() * w).sum().backward()
+        return [out.double()] + [t.grad.double() for t in ts]
+
+    want = run(torch.float64, True)
+    low = run(dtype, True)
+    got = run(dtype, False)
+    for name, g, lo, wt in zip(("out", "dq", "dk", "dv"), got, low, want):
+        err, err_ref = (g - wt).abs().max().item(), (lo - wt).abs().max().item()
+        assert math.isfinite(err) and err <= 2 * err_ref + 1e-3, (name, err, err_ref)

@@ -7,7 +7,8 @@ import torch
 
 from lightningrl_fast.model import SDARConfig, build_model
 from lightningrl_fast.rl.advantages import Scored, compute_advantages, keep_groups, score_rollout
-from lightningrl_fast.rl.logprobs import batch_logprobs, build_layout_batch, host_copy, streamed_logprobs
+from lightningrl_fast.rl.logprobs import (batch_logprobs, build_layout_batch, host_copy, micro_batch_logprobs,
+                                          pack_micro_batches, packed_length, streamed_logprobs)
 from lightningrl_fast.rl.trainer import (
     Groups,
     RLConfig,
@@ -286,18 +287,118 @@ def test_streamed_reference_equals_the_per_micro_batch_forward(mode):
     the usual forward; the copy shares no storage with the policy."""
     model = tiny_model(dtype=torch.float64)
     lb = reference_batch(model, mode)
-    per_row = lb.input_ids.shape[1]
-    ranges = micro_batches(lb, range(8), 3 * per_row)  # micro-batches of 3, 3, 2 rows
-    assert ranges == [(0, 3), (3, 6), (6, 8)]
-    want = logprob_stage(model, lb, 3 * per_row)
+    budget = 3 * lb.input_ids.shape[1]
+    mbs = micro_batches(lb, range(8), budget, torch.device("cpu"), MASK)
+    assert len(mbs) >= 2
+    want = logprob_stage(model, lb, budget)
     ref = host_copy(model, pin=False)
-    for chunk_tokens in (1, 6 * per_row, 10**9):  # a chunk per micro-batch, two chunks, one chunk
-        got = streamed_logprobs(ref, lb, ranges, torch.device("cpu"), chunk_tokens)
+    for chunk_tokens in (1, 2 * budget, 10**9):  # a chunk per micro-batch, a few chunks, one chunk
+        got = streamed_logprobs(ref, lb, mbs, torch.device("cpu"), chunk_tokens)
         torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-6)
     assert not any(p.requires_grad for p in ref.parameters())
     with torch.no_grad():
         next(model.parameters()).add_(1.0)  # the policy moves, the copy does not
     assert not torch.equal(next(model.parameters()), next(ref.parameters()))
+
+
+def varied_batch(model, mode, seed=5):
+    """A LayoutBatch of 12 rows of very different lengths (prompts 1..30 tokens, EOS early or never) and rounds."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(10, 100, (n,), generator=g).tolist() for n in [1, 30, 4, 17, 9, 2]]
+    ro = generate(model, [p for p in prompts for _ in range(2)],
+                  SamplerConfig(threshold=0.3, temperature=1.0, max_new_tokens=23, eos_ids=(3, 7, 11), seed=seed))
+    return build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, 4, MASK, mode)
+
+
+@pytest.mark.parametrize("mode", ["block_proxy", "trace"])
+def test_packed_micro_batches_equal_the_padded_batch(mode):
+    """Packing (each sample cut to its own length and rounds, several samples per row, rows padded to fixed
+    lengths or not) gives the log-probs of the padded LayoutBatch forward, every target exactly once, rows within
+    the budget unless one sample alone exceeds it; and it processes fewer positions than the padded batch."""
+    model = tiny_model(dtype=torch.float64, peaky=20.0)
+    lb = varied_batch(model, mode)
+    valid = lb.layout.lengths
+    assert int(valid.max()) > 2 * int(valid.min())  # lengths differ: padding to the longest would waste
+    with torch.no_grad():
+        want = batch_logprobs(model, lb)
+    padded_positions = lb.input_ids.numel()
+    for budget in (1, 40, 100, 500, 10**6):
+        for pad in (False, True):
+            mbs = pack_micro_batches(lb, range(12), budget, pad_shapes=pad, pad_id=MASK)
+            sel = torch.cat([mb.sel for mb in mbs])
+            assert sorted(sel.tolist()) == list(range(lb.num_tokens))  # each target once
+            got = torch.empty(lb.num_tokens, dtype=torch.float64)
+            for mb in mbs:
+                assert mb.used <= mb.positions
+                assert mb.used <= budget or mb.layout.num_segments == 1
+                assert torch.equal(mb.targets, lb.targets[mb.sel])
+                if pad:
+                    assert mb.positions == packed_length(mb.used, budget)
+                else:
+                    assert mb.positions == mb.used
+                with torch.no_grad():
+                    got[mb.sel] = micro_batch_logprobs(model, mb)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+            if not pad:
+                assert sum(mb.positions for mb in mbs) < padded_positions
+    # a subset of rows: only their targets
+    mbs = pack_micro_batches(lb, [3, 7, 8], 10**6)
+    assert sorted(torch.cat([mb.sel for mb in mbs]).tolist()) == (
+        (lb.tgt_row == 3) | (lb.tgt_row == 7) | (lb.tgt_row == 8)).nonzero().squeeze(1).tolist()
+    assert pack_micro_batches(lb, [], 100) == []
+    with pytest.raises(ValueError, match="budget"):
+        pack_micro_batches(lb, range(12), 0)
+
+
+def test_trace_packing_keeps_each_samples_own_rounds():
+    """Trace mode: a sample decoded in few rounds does not carry the batch's largest number of noisy copies."""
+    model = tiny_model(dtype=torch.float64, peaky=20.0)
+    lb = varied_batch(model, "trace")
+    mbs = pack_micro_batches(lb, range(12), 10**6)
+    copies = torch.cat([mb.layout.copies for mb in mbs])
+    assert int(copies.max()) == lb.layout.num_copies and int(copies.min()) < lb.layout.num_copies
+
+
+def test_packed_length_is_a_few_multiples_of_128():
+    seen = set()
+    for used in range(1, 20000, 37):
+        length = packed_length(used, 16384)
+        assert length % 128 == 0 and length >= used
+        assert length <= max(128 * 5, used * 1.25 + 128) and (used > 16384 or length <= 16384)
+        seen.add(length)
+    assert packed_length(16000, 16384) == 16384 and packed_length(16384, 16384) == 16384
+    assert packed_length(16385, 16384) == 20480  # a sample larger than the budget runs alone
+    assert len(seen) <= 4 * 8 + 4  # about four lengths per octave
+
+
+def test_packed_loss_and_gradients_equal_the_padded_forward():
+    """The training pass over packed micro-batches equals the fused loss over the padded LayoutBatch (one forward,
+    every target read where build_layout_batch puts it): same loss, same gradients."""
+    from lightningrl_fast.ops.grpo_loss import fused_linear_grpo_loss
+
+    model = tiny_model(dtype=torch.float64, peaky=20.0)
+    lb = varied_batch(model, "block_proxy", seed=6)
+    g = torch.Generator().manual_seed(2)
+    adv_tok = torch.randn(12, generator=g, dtype=torch.float64)[lb.tgt_row]
+    old = -torch.rand(lb.num_tokens, generator=g, dtype=torch.float64)
+    ref = -torch.rand(lb.num_tokens, generator=g, dtype=torch.float64)
+    correct = torch.tensor([True, False] * 6)
+    cfg = RLConfig(micro_batch_tokens=64, kl_beta=0.05, nll_weight=0.1, group_size=2, prompts_per_step=6)
+    model.zero_grad()
+    agg = loss_backward_stage(model, lb, range(12), adv_tok, old, ref, correct, cfg)
+    got = [p.grad.clone() for p in model.parameters()]
+    assert 0 < agg["used"] <= agg["positions"] < lb.input_ids.numel()
+    model.zero_grad()
+    h = model.hidden(lb.input_ids, lb.position_ids, lb.layout)[lb.tgt_row, lb.tgt_col]
+    present = torch.unique(lb.tgt_row)
+    totals = (len(present), lb.num_tokens, int(correct[present].sum()), int(correct[lb.tgt_row].sum()))
+    loss, _, _ = fused_linear_grpo_loss(h, model.lm_head.weight, lb.targets, old, ref, adv_tok, lb.tgt_row, 12,
+                                        correct, eps_low=0.2, eps_high=0.2, beta=0.05, mu=0.1,
+                                        reduction="seq-tok-tok", totals=totals, suppress_token=MASK)
+    loss.backward()
+    assert agg["loss"] == pytest.approx(float(loss.detach()), rel=1e-10)
+    for a, b in zip(got, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
 def test_reference_offload_state_and_tied_embeddings():

@@ -28,7 +28,7 @@ import torch
 
 from ..model import SDARForCausalLM, rope_cos_sin
 from ..ops.grpo_loss import linear_logprobs
-from ..ops.masked_attn import MaskLayout, prepare
+from ..ops.masked_attn import MaskLayout, PackedLayout, prepare
 
 MODES = ("block_proxy", "trace")
 
@@ -55,13 +55,140 @@ class LayoutBatch:
                            self.tgt_row.to(device), self.tgt_col.to(device), self.targets.to(device),
                            self.resp_pos.to(device))
 
-    def rows(self, r0: int, r1: int) -> "LayoutBatch":
-        """The sub-batch of rows [r0, r1) (micro-batching)."""
-        sel = (self.tgt_row >= r0) & (self.tgt_row < r1)
-        lens = self.layout.lengths[r0:r1] if self.layout.lengths is not None else None
-        lay = MaskLayout(self.layout.n, self.layout.num_copies, self.layout.block_size, lens)
-        return LayoutBatch(self.input_ids[r0:r1], self.position_ids[r0:r1], lay, self.tgt_row[sel] - r0,
-                           self.tgt_col[sel], self.targets[sel], self.resp_pos[sel])
+
+@dataclass
+class MicroBatch:
+    """One packed training forward: some samples of a LayoutBatch back to back in one row (a PackedLayout).
+
+    Sample i becomes one segment: its noisy copies that hold targets, then its clean copy, each cut to the
+    sample's own decoded length (whole blocks). Its targets are read at (read_row, read_col) of the hidden
+    states; `sel` says which of the LayoutBatch's targets they are (lb.targets[sel], lb.tgt_row[sel], ...)."""
+
+    input_ids: torch.Tensor  # [1, P] int64 (mask id at padding)
+    position_ids: torch.Tensor  # [1, P] int64
+    layout: PackedLayout
+    sel: torch.Tensor  # [t] int64 indices into the LayoutBatch's targets
+    read_row: torch.Tensor  # [t] int64 (0: one packed row)
+    read_col: torch.Tensor  # [t] int64
+    targets: torch.Tensor  # [t] int64 token ids (lb.targets[sel])
+    samples: torch.Tensor  # [s] int64 the LayoutBatch rows packed here, in segment order
+
+    @property
+    def positions(self) -> int:
+        """Positions one forward processes (padding included)."""
+        return int(self.input_ids.numel())
+
+    @property
+    def used(self) -> int:
+        """Positions inside segments."""
+        return int(self.layout.seg_tokens().sum())
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        """The tensors the forward reads on `device` (the layout stays on the host; `prepare` moves what it needs)."""
+        return MicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.layout, self.sel,
+                          self.read_row.to(device), self.read_col.to(device), self.targets.to(device), self.samples)
+
+
+_LENGTH_QUANTUM = 128  # FlexAttention's block: packed rows on CUDA are a multiple of it
+
+
+def packed_length(used: int, budget: int) -> int:
+    """The row length a CUDA micro-batch of `used` positions runs at: a multiple of 128 with 3 significant bits
+    (4 lengths per octave: 1024, 1280, 1536, 1792, 2048, ...), at most the budget's multiple of 128 when `used`
+    fits the budget. So a run compiles FlexAttention for a few lengths (full micro-batches all run at the
+    budget's), and a partial one pads at most ~25%."""
+    m = -(-used // _LENGTH_QUANTUM)
+    if m > 4:
+        step = 1 << (m.bit_length() - 3)
+        m = -(-m // step) * step
+    cap = -(-budget // _LENGTH_QUANTUM)
+    return (min(m, cap) if used <= budget else m) * _LENGTH_QUANTUM
+
+
+def _best_fit(sizes: list[int], order: list[int], budget: int) -> list[list[int]]:
+    """Best-fit decreasing bin packing of items `order` (largest first) into bins of `budget`; an item larger than
+    the budget gets a bin of its own. Returns the bins (item lists) in creation order."""
+    import bisect
+
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # sorted (remaining capacity, bin index) of bins that can take more
+    for i in order:
+        size = sizes[i]
+        if size > budget:
+            bins.append([i])
+            continue
+        j = bisect.bisect_left(free, (size, -1))  # the tightest bin it fits
+        if j < len(free):
+            cap, b = free.pop(j)
+            bins[b].append(i)
+            if cap - size > 0:
+                bisect.insort(free, (cap - size, b))
+        else:
+            bins.append([i])
+            if budget - size > 0:
+                bisect.insort(free, (budget - size, len(bins) - 1))
+    return bins
+
+
+def pack_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_shapes: bool = False,
+                       pad_id: int = 0) -> list[MicroBatch]:
+    """Pack the samples `rows` of `lb` into micro-batches of at most `budget` positions (a sample longer than the
+    budget gets one of its own); every target of those rows is in exactly one micro-batch.
+
+    Each sample is cut to its own decoded length (whole blocks) and, in trace mode, to its own rounds, so no
+    sample pays for the longest one. `pad_shapes` (CUDA) rounds each row to `packed_length`: a few shapes per
+    run for the compiled attention; otherwise rows are exactly as long as their segments. Samples without targets
+    are left out. Exact: the predicate inside a segment is the LayoutBatch's, and padding is never attended."""
+    n_all, ncopies, bs = lb.layout.n, lb.layout.num_copies, lb.layout.block_size
+    nrows = lb.input_ids.shape[0]
+    rows_t = torch.as_tensor(list(rows), dtype=torch.int64)
+    if rows_t.numel() == 0:
+        return []
+    if budget < 1:
+        raise ValueError(f"micro-batch budget must be >= 1 position, got {budget}")
+    valid = lb.layout.lengths.long() if lb.layout.lengths is not None else torch.full((nrows,), n_all)
+    t_copy, t_pos = lb.tgt_col // n_all, lb.tgt_col % n_all  # [T]
+    need = torch.zeros(nrows, dtype=torch.int64).scatter_reduce(0, lb.tgt_row, t_copy + 1, "amax")  # noisy copies
+    seg_n = (-(-valid // bs) * bs).clamp(max=n_all)  # [N] own length in whole blocks
+    seg_len = (need + 1) * seg_n  # [N]
+    cand = rows_t[need[rows_t] > 0]
+    sizes = seg_len.tolist()
+    order = sorted(cand.tolist(), key=lambda i: (-sizes[i], i))
+    bins = _best_fit(sizes, order, budget)
+    # every sample's bin and offset, then each target's read position
+    bin_of = torch.full((nrows,), -1, dtype=torch.int64)
+    off_of = torch.zeros(nrows, dtype=torch.int64)
+    for b, members in enumerate(bins):
+        m = torch.tensor(members)
+        bin_of[m] = b
+        off_of[m] = torch.cumsum(seg_len[m], 0) - seg_len[m]
+    t_bin = bin_of[lb.tgt_row]  # [T] -1 outside `rows`
+    t_col = off_of[lb.tgt_row] + t_copy * seg_n[lb.tgt_row] + t_pos
+    t_order = torch.argsort(t_bin, stable=True)
+    counts = torch.bincount(t_bin + 1, minlength=len(bins) + 1).tolist()
+    t_split = torch.split(t_order, counts)[1:]
+    flat_ids = lb.input_ids.reshape(-1)
+    out = []
+    for b, members in enumerate(bins):
+        m = torch.tensor(members)
+        lens = seg_len[m]
+        used = int(lens.sum())
+        length = packed_length(used, budget) if pad_shapes else used
+        tok_seg = torch.repeat_interleave(torch.arange(len(members)), lens)  # [used]
+        off = torch.arange(used) - torch.repeat_interleave(off_of[m], lens)
+        n_tok = seg_n[m][tok_seg]
+        c, p = off // n_tok, off % n_tok
+        src_copy = torch.where(c == need[m][tok_seg], ncopies - 1, c)  # the last copy of a segment is the clean one
+        src = (m[tok_seg] * ncopies + src_copy) * n_all + p
+        ids = torch.full((1, length), pad_id, dtype=lb.input_ids.dtype)
+        pos = torch.zeros((1, length), dtype=lb.position_ids.dtype)
+        ids[0, :used] = flat_ids[src]
+        pos[0, :used] = p
+        layout = PackedLayout(1, length, bs, torch.zeros(len(members), dtype=torch.int64), off_of[m], seg_n[m],
+                              need[m] + 1, valid[m].clamp(max=n_all))
+        sel = t_split[b]
+        out.append(MicroBatch(ids, pos, layout, sel, torch.zeros_like(sel), t_col[sel], lb.targets[sel], m))
+    return out
 
 
 def build_layout_batch(sequences: torch.Tensor, step_map: torch.Tensor, prompt_lens: torch.Tensor,
@@ -136,15 +263,22 @@ def host_copy(model: SDARForCausalLM, pin: bool | None = None) -> SDARForCausalL
     return ref.eval().requires_grad_(False)
 
 
+def micro_batch_logprobs(model: SDARForCausalLM, mb: MicroBatch, chunk: int = 4096) -> torch.Tensor:
+    """Per-target log-probs [t] of a MicroBatch (already on the model's device) under `model`."""
+    hidden = model.hidden(mb.input_ids, mb.position_ids, mb.layout)  # [1, P, H]
+    h = hidden[mb.read_row, mb.read_col]  # [t, H]
+    return linear_logprobs(h, model.lm_head.weight, mb.targets, chunk=chunk, suppress_token=model.config.mask_token_id)
+
+
 @torch.no_grad()
-def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, ranges: Sequence[tuple[int, int]],
+def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, mbs: Sequence[MicroBatch],
                       device: torch.device, chunk_tokens: int) -> torch.Tensor:
     """Per-target log-probs [T] (float32, CPU) of a host-resident `model`, computed on `device` layer by layer.
 
-    `ranges`: the micro-batches (row ranges of lb). They are taken in chunks of at most `chunk_tokens` tokens
-    (their hidden states stay on the device meanwhile, chunk_tokens x hidden x 2 bytes in bf16); per chunk,
-    each decoder layer is copied into one device-resident layer and applied to every micro-batch of the chunk,
-    then the final norm and the LM head (copied once per call). Equals the per-micro-batch forward of the
+    `mbs`: the micro-batches (`pack_micro_batches` of lb). They are taken in chunks of at most `chunk_tokens`
+    positions (their hidden states stay on the device meanwhile, chunk_tokens x hidden x 2 bytes in bf16); per
+    chunk, each decoder layer is copied into one device-resident layer and applied to every micro-batch of the
+    chunk, then the final norm and the LM head (copied once per call). Equals the per-micro-batch forward of the
     same weights on the device (tested)."""
     cfg = model.config
     out = torch.empty(lb.num_tokens)
@@ -152,31 +286,29 @@ def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, ranges: Sequence[
     work = copy.deepcopy(layers[0]).to(device)  # one layer's memory on the device, refilled layer after layer
     norm = copy.deepcopy(model.model.norm).to(device)
     head = model.lm_head.weight.to(device, non_blocking=True)
-    per_row = lb.input_ids.shape[1]
-    chunks: list[list[tuple[int, int]]] = [[]]
-    for r in ranges:
-        if chunks[-1] and (sum(b - a for a, b in chunks[-1]) + r[1] - r[0]) * per_row > chunk_tokens:
+    chunks: list[list[MicroBatch]] = [[]]
+    for mb in mbs:
+        if chunks[-1] and sum(m.positions for m in chunks[-1]) + mb.positions > chunk_tokens:
             chunks.append([])
-        chunks[-1].append(r)
+        chunks[-1].append(mb)
     for chunk in chunks:
-        host_subs = [lb.rows(r0, r1) for r0, r1 in chunk]
-        subs = [sub.to(device) for sub in host_subs]
+        subs = [mb.to(device) for mb in chunk]
         xs, ropes, plans = [], [], []
-        for host_sub, sub in zip(host_subs, subs):
-            x = model.model.embed_tokens(host_sub.input_ids.cpu())  # [rows, N, H] on the host (.cpu(): a no-op there)
+        for host_mb, sub in zip(chunk, subs):
+            x = model.model.embed_tokens(host_mb.input_ids.cpu())  # [1, P, H] on the host (.cpu(): a no-op there)
             if device.type == "cuda":
                 x = x.pin_memory()  # page-locked: the upload below is an async DMA, not a staged synchronous copy
             x = x.to(device, non_blocking=True)
             xs.append(x)
             ropes.append(rope_cos_sin(sub.position_ids, cfg.head_dim, cfg.rope_theta, x.dtype))
-            plans.append(prepare(sub.layout, sub.input_ids.shape[0], device))
+            plans.append(prepare(sub.layout, 1, device))
         for layer in layers:
             for dst, src in zip(work.parameters(), layer.parameters()):
                 dst.copy_(src, non_blocking=True)
             for k, sub in enumerate(subs):
                 xs[k] = work(xs[k], *ropes[k], sub.layout, plans[k])
-        for (r0, r1), sub, x in zip(chunk, subs, xs):
-            sel = ((lb.tgt_row >= r0) & (lb.tgt_row < r1)).nonzero().squeeze(1)
-            h = norm(x)[sub.tgt_row, sub.tgt_col]  # [t, H]
-            out[sel] = linear_logprobs(h, head, sub.targets, chunk=4096, suppress_token=cfg.mask_token_id).float().cpu()
+        for host_mb, sub, x in zip(chunk, subs, xs):
+            h = norm(x)[sub.read_row, sub.read_col]  # [t, H]
+            out[host_mb.sel] = linear_logprobs(h, head, sub.targets, chunk=4096,
+                                               suppress_token=cfg.mask_token_id).float().cpu()
     return out

@@ -32,7 +32,8 @@ from ..tasks import is_correct_batch
 from .advantages import Scored, compute_advantages, keep_groups, score_rollout
 from .distributed import (SINGLE, DistEnv, all_gather, all_max, all_sum, broadcast_from_owners, owned, partition,
                           reduce_and_clip)
-from .logprobs import LayoutBatch, batch_logprobs, build_layout_batch, host_copy, streamed_logprobs
+from .logprobs import (LayoutBatch, MicroBatch, build_layout_batch, host_copy, micro_batch_logprobs, pack_micro_batches,
+                       streamed_logprobs)
 from .optim import make_optimizer
 
 
@@ -62,7 +63,7 @@ class RLConfig:
     max_refill_rounds: int = 2  # extra rollout rounds per step to refill filtered groups
     updates_per_step: int = 1  # optimizer steps (PPO mini-batches) per pass over a rollout batch
     epochs_per_step: int = 1  # passes over each rollout batch (PPO epochs; > 1 reuses rollouts, clipped by eps)
-    micro_batch_tokens: int = 16384  # token budget of one forward/backward (memory knob)
+    micro_batch_tokens: int = 16384  # positions of one packed forward/backward (memory knob)
     rollout_batch_size: int = 256  # sequences per generate() call of a rollout (sizes the KV cache: memory knob)
     max_nonfinite_steps: int = 3  # stop after this many non-finite updates in a row
     seed: int = 0
@@ -257,12 +258,11 @@ def layout_stage(groups: Groups, block_size: int, mask_id: int, mode: str) -> La
                               block_size, mask_id, mode)
 
 
-def micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int) -> list[tuple[int, int]]:
-    """Contiguous row ranges [r0, r1) within `rows` whose forward size stays under `budget` tokens."""
-    per_row = lb.input_ids.shape[1]
-    step = max(1, budget // per_row)
-    r0, r1 = rows[0], rows[-1] + 1
-    return [(a, min(a + step, r1)) for a in range(r0, r1, step)]
+def micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, device: torch.device,
+                  pad_id: int = 0) -> list[MicroBatch]:
+    """The samples `rows` of lb packed into forwards of at most `budget` positions (`pack_micro_batches`), row
+    lengths rounded to a few fixed ones on CUDA (one FlexAttention compile per length)."""
+    return pack_micro_batches(lb, rows, budget, pad_shapes=torch.device(device).type == "cuda", pad_id=pad_id)
 
 
 @torch.no_grad()
@@ -270,9 +270,8 @@ def logprob_stage(model: SDARForCausalLM, lb: LayoutBatch, budget: int) -> torch
     """[log-probs] no-grad per-token log-probs [T] (old policy or frozen reference), on the model's device."""
     dev = next(model.parameters()).device
     out = torch.empty(lb.num_tokens)
-    for r0, r1 in micro_batches(lb, range(lb.input_ids.shape[0]), budget):
-        sel = ((lb.tgt_row >= r0) & (lb.tgt_row < r1)).nonzero().squeeze(1)
-        out[sel] = batch_logprobs(model, lb.rows(r0, r1).to(dev)).float().cpu()
+    for mb in micro_batches(lb, range(lb.input_ids.shape[0]), budget, dev, model.config.mask_token_id):
+        out[mb.sel] = micro_batch_logprobs(model, mb.to(dev)).float().cpu()
     return out
 
 
@@ -284,8 +283,9 @@ def reference_stage(state: TrainState, lb: LayoutBatch, cfg: RLConfig) -> torch.
     dev = next(state.model.parameters()).device
     if ref_dev == dev:
         return logprob_stage(state.ref_model, lb, cfg.micro_batch_tokens)
-    ranges = micro_batches(lb, range(lb.input_ids.shape[0]), cfg.micro_batch_tokens)
-    return streamed_logprobs(state.ref_model, lb, ranges, dev, chunk_tokens=16 * cfg.micro_batch_tokens)
+    mbs = micro_batches(lb, range(lb.input_ids.shape[0]), cfg.micro_batch_tokens, dev,
+                        state.model.config.mask_token_id)
+    return streamed_logprobs(state.ref_model, lb, mbs, dev, chunk_tokens=16 * cfg.micro_batch_tokens)
 
 
 def loss_backward_stage(model, lb: LayoutBatch | None, rows: range, adv_tok, old, ref, correct, cfg: RLConfig,
@@ -305,17 +305,16 @@ def loss_backward_stage(model, lb: LayoutBatch | None, rows: range, adv_tok, old
     agg: dict[str, float] = {}
     if not len(rows) or totals[1] == 0:
         return agg
-    for r0, r1 in micro_batches(lb, rows, cfg.micro_batch_tokens):
-        sel = ((lb.tgt_row >= r0) & (lb.tgt_row < r1)).nonzero().squeeze(1)
-        if sel.numel() == 0:
-            continue
-        sub = lb.rows(r0, r1)
-        hidden = model.hidden(sub.input_ids.to(dev), sub.position_ids.to(dev), sub.layout)  # [rows, copies*n, H]
-        h = hidden[sub.tgt_row.to(dev), sub.tgt_col.to(dev)]  # [t, H] the states that predict the targets
+    for host_mb in micro_batches(lb, rows, cfg.micro_batch_tokens, dev, model.config.mask_token_id):
+        sel, mb = host_mb.sel, host_mb.to(dev)  # sel [t]: the micro-batch's targets among lb's
+        hidden = model.hidden(mb.input_ids, mb.position_ids, mb.layout)  # [1, P, H] the packed samples
+        h = hidden[mb.read_row, mb.read_col]  # [t, H] the states that predict the targets
+        agg["positions"] = agg.get("positions", 0) + host_mb.positions
+        agg["used"] = agg.get("used", 0) + host_mb.used
         # one fused pass: log-probs, loss and its gradient without [t, V] logits (CUDA kernel; chunked reference
         # elsewhere); old_logp None = on-policy (ratio 1 with its gradient)
         loss, stats, _ = fused_linear_grpo_loss(
-            h, model.lm_head.weight, sub.targets.to(dev), old[sel].to(dev) if old is not None else None,
+            h, model.lm_head.weight, mb.targets, old[sel].to(dev) if old is not None else None,
             ref[sel].to(dev) if ref is not None else None, adv_tok[sel].to(dev),
             lb.tgt_row[sel].to(dev), lb.input_ids.shape[0], correct.to(dev), eps_low=cfg.eps_low,
             eps_high=cfg.eps_high, beta=cfg.kl_beta if ref is not None else 0.0, mu=cfg.nll_weight,
@@ -415,6 +414,7 @@ def update_stage(state: TrainState, groups: Groups, cfg: RLConfig, block_size: i
     n_mb = int(all_max(env, [-(-len(groups) // per)])[0])
     n_updates = n_mb * cfg.epochs_per_step
     applied, losses, gnorm = 0, {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0}, 0.0
+    work = {"positions": 0, "used": 0}  # packed positions the forwards ran, and those inside samples
     for _epoch in range(cfg.epochs_per_step):
         for u in range(n_mb):
             rows = range(min(len(groups), u * per), min(len(groups), (u + 1) * per))
@@ -422,10 +422,15 @@ def update_stage(state: TrainState, groups: Groups, cfg: RLConfig, block_size: i
             ok, gnorm = optimizer_stage(state, cfg)
             applied += ok
             for k, v in agg.items():
-                losses[k] += v / n_updates
+                if k in work:
+                    work[k] += v
+                else:
+                    losses[k] += v / n_updates
     model.eval()
     losses = dict(zip(losses, all_sum(env, list(losses.values()))))  # each rank holds its share of the loss
-    metrics.update(losses, grad_norm=gnorm, updates=applied, train_s=time.perf_counter() - t0)
+    positions, used = all_sum(env, [work["positions"], work["used"]])
+    metrics.update(losses, grad_norm=gnorm, updates=applied, train_s=time.perf_counter() - t0,
+                   train_positions=int(positions), pack_fill=used / positions if positions else 0.0)
     if applied < n_updates:
         metrics["nonfinite_skipped"] = n_updates - applied
     return metrics
