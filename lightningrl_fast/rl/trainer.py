@@ -269,10 +269,10 @@ def micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, device: tor
 def logprob_stage(model: SDARForCausalLM, lb: LayoutBatch, budget: int) -> torch.Tensor:
     """[log-probs] no-grad per-token log-probs [T] (old policy or frozen reference), on the model's device."""
     dev = next(model.parameters()).device
-    out = torch.empty(lb.num_tokens)
+    out = torch.empty(lb.num_tokens, device=dev)
     for mb in micro_batches(lb, range(lb.input_ids.shape[0]), budget, dev, model.config.mask_token_id):
-        out[mb.sel] = micro_batch_logprobs(model, mb.to(dev)).float().cpu()
-    return out
+        out[mb.sel.to(dev)] = micro_batch_logprobs(model, mb.to(dev)).float()
+    return out.cpu()  # one copy (and host sync) per pass
 
 
 @torch.no_grad()
@@ -305,6 +305,7 @@ def loss_backward_stage(model, lb: LayoutBatch | None, rows: range, adv_tok, old
     agg: dict[str, float] = {}
     if not len(rows) or totals[1] == 0:
         return agg
+    sums = []  # per micro-batch [loss, kl, clip_frac share], on the device
     for host_mb in micro_batches(lb, rows, cfg.micro_batch_tokens, dev, model.config.mask_token_id):
         sel, mb = host_mb.sel, host_mb.to(dev)  # sel [t]: the micro-batch's targets among lb's
         hidden = model.hidden(mb.input_ids, mb.position_ids, mb.layout)  # [1, P, H] the packed samples
@@ -322,9 +323,11 @@ def loss_backward_stage(model, lb: LayoutBatch | None, rows: range, adv_tok, old
         loss.backward()
         # loss and kl are this micro-batch's share of the mini-batch value (weighted by the totals): they add up;
         # clip_frac is a mean over the micro-batch's tokens: weighted by its share of the tokens
-        agg["loss"] = agg.get("loss", 0.0) + float(loss.detach())
-        agg["kl"] = agg.get("kl", 0.0) + float(stats["kl"])
-        agg["clip_frac"] = agg.get("clip_frac", 0.0) + sel.numel() / totals[1] * float(stats["clip_frac"])
+        share = sel.numel() / totals[1]
+        sums.append(torch.stack([torch.as_tensor(x).detach().double().to(dev)
+                                 for x in (loss, stats["kl"], share * stats["clip_frac"])]))
+    if sums:  # one host sync per mini-batch, not one per micro-batch
+        agg.update(zip(("loss", "kl", "clip_frac"), torch.stack(sums).sum(0).tolist()))
     return agg
 
 
