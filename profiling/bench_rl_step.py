@@ -12,12 +12,13 @@ Two ways to cut the batch into forwards of at most --budget positions:
   padded    the LayoutBatch as built: every sample padded to the longest one (and, in trace mode, to the most
             rounds), consecutive rows per forward. What the trainer ran before packing, and how peer pipelines
             batch their training forward. Written out here as the baseline.
-  packed    rl/logprobs.pack_micro_batches (what the trainer runs): each sample cut to its own length and rounds,
-            samples packed back to back (best-fit decreasing), rows rounded to a few fixed lengths on CUDA.
+  packed    rl/logprobs.pack_micro_batches (what the trainer runs): each sample cut to its own length and to the
+            noisy blocks its targets need, samples packed back to back (best-fit decreasing), rows rounded to a
+            few fixed lengths on CUDA.
 The samples are synthetic with the shape of real rollouts: prompts uniform in --prompt, responses log-uniform in
 --response (a --truncated fraction at the maximum), random token ids, a step map of about --tpf tokens per step.
 Both paths are checked to give the same loss before anything is timed.
-Columns: positions (processed per pass, padding included), fill (positions inside samples / processed), ms
+Columns: positions (processed per pass, padding included), fill (positions the packed forwards need / processed), ms
 (median), ktok/s (target tokens per second), x (padded ms / packed ms), peak_GiB (CUDA, extra peak memory).
 Prints one table and ends with one JSON line.
 """

@@ -272,7 +272,7 @@ def packed_layout(segments=SEGMENTS, rows=2, total=70, bs=4):
     from lightningrl_fast.ops.masked_attn import PackedLayout
 
     row, start, n, copies, length = (torch.tensor(x) for x in zip(*segments))
-    return PackedLayout(rows, total, bs, row, start, n, copies, length)
+    return PackedLayout.from_segments(rows, total, bs, row, start, n, copies, length)
 
 
 def naive_packed_allow(segments, bs, row, i, j):
@@ -334,19 +334,21 @@ def test_packed_reference_equals_each_segment_alone():
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_packed_flex_path_matches_reference():
+@pytest.mark.parametrize("ragged", [False, True])
+def test_packed_flex_path_matches_reference(ragged):
     """The CUDA path of a PackedLayout (padded block mask over token tables, eager flex_attention on CPU, forward)
-    equals the reference."""
+    equals the reference, for whole-copy and ragged segments."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from lightningrl_fast.ops.masked_attn import block_mask, flex_masked_attention
 
     torch.manual_seed(8)
-    lay = packed_layout()
-    q = torch.randn(2, 4, 70, 16, dtype=torch.float64)
-    k = torch.randn(2, 2, 70, 16, dtype=torch.float64)
-    v = torch.randn(2, 2, 70, 16, dtype=torch.float64)
-    got = flex_masked_attention(flex_attention, q, k, v, block_mask(lay, 2, torch.device("cpu")), 0.3)
+    lay = ragged_layout(**RAGGED)[0] if ragged else packed_layout()
+    rows, total = lay.rows, lay.total
+    q = torch.randn(rows, 4, total, 16, dtype=torch.float64)
+    k = torch.randn(rows, 2, total, 16, dtype=torch.float64)
+    v = torch.randn(rows, 2, total, 16, dtype=torch.float64)
+    got = flex_masked_attention(flex_attention, q, k, v, block_mask(lay, rows, torch.device("cpu")), 0.3)
     torch.testing.assert_close(got, masked_attention(q, k, v, lay, softmax_scale=0.3), rtol=1e-10, atol=1e-10)
 
 
@@ -385,16 +387,65 @@ def test_packed_layout_bad_inputs():
         packed_layout([(2, 0, 8, 1, 8)])  # row 2 of 2
     with pytest.raises(ValueError, match="length <= n"):
         packed_layout([(0, 0, 8, 1, 9)])
-    with pytest.raises(ValueError, match="has 1 segments but row has 2"):
-        PackedLayout(1, 16, 4, torch.tensor([0, 0]), torch.tensor([0, 4]), torch.tensor([4]), torch.tensor([1]),
-                     torch.tensor([4]))
     lay = packed_layout()
+    tables = dict(seg=lay.seg, copy=lay.copy, block=lay.block, key_ok=lay.key_ok)
+    split = lay.seg.clone()
+    split[0, 65] = 0  # segment 0 again after others: not one contiguous run
+    with pytest.raises(ValueError, match="segment 0 is not one contiguous run"):
+        PackedLayout(4, **dict(tables, seg=split))
+    across = torch.full((2, 4), -1)
+    across[0, 2:], across[1, :2] = 0, 0  # contiguous in flat positions, but over two rows
+    with pytest.raises(ValueError, match="segment 0 is not one contiguous run of one row"):
+        PackedLayout(4, across, torch.full((2, 4), -1), torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="shape"):
+        PackedLayout(4, **dict(tables, key_ok=lay.key_ok[:, :5]))
+    with pytest.raises(TypeError, match="key_ok must have dtype"):
+        PackedLayout(4, **dict(tables, key_ok=lay.key_ok.int()))
+    with pytest.raises(ValueError, match="block >= 0"):
+        PackedLayout(4, **dict(tables, block=lay.block - 1))
     q = torch.randn(1, 4, 70, 8)
     with pytest.raises(ValueError, match="PackedLayout has 2 rows but the batch is 1"):
         masked_attention(q, q[:, :2], q[:, :2], lay)
     q = torch.randn(2, 4, 64, 8)
     with pytest.raises(ValueError, match="does not match the layout \\(70 packed positions\\)"):
         masked_attention(q, q[:, :2], q[:, :2], lay)
+
+
+RAGGED = dict(n=12, copies=3, bs=4, length=10, keep=[(1, 2), (0, 1), (1, 0)], pad=5)
+
+
+def ragged_layout(n, copies, bs, length, keep, pad):
+    """One segment that is not whole copies: the noisy (copy, block) pieces `keep`, in that order, then the clean
+    copy, then `pad` padding positions. Returns (layout, cols: the MaskLayout position of each kept position)."""
+    from lightningrl_fast.ops.masked_attn import PackedLayout
+
+    piece_pos = [(c, b, j) for c, b in keep for j in range(bs)]
+    cols = [c * n + b * bs + j for c, b, j in piece_pos] + [(copies - 1) * n + p for p in range(n)]
+    used, total = len(cols), len(cols) + pad
+    seg, cpy = torch.full((1, total), -1), torch.full((1, total), -1)
+    blk, ok = torch.zeros(1, total, dtype=torch.long), torch.zeros(1, total, dtype=torch.bool)
+    seg[0, :used] = 0
+    cpy[0, :used] = torch.tensor([c for c, _, _ in piece_pos] + [-1] * n)
+    blk[0, :used] = torch.tensor([b for _, b, _ in piece_pos] + [p // bs for p in range(n)])
+    ok[0, :used] = torch.tensor([b * bs + j < length for _, b, j in piece_pos] + [p < length for p in range(n)])
+    return PackedLayout(bs, seg, cpy, blk, ok), torch.tensor(cols)
+
+
+def test_packed_reference_handles_ragged_segments():
+    """A segment need not be whole copies (the trainer keeps only the noisy blocks with targets): a layout of some
+    noisy blocks plus the clean copy equals the full MaskLayout sequence on the positions kept; padding gives
+    zeros whatever its values."""
+    torch.manual_seed(12)
+    r = RAGGED
+    q, k, v = (torch.randn(1, h, r["n"] * r["copies"], 8, dtype=torch.float64) for h in (4, 2, 2))
+    full = masked_attention_reference(q, k, v, MaskLayout(r["n"], r["copies"], r["bs"], torch.tensor([r["length"]])))
+    lay, cols = ragged_layout(**r)
+    used = cols.numel()
+    packed = [torch.cat([t[:, :, cols], torch.randn(1, t.shape[1], r["pad"], 8, dtype=torch.float64)], 2)
+              for t in (q, k, v)]
+    got = masked_attention(*packed, lay)
+    torch.testing.assert_close(got[:, :, :used], full[:, :, cols], rtol=0, atol=1e-12)
+    assert torch.equal(got[:, :, used:], torch.zeros_like(got[:, :, used:]))
 
 
 @pytest.mark.gpu

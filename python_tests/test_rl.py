@@ -348,15 +348,36 @@ def test_packed_micro_batches_equal_the_padded_batch(mode):
     assert pack_micro_batches(lb, [], 100) == []
     with pytest.raises(ValueError, match="budget"):
         pack_micro_batches(lb, range(12), 0)
+    with pytest.raises(ValueError, match="distinct rows"):
+        pack_micro_batches(lb, [1, 2, 1], 100)
+    with pytest.raises(ValueError, match="distinct rows"):
+        pack_micro_batches(lb, [12], 100)
 
 
-def test_trace_packing_keeps_each_samples_own_rounds():
-    """Trace mode: a sample decoded in few rounds does not carry the batch's largest number of noisy copies."""
+@pytest.mark.parametrize("mode", ["block_proxy", "trace"])
+def test_packing_keeps_only_the_blocks_the_targets_need(mode):
+    """A sample's segment is its clean copy cut to its own length plus one block per distinct (noisy copy, block)
+    of its targets: fewer positions than whole copies (block proxy: x_t's prompt-only blocks go; trace: a round
+    keeps only the blocks it unmasked something in), and the log-probs stay exact (test above)."""
     model = tiny_model(dtype=torch.float64, peaky=20.0)
-    lb = varied_batch(model, "trace")
+    lb = varied_batch(model, mode)
+    n_all, bs = lb.layout.n, lb.layout.block_size
     mbs = pack_micro_batches(lb, range(12), 10**6)
-    copies = torch.cat([mb.layout.copies for mb in mbs])
-    assert int(copies.max()) == lb.layout.num_copies and int(copies.min()) < lb.layout.num_copies
+    t_copy, t_blk = lb.tgt_col // n_all, (lb.tgt_col % n_all) // bs
+    want, whole = 0, 0
+    for i in range(12):
+        mine = lb.tgt_row == i
+        if not bool(mine.any()):
+            continue
+        clean = -(-int(lb.layout.lengths[i]) // bs) * bs
+        want += len(set(zip(t_copy[mine].tolist(), t_blk[mine].tolist()))) * bs + clean
+        whole += (int(t_copy[mine].max()) + 2) * clean  # every noisy copy up to the last round, whole
+    assert sum(mb.used for mb in mbs) == want < whole
+    for mb in mbs:  # each segment: one contiguous run; noisy positions are whole blocks of one copy
+        lay = mb.layout
+        assert lay.num_segments == mb.samples.numel()
+        noisy = lay.copy[0] >= 0
+        assert int(noisy.sum()) % bs == 0
 
 
 def test_packed_length_is_a_few_multiples_of_128():

@@ -13,20 +13,22 @@ covers the three layouts the package needs (REFERENCE §3):
   R > 1  trace replay: one noisy copy per denoising round, then x_0.
 Keys at in-copy positions >= lengths[b] are padding and never attended.
 
-A `PackedLayout` puts several such sequences ("segments", each with its own n, copies and length) back to
-back in one row, the way the trainer packs its micro-batches (rl/logprobs.py): a query sees keys of its own
-segment only, under the same predicate, and positions outside every segment are padding. Packing removes
-the padding of short sequences to the longest one, and gives every full micro-batch one shape.
+A `PackedLayout` puts several such sequences ("segments") back to back in one row, the way the trainer packs
+its micro-batches (rl/logprobs.py). It is given position by position (segment, copy, block, key valid), so a
+segment may be any subset of whole blocks of its copies: the trainer keeps the clean copy and only the noisy
+blocks that hold targets. A query sees keys of its own segment only, under the same predicate on (copy,
+block), and positions outside every segment are padding. Packing removes the padding of short sequences to
+the longest one, and gives every full micro-batch one shape.
 
 Two implementations of the same predicate:
   * CUDA: FlexAttention with a `mask_mod`; the block mask is built once per layout (`prepare`) and
-    reused by every layer (for a PackedLayout the mask_mod reads per-token tables of segment, copy and
-    block, so blocks that straddle no segment are skipped whole). The sequence runs padded to a multiple of 128 (`flex_length`) to bound the shapes
-    torch.compile specializes on, and the mask_mod reads the geometry from a device tensor, so a new n of
-    the same padded length reuses the compiled kernels (`block_mask`).
+    reused by every layer (for a PackedLayout the mask_mod reads the per-position tables, and query/key block
+    pairs of different segments are skipped whole). The sequence runs padded to a multiple of 128
+    (`flex_length`) to bound the shapes torch.compile specializes on, and the mask_mod reads the geometry from
+    device tensors, so a new n (or new segments) of the same padded length reuses the compiled kernels.
   * elsewhere (CPU, float64 tests): SDPA over query tiles, the boolean mask of each tile computed from
     the predicate, so memory stays O(tile x N), never a dense N x N mask for long sequences. A PackedLayout
-    gathers its segments of one (n, copies) into a batch and runs that (cost: the segments' own attention,
+    gathers its segments of similar length into a batch and runs that (cost: the segments' own attention,
     never the packed row's N x N).
 Rows with no visible key (an empty padded row) produce zeros in both.
 """
@@ -104,100 +106,166 @@ def mask_predicate(n, block_size, clean, lengths: torch.Tensor | None, b: torch.
 
 @dataclass(frozen=True, eq=False)
 class PackedLayout:
-    """Segments packed back to back in rows of `total` positions (see the module docstring).
+    """Sequences ("segments") packed back to back in rows of `total` positions (see the module docstring),
+    described position by position, so a segment may leave out pieces nothing needs (the trainer drops the
+    noisy blocks that hold no target: nothing else attends to a noisy block).
 
-    Segment s occupies positions [start[s], start[s] + copies[s] * n[s]) of row `row[s]` and is a MaskLayout
-    sequence of its own: copies[s] copies of length n[s] (the last one clean), lengths[s] valid tokens per copy.
-    The segment fields are [S] int64 tensors on the host; segments may not overlap or leave their row.
+    seg [rows, total] int: segment id (>= 0; each id one contiguous run of one row), -1 at padding;
+    copy [rows, total] int: -1 for a position of the clean copy, r >= 0 for noisy copy r;
+    block [rows, total] int: the position's block (of block_size positions) within its copy;
+    key_ok [rows, total] bool: the position may be attended (inside its sequence's valid length).
+    All on the host. allow(q, k) = seg[q] == seg[k] >= 0, key_ok[k], and the MaskLayout predicate on
+    (copy, block): both clean and bk <= bq, q noisy and k clean and bk < bq, q noisy and k the same noisy copy
+    and bk == bq. `from_segments` builds the rectangular case: whole MaskLayout sequences back to back.
     """
 
-    rows: int
-    total: int
     block_size: int
-    row: torch.Tensor
-    start: torch.Tensor
-    n: torch.Tensor
-    copies: torch.Tensor
-    lengths: torch.Tensor
+    seg: torch.Tensor
+    copy: torch.Tensor
+    block: torch.Tensor
+    key_ok: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.rows <= 0 or self.total <= 0 or self.block_size <= 0:
-            raise ValueError(f"PackedLayout needs rows, total, block_size > 0, got {self.rows}, {self.total}, "
-                             f"{self.block_size}")
-        fields = ("row", "start", "n", "copies", "lengths")
-        for name in fields:
-            t = check_tensor(f"PackedLayout.{name}", getattr(self, name), ndim=1, dtypes=(torch.int32, torch.int64))
-            if t.device.type != "cpu":
-                raise ValueError(f"PackedLayout.{name} must be on the host (the layout is planned there), got {t.device}")
-            if t.shape != self.row.shape:
-                raise ValueError(f"PackedLayout.{name} has {t.shape[0]} segments but row has {self.row.shape[0]}")
-        row, start, end = self.row.long(), self.start.long(), self.start.long() + self.copies.long() * self.n.long()
-        bad = ((self.n <= 0) | (self.copies <= 0) | (self.lengths < 0) | (self.lengths > self.n) | (row < 0)
-               | (row >= self.rows) | (start < 0) | (end > self.total)).nonzero()
+        if self.block_size <= 0:
+            raise ValueError(f"PackedLayout needs block_size > 0, got {self.block_size}")
+        check_tensor("PackedLayout.seg", self.seg, ndim=2, dtypes=(torch.int32, torch.int64))
+        shape = tuple(self.seg.shape)
+        if shape[0] == 0 or shape[1] == 0:
+            raise ValueError(f"PackedLayout needs rows and positions, got seg of shape {list(shape)}")
+        for name in ("copy", "block"):
+            check_tensor(f"PackedLayout.{name}", getattr(self, name), shape=shape, dtypes=(torch.int32, torch.int64))
+        check_tensor("PackedLayout.key_ok", self.key_ok, shape=shape, dtypes=(torch.bool,))
+        for name in ("seg", "copy", "block", "key_ok"):
+            if getattr(self, name).device.type != "cpu":
+                raise ValueError(f"PackedLayout.{name} must be on the host (the layout is planned there), got "
+                                 f"{getattr(self, name).device}")
+        if bool((self.copy < -1).any()) or bool((self.block < 0).any()) or bool((self.seg < -1).any()):
+            raise ValueError("PackedLayout needs seg >= -1, copy >= -1 and block >= 0 everywhere")
+        row, start, end = self.spans()
+        count = torch.bincount(self.seg[self.seg >= 0].long(), minlength=row.numel())
+        split = (((end - start) != count) | (row != (end - 1) // self.total)) & (count > 0)
+        if bool(split.any()):
+            s = int(split.nonzero()[0])
+            raise ValueError(f"PackedLayout segment {s} is not one contiguous run of one row ({int(count[s])} positions "
+                             f"spread over flat positions {int(start[s])}..{int(end[s]) - 1})")
+
+    @property
+    def rows(self) -> int:
+        return self.seg.shape[0]
+
+    @property
+    def total(self) -> int:
+        return self.seg.shape[1]
+
+    @property
+    def num_segments(self) -> int:
+        return int(torch.unique(self.seg[self.seg >= 0]).numel())
+
+    @property
+    def used(self) -> int:
+        """Positions inside segments."""
+        return int((self.seg >= 0).sum())
+
+    def spans(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row [S], start [S], end [S]) of each segment id 0..S-1 as flat positions row * total + col (start =
+        end = 0 for an unused id)."""
+        inside = self.seg >= 0
+        ids = self.seg[inside].long()
+        nseg = int(ids.max()) + 1 if ids.numel() else 0
+        flat = torch.arange(self.rows * self.total).view(self.rows, self.total)[inside]
+        big = self.rows * self.total
+        start = torch.full((nseg,), big, dtype=torch.int64).scatter_reduce(0, ids, flat, "amin")
+        end = torch.zeros(nseg, dtype=torch.int64).scatter_reduce(0, ids, flat + 1, "amax")
+        start = torch.where(end > 0, start, 0)
+        return start // self.total, start, end
+
+    @classmethod
+    def from_segments(cls, rows: int, total: int, block_size: int, row, start, n, copies, lengths) -> "PackedLayout":
+        """Whole MaskLayout sequences back to back: segment s at [start[s], start[s] + copies[s] * n[s]) of row
+        row[s], copies[s] copies of length n[s] (the last one clean), lengths[s] valid positions per copy."""
+        row, start, n, copies, lengths = (torch.as_tensor(x).long() for x in (row, start, n, copies, lengths))
+        end = start + copies * n
+        bad = ((n <= 0) | (copies <= 0) | (lengths < 0) | (lengths > n) | (row < 0) | (row >= rows) | (start < 0)
+               | (end > total)).nonzero()
         if bad.numel():
             s = int(bad[0])
-            raise ValueError(f"PackedLayout segment {s} (row {int(row[s])}, start {int(start[s])}, n {int(self.n[s])}, "
-                             f"copies {int(self.copies[s])}, length {int(self.lengths[s])}) does not fit a "
-                             f"[{self.rows}, {self.total}] layout (needs n, copies > 0 and 0 <= length <= n)")
-        order = torch.argsort(row * (self.total + 1) + start)
+            raise ValueError(f"PackedLayout segment {s} (row {int(row[s])}, start {int(start[s])}, n {int(n[s])}, "
+                             f"copies {int(copies[s])}, length {int(lengths[s])}) does not fit a [{rows}, {total}] "
+                             f"layout (needs n, copies > 0 and 0 <= length <= n)")
+        order = torch.argsort(row * (total + 1) + start)
         r, a, e = row[order], start[order], end[order]
         clash = ((r[1:] == r[:-1]) & (a[1:] < e[:-1])).nonzero()
         if clash.numel():
             i = int(clash[0])
             raise ValueError(f"PackedLayout segments {int(order[i])} and {int(order[i + 1])} overlap in row {int(r[i])}")
-
-    @property
-    def num_segments(self) -> int:
-        return int(self.row.numel())
-
-    def seg_tokens(self) -> torch.Tensor:
-        """[S] positions each segment occupies (copies x n)."""
-        return self.copies.long() * self.n.long()
+        seg_len = copies * n
+        tok_seg = torch.repeat_interleave(torch.arange(seg_len.numel()), seg_len)  # [T] segment of each position
+        off = torch.arange(tok_seg.numel()) - torch.repeat_interleave(torch.cumsum(seg_len, 0) - seg_len, seg_len)
+        c, p = off // n[tok_seg], off % n[tok_seg]
+        flat = row[tok_seg] * total + start[tok_seg] + off
+        seg = torch.full((rows * total,), -1, dtype=torch.int32)
+        cpy = torch.full((rows * total,), -1, dtype=torch.int32)
+        blk = torch.zeros(rows * total, dtype=torch.int32)
+        ok = torch.zeros(rows * total, dtype=torch.bool)
+        seg[flat] = tok_seg.int()
+        cpy[flat] = torch.where(c == copies[tok_seg] - 1, -1, c).int()
+        blk[flat] = (p // block_size).int()
+        ok[flat] = p < lengths[tok_seg]
+        return cls(block_size, *(t.view(rows, total) for t in (seg, cpy, blk, ok)))
 
     def token_tables(self, length: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Per-position tables [4, rows, length] int32 (length >= total; default total), what the predicate reads:
-        0: the query's segment (-2 at padding); 1: the key's segment (-1 at padding and at invalid keys);
-        2: copy index within the segment (-1 for the clean copy); 3: block index within the copy."""
+        """What the predicate reads, [4, rows, length] int32 (length >= total; default total): 0: the query's
+        segment (-2 at padding); 1: the key's segment (-1 at padding and where key_ok is False); 2: copy (-1 clean);
+        3: block."""
         length = self.total if length is None else length
-        seg_len = self.seg_tokens()
-        nseg = self.num_segments
-        tok_seg = torch.repeat_interleave(torch.arange(nseg), seg_len)  # [T] segment of each packed token
-        first = torch.repeat_interleave(torch.cumsum(seg_len, 0) - seg_len, seg_len)
-        off = torch.arange(tok_seg.numel()) - first  # [T] offset within its segment
-        n = self.n.long()[tok_seg]
-        c, p = off // n, off % n
-        flat = self.row.long()[tok_seg] * length + self.start.long()[tok_seg] + off
-        tabs = torch.empty(4, self.rows * length, dtype=torch.int32)
+        tabs = torch.zeros(4, self.rows, length, dtype=torch.int32)
         tabs[0].fill_(-2)
         tabs[1].fill_(-1)
-        tabs[2].fill_(-1)
-        tabs[3].fill_(0)
-        tabs[0, flat] = tok_seg.int()
-        tabs[1, flat] = torch.where(p < self.lengths.long()[tok_seg], tok_seg, -1).int()
-        tabs[2, flat] = torch.where(c == self.copies.long()[tok_seg] - 1, -1, c).int()
-        tabs[3, flat] = (p // self.block_size).int()
-        return tabs.view(4, self.rows, length).to(device)
+        inside = self.seg >= 0
+        t = self.total
+        tabs[0, :, :t] = torch.where(inside, self.seg, -2)
+        tabs[1, :, :t] = torch.where(inside & self.key_ok, self.seg, -1)
+        tabs[2, :, :t] = self.copy
+        tabs[3, :, :t] = self.block
+        return tabs.to(device)
 
-    def groups(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        """The segments grouped by shape, for the reference path: (n, copies, flat positions [k, copies * n] into
-        the [rows * total] positions, lengths [k]) per distinct (n, copies)."""
+    def groups(self, min_bucket: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The segments grouped by length, for the reference path: per group (flat positions [k, L] into the
+        [rows * total] positions, clamped; in-segment [k, L] bool), L the segments' length rounded up to 3
+        significant bits (at least `min_bucket`), so a group pads its segments by at most ~25%."""
+        _, start, end = self.spans()
+        lens = end - start
+        used = (lens > 0).nonzero().squeeze(1)
+        if used.numel() == 0:
+            return []
+        bucket = torch.tensor([round_3_bits(max(int(x), min_bucket)) for x in lens[used].tolist()])
         out = []
-        key = self.n.long() * (int(self.copies.max()) + 1 if self.num_segments else 1) + self.copies.long()
-        for kv in torch.unique(key).tolist():
-            idx = (key == kv).nonzero().squeeze(1)
-            n, c = int(self.n[idx[0]]), int(self.copies[idx[0]])
-            base = self.row.long()[idx] * self.total + self.start.long()[idx]  # [k]
-            out.append((n, c, base[:, None] + torch.arange(c * n), self.lengths[idx]))
+        for length in torch.unique(bucket).tolist():
+            sel = used[bucket == length]
+            pos = start[sel, None] + torch.arange(length)  # [k, L]
+            inside = pos < end[sel, None]
+            out.append((torch.where(inside, pos, start[sel, None]), inside))
         return out
+
+
+def round_3_bits(m: int) -> int:
+    """m (> 0) rounded up to 3 significant bits (4 values per octave: 8, 10, 12, 14, 16, 20, ...)."""
+    if m > 4:
+        step = 1 << (m.bit_length() - 3)
+        m = -(-m // step) * step
+    return m
+
+
+def _within(cq: torch.Tensor, ck: torch.Tensor, bq: torch.Tensor, bk: torch.Tensor) -> torch.Tensor:
+    """The predicate inside one segment, on (copy, block) of query and key (copy -1 = clean)."""
+    q_clean, k_clean = cq < 0, ck < 0
+    return (k_clean & ((q_clean & (bk <= bq)) | (~q_clean & (bk < bq)))) | (~q_clean & (cq == ck) & (bk == bq))
 
 
 def packed_predicate(tabs: torch.Tensor, b: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
     """The layout predicate of a PackedLayout through its `token_tables`: same segment, key valid, and the
     MaskLayout predicate on (copy, block) within the segment."""
-    cq, ck = tabs[2, b, q_idx], tabs[2, b, kv_idx]
-    bq, bk = tabs[3, b, q_idx], tabs[3, b, kv_idx]
-    q_clean, k_clean = cq < 0, ck < 0
-    within = (k_clean & ((q_clean & (bk <= bq)) | (~q_clean & (bk < bq)))) | (~q_clean & (cq == ck) & (bk == bq))
+    within = _within(tabs[2, b, q_idx], tabs[2, b, kv_idx], tabs[3, b, q_idx], tabs[3, b, kv_idx])
     return (tabs[0, b, q_idx] == tabs[1, b, kv_idx]) & within
 
 
@@ -326,18 +394,38 @@ def masked_attention_reference(
 
 def packed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
                                groups: SegmentGroups | None = None, softmax_scale: float | None = None) -> torch.Tensor:
-    """The reference path of a PackedLayout: the segments of each (n, copies) gathered into one batch and run
-    through `masked_attention_reference`, the outputs put back; padding positions give zeros.
-    q [R, Hq, P, D], k/v [R, Hkv, P, D] -> [R, Hq, P, D]."""
+    """The reference path of a PackedLayout: the segments of each length bucket (`PackedLayout.groups`) gathered
+    into one batch, SDPA over query tiles under the predicate computed from the token tables, the outputs put
+    back in one scatter; padding positions give zeros. q [R, Hq, P, D], k/v [R, Hkv, P, D] -> [R, Hq, P, D]."""
     rows, hq, total, d = q.shape
+    hkv = k.shape[1]
     groups = groups if groups is not None else SegmentGroups(layout.groups())
-    flat = [t.transpose(1, 2).reshape(rows * total, t.shape[1], d) for t in (q, k, v)]  # [R * P, H, D]
+    qf, kf, vf = (t.transpose(1, 2).reshape(rows * total, t.shape[1], d) for t in (q, k, v))  # [R * P, H, D]
+    tabs = layout.token_tables().view(4, rows * total).to(q.device)
+    where, vals = [], []
+    for pos, inside in groups.groups:
+        pos, inside = pos.to(q.device), inside.to(q.device)
+        nseg, length = pos.shape
+        qs = torch.where(inside, tabs[0, pos], -2)  # [k, L] padding slots see and are seen by nothing
+        ks = torch.where(inside, tabs[1, pos], -1)
+        cp, bl = tabs[2, pos], tabs[3, pos]
+        qg = qf[pos].transpose(1, 2)  # [k, Hq, L, D]
+        kg, vg = (t[pos].transpose(1, 2).repeat_interleave(hq // hkv, dim=1) for t in (kf, vf))  # [k, Hq, L, D]
+        tile = max(16, min(length, _TILE_ELEMS // max(1, nseg * length)))
+        outs = []
+        for t0 in range(0, length, tile):
+            sl = slice(t0, t0 + tile)
+            allow = (qs[:, sl, None] == ks[:, None, :]) & _within(cp[:, sl, None], cp[:, None, :], bl[:, sl, None],
+                                                                   bl[:, None, :])  # [k, T, L]
+            o = F.scaled_dot_product_attention(qg[:, :, sl], kg, vg, attn_mask=allow[:, None], scale=softmax_scale)
+            outs.append(torch.where(allow.any(-1)[:, None, :, None], o, torch.zeros((), dtype=o.dtype, device=o.device)))
+        o = torch.cat(outs, dim=2).transpose(1, 2).reshape(nseg * length, hq, d)  # [k * L, Hq, D]
+        keep = inside.reshape(-1)
+        where.append(pos.reshape(-1)[keep])
+        vals.append(o[keep])
     out = q.new_zeros(rows * total, hq, d)
-    for n, copies, idx, lengths in groups.groups:
-        idx = idx.to(q.device)
-        qg, kg, vg = (t[idx].transpose(1, 2) for t in flat)  # [k, H, copies * n, D]
-        o = masked_attention_reference(qg, kg, vg, MaskLayout(n, copies, layout.block_size, lengths), softmax_scale)
-        out = out.index_copy(0, idx.reshape(-1), o.transpose(1, 2).reshape(-1, hq, d))
+    if where:
+        out = out.index_copy(0, torch.cat(where), torch.cat(vals))
     return out.view(rows, total, hq, d).transpose(1, 2)
 
 

@@ -28,7 +28,7 @@ import torch
 
 from ..model import SDARForCausalLM, rope_cos_sin
 from ..ops.grpo_loss import linear_logprobs
-from ..ops.masked_attn import MaskLayout, PackedLayout, prepare
+from ..ops.masked_attn import MaskLayout, PackedLayout, prepare, round_3_bits
 
 MODES = ("block_proxy", "trace")
 
@@ -54,141 +54,6 @@ class LayoutBatch:
         return LayoutBatch(self.input_ids.to(device), self.position_ids.to(device), self.layout,
                            self.tgt_row.to(device), self.tgt_col.to(device), self.targets.to(device),
                            self.resp_pos.to(device))
-
-
-@dataclass
-class MicroBatch:
-    """One packed training forward: some samples of a LayoutBatch back to back in one row (a PackedLayout).
-
-    Sample i becomes one segment: its noisy copies that hold targets, then its clean copy, each cut to the
-    sample's own decoded length (whole blocks). Its targets are read at (read_row, read_col) of the hidden
-    states; `sel` says which of the LayoutBatch's targets they are (lb.targets[sel], lb.tgt_row[sel], ...)."""
-
-    input_ids: torch.Tensor  # [1, P] int64 (mask id at padding)
-    position_ids: torch.Tensor  # [1, P] int64
-    layout: PackedLayout
-    sel: torch.Tensor  # [t] int64 indices into the LayoutBatch's targets
-    read_row: torch.Tensor  # [t] int64 (0: one packed row)
-    read_col: torch.Tensor  # [t] int64
-    targets: torch.Tensor  # [t] int64 token ids (lb.targets[sel])
-    samples: torch.Tensor  # [s] int64 the LayoutBatch rows packed here, in segment order
-
-    @property
-    def positions(self) -> int:
-        """Positions one forward processes (padding included)."""
-        return int(self.input_ids.numel())
-
-    @property
-    def used(self) -> int:
-        """Positions inside segments."""
-        return int(self.layout.seg_tokens().sum())
-
-    def to(self, device: torch.device | str) -> "MicroBatch":
-        """The tensors the forward reads on `device` (the layout stays on the host; `prepare` moves what it needs)."""
-        return MicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.layout, self.sel,
-                          self.read_row.to(device), self.read_col.to(device), self.targets.to(device), self.samples)
-
-
-_LENGTH_QUANTUM = 128  # FlexAttention's block: packed rows on CUDA are a multiple of it
-
-
-def packed_length(used: int, budget: int) -> int:
-    """The row length a CUDA micro-batch of `used` positions runs at: a multiple of 128 with 3 significant bits
-    (4 lengths per octave: 1024, 1280, 1536, 1792, 2048, ...), at most the budget's multiple of 128 when `used`
-    fits the budget. So a run compiles FlexAttention for a few lengths (full micro-batches all run at the
-    budget's), and a partial one pads at most ~25%."""
-    m = -(-used // _LENGTH_QUANTUM)
-    if m > 4:
-        step = 1 << (m.bit_length() - 3)
-        m = -(-m // step) * step
-    cap = -(-budget // _LENGTH_QUANTUM)
-    return (min(m, cap) if used <= budget else m) * _LENGTH_QUANTUM
-
-
-def _best_fit(sizes: list[int], order: list[int], budget: int) -> list[list[int]]:
-    """Best-fit decreasing bin packing of items `order` (largest first) into bins of `budget`; an item larger than
-    the budget gets a bin of its own. Returns the bins (item lists) in creation order."""
-    import bisect
-
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # sorted (remaining capacity, bin index) of bins that can take more
-    for i in order:
-        size = sizes[i]
-        if size > budget:
-            bins.append([i])
-            continue
-        j = bisect.bisect_left(free, (size, -1))  # the tightest bin it fits
-        if j < len(free):
-            cap, b = free.pop(j)
-            bins[b].append(i)
-            if cap - size > 0:
-                bisect.insort(free, (cap - size, b))
-        else:
-            bins.append([i])
-            if budget - size > 0:
-                bisect.insort(free, (budget - size, len(bins) - 1))
-    return bins
-
-
-def pack_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_shapes: bool = False,
-                       pad_id: int = 0) -> list[MicroBatch]:
-    """Pack the samples `rows` of `lb` into micro-batches of at most `budget` positions (a sample longer than the
-    budget gets one of its own); every target of those rows is in exactly one micro-batch.
-
-    Each sample is cut to its own decoded length (whole blocks) and, in trace mode, to its own rounds, so no
-    sample pays for the longest one. `pad_shapes` (CUDA) rounds each row to `packed_length`: a few shapes per
-    run for the compiled attention; otherwise rows are exactly as long as their segments. Samples without targets
-    are left out. Exact: the predicate inside a segment is the LayoutBatch's, and padding is never attended."""
-    n_all, ncopies, bs = lb.layout.n, lb.layout.num_copies, lb.layout.block_size
-    nrows = lb.input_ids.shape[0]
-    rows_t = torch.as_tensor(list(rows), dtype=torch.int64)
-    if rows_t.numel() == 0:
-        return []
-    if budget < 1:
-        raise ValueError(f"micro-batch budget must be >= 1 position, got {budget}")
-    valid = lb.layout.lengths.long() if lb.layout.lengths is not None else torch.full((nrows,), n_all)
-    t_copy, t_pos = lb.tgt_col // n_all, lb.tgt_col % n_all  # [T]
-    need = torch.zeros(nrows, dtype=torch.int64).scatter_reduce(0, lb.tgt_row, t_copy + 1, "amax")  # noisy copies
-    seg_n = (-(-valid // bs) * bs).clamp(max=n_all)  # [N] own length in whole blocks
-    seg_len = (need + 1) * seg_n  # [N]
-    cand = rows_t[need[rows_t] > 0]
-    sizes = seg_len.tolist()
-    order = sorted(cand.tolist(), key=lambda i: (-sizes[i], i))
-    bins = _best_fit(sizes, order, budget)
-    # every sample's bin and offset, then each target's read position
-    bin_of = torch.full((nrows,), -1, dtype=torch.int64)
-    off_of = torch.zeros(nrows, dtype=torch.int64)
-    for b, members in enumerate(bins):
-        m = torch.tensor(members)
-        bin_of[m] = b
-        off_of[m] = torch.cumsum(seg_len[m], 0) - seg_len[m]
-    t_bin = bin_of[lb.tgt_row]  # [T] -1 outside `rows`
-    t_col = off_of[lb.tgt_row] + t_copy * seg_n[lb.tgt_row] + t_pos
-    t_order = torch.argsort(t_bin, stable=True)
-    counts = torch.bincount(t_bin + 1, minlength=len(bins) + 1).tolist()
-    t_split = torch.split(t_order, counts)[1:]
-    flat_ids = lb.input_ids.reshape(-1)
-    out = []
-    for b, members in enumerate(bins):
-        m = torch.tensor(members)
-        lens = seg_len[m]
-        used = int(lens.sum())
-        length = packed_length(used, budget) if pad_shapes else used
-        tok_seg = torch.repeat_interleave(torch.arange(len(members)), lens)  # [used]
-        off = torch.arange(used) - torch.repeat_interleave(off_of[m], lens)
-        n_tok = seg_n[m][tok_seg]
-        c, p = off // n_tok, off % n_tok
-        src_copy = torch.where(c == need[m][tok_seg], ncopies - 1, c)  # the last copy of a segment is the clean one
-        src = (m[tok_seg] * ncopies + src_copy) * n_all + p
-        ids = torch.full((1, length), pad_id, dtype=lb.input_ids.dtype)
-        pos = torch.zeros((1, length), dtype=lb.position_ids.dtype)
-        ids[0, :used] = flat_ids[src]
-        pos[0, :used] = p
-        layout = PackedLayout(1, length, bs, torch.zeros(len(members), dtype=torch.int64), off_of[m], seg_n[m],
-                              need[m] + 1, valid[m].clamp(max=n_all))
-        sel = t_split[b]
-        out.append(MicroBatch(ids, pos, layout, sel, torch.zeros_like(sel), t_col[sel], lb.targets[sel], m))
-    return out
 
 
 def build_layout_batch(sequences: torch.Tensor, step_map: torch.Tensor, prompt_lens: torch.Tensor,
@@ -236,6 +101,165 @@ def build_layout_batch(sequences: torch.Tensor, step_map: torch.Tensor, prompt_l
     tgt_col = tgt_copy[tgt_row, tgt_p] * n + tgt_p
     layout = MaskLayout(n, ncopies, bs, valid.clamp_min(1))
     return LayoutBatch(input_ids, position_ids, layout, tgt_row, tgt_col, x0[tgt_row, tgt_p], tgt_p - prompt_lens[tgt_row])
+
+
+@dataclass
+class MicroBatch:
+    """One packed training forward: some samples of a LayoutBatch back to back in one row (a PackedLayout).
+
+    Sample i becomes one segment: the noisy blocks that hold its targets (one block of one noisy copy each), then
+    its clean copy cut to its own decoded length (whole blocks). Nothing else is needed: a noisy block attends to
+    itself and to earlier clean blocks, and nothing attends to a noisy block. Its targets are read at
+    (read_row, read_col) of the hidden states; `sel` says which of the LayoutBatch's targets they are
+    (lb.targets[sel], lb.tgt_row[sel], ...)."""
+
+    input_ids: torch.Tensor  # [1, P] int64 (pad id at padding)
+    position_ids: torch.Tensor  # [1, P] int64
+    layout: PackedLayout
+    sel: torch.Tensor  # [t] int64 indices into the LayoutBatch's targets
+    read_row: torch.Tensor  # [t] int64 (0: one packed row)
+    read_col: torch.Tensor  # [t] int64
+    targets: torch.Tensor  # [t] int64 token ids (lb.targets[sel])
+    samples: torch.Tensor  # [s] int64 the LayoutBatch rows packed here, in segment order
+
+    @property
+    def positions(self) -> int:
+        """Positions one forward processes (padding included)."""
+        return int(self.input_ids.numel())
+
+    @property
+    def used(self) -> int:
+        """Positions inside segments."""
+        return self.layout.used
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        """The tensors the forward reads on `device` (the layout stays on the host; `prepare` moves what it needs)."""
+        return MicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.layout, self.sel,
+                          self.read_row.to(device), self.read_col.to(device), self.targets.to(device), self.samples)
+
+
+_LENGTH_QUANTUM = 128  # FlexAttention's block: packed rows on CUDA are a multiple of it
+
+
+def packed_length(used: int, budget: int) -> int:
+    """The row length a CUDA micro-batch of `used` positions runs at: a multiple of 128 with 3 significant bits
+    (4 lengths per octave: 1024, 1280, 1536, 1792, 2048, ...), at most the budget's multiple of 128 when `used`
+    fits the budget. So a run compiles FlexAttention for a few lengths (full micro-batches all run at the
+    budget's), and a partial one pads at most ~25%."""
+    m = round_3_bits(-(-used // _LENGTH_QUANTUM))
+    cap = -(-budget // _LENGTH_QUANTUM)
+    return (min(m, cap) if used <= budget else m) * _LENGTH_QUANTUM
+
+
+def _best_fit(sizes: list[int], order: list[int], budget: int) -> list[list[int]]:
+    """Best-fit decreasing bin packing of items `order` (largest first) into bins of `budget`; an item larger than
+    the budget gets a bin of its own. Returns the bins (item lists) in creation order."""
+    import bisect
+
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # sorted (remaining capacity, bin index) of bins that can take more
+    for i in order:
+        size = sizes[i]
+        if size > budget:
+            bins.append([i])
+            continue
+        j = bisect.bisect_left(free, (size, -1))  # the tightest bin it fits
+        if j < len(free):
+            cap, b = free.pop(j)
+            bins[b].append(i)
+            if cap - size > 0:
+                bisect.insort(free, (cap - size, b))
+        else:
+            bins.append([i])
+            if budget - size > 0:
+                bisect.insort(free, (budget - size, len(bins) - 1))
+    return bins
+
+
+def pack_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_shapes: bool = False,
+                       pad_id: int = 0) -> list[MicroBatch]:
+    """Pack the samples `rows` (distinct) of `lb` into micro-batches of at most `budget` positions (a sample longer
+    than the budget gets one of its own); every target of those rows is in exactly one micro-batch.
+
+    Each sample keeps only what its targets need (see MicroBatch): its clean copy cut to its own decoded length,
+    and the noisy blocks holding targets (block proxy: the response blocks of x_t, not its prompt-only blocks;
+    trace: per round only the blocks that unmask something in it), so no sample pays for the longest one or for
+    the most rounds. `pad_shapes` (CUDA) rounds each row to `packed_length`: a few shapes per run for the
+    compiled attention; otherwise rows are exactly as long as their segments. Samples without targets are left
+    out. Exact: every kept position sees what it sees in the LayoutBatch, and padding is never attended."""
+    n_all, ncopies, bs = lb.layout.n, lb.layout.num_copies, lb.layout.block_size
+    nrows = lb.input_ids.shape[0]
+    rows_t = torch.as_tensor(list(rows), dtype=torch.int64)
+    if rows_t.numel() == 0:
+        return []
+    if budget < 1:
+        raise ValueError(f"micro-batch budget must be >= 1 position, got {budget}")
+    if n_all % bs:
+        raise ValueError(f"the LayoutBatch's copy length {n_all} is not a multiple of its block size {bs}")
+    if torch.unique(rows_t).numel() != rows_t.numel() or int(rows_t.min()) < 0 or int(rows_t.max()) >= nrows:
+        raise ValueError(f"rows must be distinct rows of the LayoutBatch (0..{nrows - 1})")
+    nblk = n_all // bs
+    valid = lb.layout.lengths.long() if lb.layout.lengths is not None else torch.full((nrows,), n_all)
+    t_copy, t_pos = lb.tgt_col // n_all, lb.tgt_col % n_all  # [T]
+    # the noisy pieces: distinct (sample, copy, block) of the targets, sorted by sample then copy then block
+    pieces, t_piece = torch.unique((lb.tgt_row * ncopies + t_copy) * nblk + t_pos // bs, return_inverse=True)
+    p_sample, p_copy, p_blk = pieces // (ncopies * nblk), (pieces // nblk) % ncopies, pieces % nblk
+    n_noisy = torch.bincount(p_sample, minlength=nrows)  # [N]
+    n_clean = -(-valid // bs)  # [N] clean blocks: the decoded length in whole blocks
+    seg_len = (n_noisy + n_clean) * bs  # [N]
+    cand = rows_t[n_noisy[rows_t] > 0]
+    sizes = seg_len.tolist()
+    bins = _best_fit(sizes, sorted(cand.tolist(), key=lambda i: (-sizes[i], i)), budget)
+    # every sample's bin and offset; every noisy piece's place in its bin's row; each target's read position
+    bin_of = torch.full((nrows,), -1, dtype=torch.int64)
+    off_of = torch.zeros(nrows, dtype=torch.int64)
+    for b, members in enumerate(bins):
+        m = torch.tensor(members)
+        bin_of[m] = b
+        off_of[m] = torch.cumsum(seg_len[m], 0) - seg_len[m]
+    first_piece = torch.cumsum(n_noisy, 0) - n_noisy  # [N] index of each sample's first noisy piece
+    p_dst = off_of[p_sample] + (torch.arange(pieces.numel()) - first_piece[p_sample]) * bs  # [pieces]
+    t_bin = bin_of[lb.tgt_row]  # [T] -1 outside `rows`
+    t_col = p_dst[t_piece] + t_pos % bs
+    t_split = torch.split(torch.argsort(t_bin, stable=True), torch.bincount(t_bin + 1, minlength=len(bins) + 1).tolist())[1:]
+    p_bin = bin_of[p_sample]
+    p_split = torch.split(torch.argsort(p_bin, stable=True), torch.bincount(p_bin + 1, minlength=len(bins) + 1).tolist())[1:]
+    j = torch.arange(bs)
+    out = []
+    for b, members in enumerate(bins):
+        m = torch.tensor(members)
+        local = torch.zeros(nrows, dtype=torch.int64)
+        local[m] = torch.arange(len(members))  # segment id of each member
+        # the bin's pieces: its noisy pieces, then every member's clean blocks (after its noisy ones)
+        noisy = p_split[b]
+        c_sample = torch.repeat_interleave(m, n_clean[m])
+        c_blk = torch.arange(c_sample.numel()) - torch.repeat_interleave(torch.cumsum(n_clean[m], 0) - n_clean[m],
+                                                                        n_clean[m])
+        sample = torch.cat([p_sample[noisy], c_sample])  # [pieces]
+        copy = torch.cat([p_copy[noisy], torch.full_like(c_sample, ncopies - 1)])
+        blk = torch.cat([p_blk[noisy], c_blk])
+        dst = torch.cat([p_dst[noisy], off_of[c_sample] + (n_noisy[c_sample] + c_blk) * bs])
+        used = int(seg_len[m].sum())
+        length = packed_length(used, budget) if pad_shapes else used
+        col = (dst[:, None] + j).reshape(-1)  # [used] every piece's positions in the row
+        src = (copy * n_all + blk * bs)[:, None] + j  # [pieces, B] columns of lb.input_ids
+        src_row = sample[:, None].expand(-1, bs)
+        ids = torch.full((1, length), pad_id, dtype=lb.input_ids.dtype)
+        pos = torch.zeros((1, length), dtype=lb.position_ids.dtype)
+        ids[0, col] = lb.input_ids[src_row, src].reshape(-1)
+        pos[0, col] = lb.position_ids[src_row, src].reshape(-1)
+        seg = torch.full((1, length), -1, dtype=torch.int32)
+        cpy = torch.full((1, length), -1, dtype=torch.int32)
+        bl = torch.zeros((1, length), dtype=torch.int32)
+        ok = torch.zeros((1, length), dtype=torch.bool)
+        seg[0, col] = local[src_row].reshape(-1).int()
+        cpy[0, col] = torch.where(copy == ncopies - 1, -1, copy)[:, None].expand(-1, bs).reshape(-1).int()
+        bl[0, col] = blk[:, None].expand(-1, bs).reshape(-1).int()
+        ok[0, col] = ((blk * bs)[:, None] + j < valid[sample][:, None]).reshape(-1)
+        sel = t_split[b]
+        out.append(MicroBatch(ids, pos, PackedLayout(bs, seg, cpy, bl, ok), sel, torch.zeros_like(sel), t_col[sel],
+                              lb.targets[sel], m))
+    return out
 
 
 def batch_logprobs(model: SDARForCausalLM, lb: LayoutBatch, chunk: int = 4096) -> torch.Tensor:
