@@ -42,6 +42,15 @@ def check_tensor(
     return t
 
 
+def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`; a host tensor bound for a GPU goes through page-locked memory without blocking, so the
+    host does not wait for the stream's queued work (a pageable copy syncs the stream first)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def host_checks_allowed(device: torch.device) -> bool:
     """False while torch.compile traces or a CUDA graph is being captured on `device` (a host read of device
     values would break either); the ops' default for their optional host-side checks."""

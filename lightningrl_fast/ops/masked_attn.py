@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._common import check_tensor
+from ._common import check_tensor, upload
 
 _TILE_ELEMS = 1 << 22  # mask elements per query tile in the reference path
 _FLEX_BLOCK = 128  # FlexAttention's block: the CUDA path pads the sequence to a multiple of it
@@ -227,7 +227,7 @@ class PackedLayout:
         tabs[1, :, :t] = torch.where(inside & self.key_ok, self.seg, -1)
         tabs[2, :, :t] = self.copy
         tabs[3, :, :t] = self.block
-        return tabs.to(device)
+        return upload(tabs, device)
 
     def groups(self, min_bucket: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The segments grouped by length, for the reference path: per group (flat positions [k, L] into the

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from ..model import SDARForCausalLM, rope_cos_sin
+from ..ops._common import upload
 from ..ops.grpo_loss import linear_logprobs
 from ..ops.masked_attn import MaskLayout, PackedLayout, prepare, round_3_bits
 
@@ -133,9 +134,11 @@ class MicroBatch:
         return self.layout.used
 
     def to(self, device: torch.device | str) -> "MicroBatch":
-        """The tensors the forward reads on `device` (the layout stays on the host; `prepare` moves what it needs)."""
-        return MicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.layout, self.sel,
-                          self.read_row.to(device), self.read_col.to(device), self.targets.to(device), self.samples)
+        """The tensors the forward reads on `device` (the layout stays on the host; `prepare` moves what it needs);
+        copies to a GPU do not block the host."""
+        return MicroBatch(upload(self.input_ids, device), upload(self.position_ids, device), self.layout, self.sel,
+                          upload(self.read_row, device), upload(self.read_col, device), upload(self.targets, device),
+                          self.samples)
 
 
 _LENGTH_QUANTUM = 128  # FlexAttention's block: packed rows on CUDA are a multiple of it

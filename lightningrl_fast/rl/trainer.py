@@ -26,6 +26,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ..model import SDARForCausalLM
+from ..ops._common import upload
 from ..ops.grpo_loss import fused_linear_grpo_loss
 from ..sampler import Decoder, Rollout, SamplerConfig, cat_rollouts
 from ..tasks import is_correct_batch
@@ -271,7 +272,7 @@ def logprob_stage(model: SDARForCausalLM, lb: LayoutBatch, budget: int) -> torch
     dev = next(model.parameters()).device
     out = torch.empty(lb.num_tokens, device=dev)
     for mb in micro_batches(lb, range(lb.input_ids.shape[0]), budget, dev, model.config.mask_token_id):
-        out[mb.sel.to(dev)] = micro_batch_logprobs(model, mb.to(dev)).float()
+        out[upload(mb.sel, dev)] = micro_batch_logprobs(model, mb.to(dev)).float()
     return out.cpu()  # one copy (and host sync) per pass
 
 
@@ -306,6 +307,7 @@ def loss_backward_stage(model, lb: LayoutBatch | None, rows: range, adv_tok, old
     if not len(rows) or totals[1] == 0:
         return agg
     sums = []  # per micro-batch [loss, kl, clip_frac share], on the device
+    correct_dev = upload(correct, dev)
     for host_mb in micro_batches(lb, rows, cfg.micro_batch_tokens, dev, model.config.mask_token_id):
         sel, mb = host_mb.sel, host_mb.to(dev)  # sel [t]: the micro-batch's targets among lb's
         hidden = model.hidden(mb.input_ids, mb.position_ids, mb.layout)  # [1, P, H] the packed samples
@@ -315,9 +317,9 @@ def loss_backward_stage(model, lb: LayoutBatch | None, rows: range, adv_tok, old
         # one fused pass: log-probs, loss and its gradient without [t, V] logits (CUDA kernel; chunked reference
         # elsewhere); old_logp None = on-policy (ratio 1 with its gradient)
         loss, stats, _ = fused_linear_grpo_loss(
-            h, model.lm_head.weight, mb.targets, old[sel].to(dev) if old is not None else None,
-            ref[sel].to(dev) if ref is not None else None, adv_tok[sel].to(dev),
-            lb.tgt_row[sel].to(dev), lb.input_ids.shape[0], correct.to(dev), eps_low=cfg.eps_low,
+            h, model.lm_head.weight, mb.targets, upload(old[sel], dev) if old is not None else None,
+            upload(ref[sel], dev) if ref is not None else None, upload(adv_tok[sel], dev),
+            upload(lb.tgt_row[sel], dev), lb.input_ids.shape[0], correct_dev, eps_low=cfg.eps_low,
             eps_high=cfg.eps_high, beta=cfg.kl_beta if ref is not None else 0.0, mu=cfg.nll_weight,
             reduction=cfg.reduction, totals=totals, suppress_token=model.config.mask_token_id)
         loss.backward()
