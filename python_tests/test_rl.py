@@ -478,3 +478,48 @@ def test_gpu_packed_training_pass_matches_the_cpu(mode):
     for (name, a), b in zip(model.named_parameters(), gpu_model.parameters()):
         err = (b.grad.double().cpu() - a.grad).abs().max().item()
         assert err <= 1e-3 * max(1.0, a.grad.abs().max().item()), (name, err)
+
+
+def test_passes_check_target_ids_once_on_the_host():
+    model = tiny_model(dtype=torch.float64)
+    lb = reference_batch(model)
+    lb.targets[3] = V  # not a vocabulary id
+    with pytest.raises(ValueError, match=r"target token ids must lie in \[0, 111\), got .*\.\.111"):
+        logprob_stage(model, lb, 10**6)
+    cfg = RLConfig(micro_batch_tokens=10**6, group_size=2)
+    adv = torch.zeros(lb.num_tokens, dtype=torch.float64)
+    with pytest.raises(ValueError, match="target token ids"):
+        loss_backward_stage(model, lb, range(8), adv, None, None, torch.zeros(8, dtype=torch.bool), cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_training_passes_do_not_sync_per_micro_batch():
+    """The packed passes upload without blocking and check ids once on the host: the number of host syncs of a
+    log-prob pass and of a loss pass does not grow with the number of micro-batches."""
+    import warnings
+
+    model = tiny_model(dtype=torch.float32).cuda()
+    lb = varied_batch(tiny_model(dtype=torch.float64, peaky=20.0), "block_proxy")
+    adv = torch.randn(lb.num_tokens)
+    correct = torch.tensor([True, False] * 6)
+
+    def syncs(fn):
+        fn()  # compiles and caches first
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(x.message) for x in w)
+
+    counts = {}
+    for budget in (10**6, 128):  # one micro-batch vs several
+        cfg = RLConfig(micro_batch_tokens=budget, kl_beta=0.0, group_size=2)
+        n_mb = len(micro_batches(lb, range(12), budget, torch.device("cuda")))
+        counts[n_mb] = (syncs(lambda: logprob_stage(model, lb, budget)),
+                        syncs(lambda: loss_backward_stage(model, lb, range(12), adv, None, None, correct, cfg)))
+    (few, a), (many, b) = sorted(counts.items())
+    assert many > few and a == b, counts

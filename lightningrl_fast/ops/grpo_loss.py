@@ -141,9 +141,11 @@ def _parse_reduction(reduction: str) -> tuple[str, str, str]:
 
 
 def _check_loss_inputs(t: int, dev: torch.device, old_logp, ref_logp, advantages, seq_idx, num_seqs: int, correct,
-                       eps_low: float, eps_high: float, beta: float, reduction: str, totals) -> tuple[str, str, str]:
+                       eps_low: float, eps_high: float, beta: float, reduction: str, totals,
+                       check_values: bool | None = None) -> tuple[str, str, str]:
     """The checks of grpo_token_loss (shared with fused_linear_grpo_loss, where old_logp may be None). Returns the
-    parsed reduction."""
+    parsed reduction. `check_values`: read seq_idx's range on the host (a device sync for CUDA tensors); None =
+    unless capturing or compiling, False = the caller has checked it."""
     if old_logp is not None:
         check_tensor("old_logp", old_logp, shape=(t,), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("advantages", advantages, shape=(t,), dtypes=FLOAT_DTYPES, device=dev)
@@ -158,7 +160,8 @@ def _check_loss_inputs(t: int, dev: torch.device, old_logp, ref_logp, advantages
     if totals is not None and len(totals) != 4:
         raise ValueError(f"totals must be (sequences, tokens, correct sequences, correct tokens), got {totals!r}")
     parts = _parse_reduction(reduction)
-    if t and host_checks_allowed(dev) and (int(seq_idx.min()) < 0 or int(seq_idx.max()) >= num_seqs):
+    check_values = host_checks_allowed(dev) if check_values is None else check_values
+    if t and check_values and (int(seq_idx.min()) < 0 or int(seq_idx.max()) >= num_seqs):
         raise ValueError(f"seq_idx values must lie in [0, {num_seqs})")
     return parts
 
@@ -254,16 +257,18 @@ def _chunk_entropy(hidden: torch.Tensor, weight: torch.Tensor, suppress: int) ->
     return -(logq.exp() * torch.where(torch.isinf(logq), 0.0, logq)).sum(-1)
 
 
-def _check_lm_head(hidden, weight, targets, chunk: int, suppress_token: int | None) -> int:
-    """Checks of the LM-head ops; returns the suppressed id (-1 for none)."""
+def _check_lm_head(hidden, weight, targets, chunk: int, suppress_token: int | None,
+                   check_values: bool | None = None) -> int:
+    """Checks of the LM-head ops; returns the suppressed id (-1 for none). `check_values`: read the targets' range
+    on the host (a device sync for CUDA tensors); None = unless capturing or compiling, False = the caller has."""
     check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, shape=(None, hidden.shape[1]), dtypes=(hidden.dtype,), device=hidden.device)
     check_tensor("targets", targets, shape=(hidden.shape[0],), dtypes=(torch.int64,), device=hidden.device)
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
     vocab = weight.shape[0]
-    if targets.numel() and host_checks_allowed(hidden.device) and not (
-            0 <= int(targets.min()) and int(targets.max()) < vocab):
+    check_values = host_checks_allowed(hidden.device) if check_values is None else check_values
+    if targets.numel() and check_values and not (0 <= int(targets.min()) and int(targets.max()) < vocab):
         raise ValueError(f"targets must lie in [0, {vocab})")
     suppress = -1 if suppress_token is None else int(suppress_token)
     if not -1 <= suppress < vocab:
@@ -300,16 +305,17 @@ class _LinearLogprobsFn(torch.autograd.Function):
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 1024,
-                    suppress_token: int | None = None) -> torch.Tensor:
+                    suppress_token: int | None = None, check_values: bool | None = None) -> torch.Tensor:
     """Per-token log-probs [T] (float32; float64 for float64 input) of `targets` under softmax(hidden @ weight.T), in chunks of `chunk` tokens.
 
     hidden [T, H], weight [V, H] (same float dtype), targets [T] int64 in [0, V). Differentiable; each chunk is
     recomputed in backward, so peak extra memory is O(chunk x V). `suppress_token`: a vocabulary id left out of
-    the softmax (the sampler never emits the mask token, so its log-probs exclude it too).
+    the softmax (the sampler never emits the mask token, so its log-probs exclude it too). `check_values=False`:
+    the caller has checked the targets' range (skips a device sync per call).
     On CUDA (with the extension) this runs the chunked kernel (cuBLAS GEMM + one row kernel per chunk; backward:
     recompute, softmax gradient in place, two GEMMs); elsewhere the checkpointed PyTorch reference.
     """
-    suppress = _check_lm_head(hidden, weight, targets, chunk, suppress_token)
+    suppress = _check_lm_head(hidden, weight, targets, chunk, suppress_token, check_values)
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     kernel = cuda_kernel("linear_logprobs", hidden)
     if kernel is not None:
@@ -405,21 +411,23 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: 
                            num_seqs: int, correct: torch.Tensor, chunk: int = 1024, *, eps_low: float = 0.2,
                            eps_high: float = 0.2, beta: float = 0.01, mu: float = 0.1, reduction: str = "seq-tok-tok",
                            totals: tuple[float, float, float, float] | None = None,
-                           suppress_token: int | None = None, with_entropy: bool = False):
+                           suppress_token: int | None = None, with_entropy: bool = False,
+                           check_values: bool | None = None):
     """`grpo_token_loss` from hidden states [T, H] and the LM head [V, H] without materializing [T, V] logits.
 
     Returns (loss, stats, logp [T] detached). Gradients flow to hidden and weight. The loss arguments are those of
     grpo_token_loss (`totals` for micro-batches), except that `old_logp` may be None: on-policy (one update per
     batch), old = logp detached, so rho = 1 without a separate old-policy forward. `suppress_token` as in
-    linear_logprobs; `with_entropy` adds
-    stats["entropy"], the mean over tokens of the softmax entropy (logging only, no gradient).
+    linear_logprobs; `with_entropy` adds stats["entropy"], the mean over tokens of the softmax entropy (logging
+    only, no gradient). `check_values=False`: the caller has checked the ranges of targets and seq_idx (skips the
+    device syncs of those checks; a training loop checks once per pass on the host).
     On CUDA (with the extension) forward and backward are fused per chunk (see the module docstring); elsewhere
     the reference: linear_logprobs (checkpointed chunks) + grpo_token_loss.
     """
-    suppress = _check_lm_head(hidden, weight, targets, chunk, suppress_token)
+    suppress = _check_lm_head(hidden, weight, targets, chunk, suppress_token, check_values)
     t = hidden.shape[0]
     parts = _check_loss_inputs(t, hidden.device, old_logp, ref_logp, advantages, seq_idx, num_seqs, correct, eps_low,
-                               eps_high, beta, reduction, totals)
+                               eps_high, beta, reduction, totals, check_values)
     loss_kw = dict(eps_low=eps_low, eps_high=eps_high, beta=beta, mu=mu, reduction=reduction, totals=totals)
     kernel = cuda_kernel("fused_linear_grpo_loss", hidden)
     if kernel is None:

@@ -290,11 +290,22 @@ def host_copy(model: SDARForCausalLM, pin: bool | None = None) -> SDARForCausalL
     return ref.eval().requires_grad_(False)
 
 
-def micro_batch_logprobs(model: SDARForCausalLM, mb: MicroBatch, chunk: int = 4096) -> torch.Tensor:
-    """Per-target log-probs [t] of a MicroBatch (already on the model's device) under `model`."""
+def micro_batch_logprobs(model: SDARForCausalLM, mb: MicroBatch, chunk: int = 4096,
+                         check_values: bool | None = None) -> torch.Tensor:
+    """Per-target log-probs [t] of a MicroBatch (already on the model's device) under `model`. `check_values=False`
+    when the caller has run `check_targets` on the LayoutBatch (no device sync per micro-batch)."""
     hidden = model.hidden(mb.input_ids, mb.position_ids, mb.layout)  # [1, P, H]
     h = hidden[mb.read_row, mb.read_col]  # [t, H]
-    return linear_logprobs(h, model.lm_head.weight, mb.targets, chunk=chunk, suppress_token=model.config.mask_token_id)
+    return linear_logprobs(h, model.lm_head.weight, mb.targets, chunk=chunk, suppress_token=model.config.mask_token_id,
+                           check_values=check_values)
+
+
+def check_targets(lb: LayoutBatch, vocab: int) -> None:
+    """The LayoutBatch's target ids are vocabulary ids: checked once per pass on the host, so that the passes' ops
+    need not read their device copies back (a sync per micro-batch)."""
+    t = lb.targets
+    if t.numel() and not (0 <= int(t.min()) and int(t.max()) < vocab):
+        raise ValueError(f"target token ids must lie in [0, {vocab}), got {int(t.min())}..{int(t.max())}")
 
 
 @torch.no_grad()
@@ -308,6 +319,7 @@ def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, mbs: Sequence[Mic
     chunk, then the final norm and the LM head (copied once per call). Equals the per-micro-batch forward of the
     same weights on the device (tested)."""
     cfg = model.config
+    check_targets(lb, cfg.vocab_size)
     out = torch.empty(lb.num_tokens)
     layers = list(model.model.layers)
     work = copy.deepcopy(layers[0]).to(device)  # one layer's memory on the device, refilled layer after layer
@@ -336,6 +348,6 @@ def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, mbs: Sequence[Mic
                 xs[k] = work(xs[k], *ropes[k], sub.layout, plans[k])
         for host_mb, sub, x in zip(chunk, subs, xs):
             h = norm(x)[sub.read_row, sub.read_col]  # [t, H]
-            out[host_mb.sel] = linear_logprobs(h, head, sub.targets, chunk=4096,
-                                               suppress_token=cfg.mask_token_id).float().cpu()
+            out[host_mb.sel] = linear_logprobs(h, head, sub.targets, chunk=4096, suppress_token=cfg.mask_token_id,
+                                               check_values=False).float().cpu()
     return out

@@ -33,8 +33,8 @@ from ..tasks import is_correct_batch
 from .advantages import Scored, compute_advantages, keep_groups, score_rollout
 from .distributed import (SINGLE, DistEnv, all_gather, all_max, all_sum, broadcast_from_owners, owned, partition,
                           reduce_and_clip)
-from .logprobs import (LayoutBatch, MicroBatch, build_layout_batch, host_copy, micro_batch_logprobs, pack_micro_batches,
-                       streamed_logprobs)
+from .logprobs import (LayoutBatch, MicroBatch, build_layout_batch, check_targets, host_copy, micro_batch_logprobs,
+                       pack_micro_batches, streamed_logprobs)
 from .optim import make_optimizer
 
 
@@ -270,9 +270,10 @@ def micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, device: tor
 def logprob_stage(model: SDARForCausalLM, lb: LayoutBatch, budget: int) -> torch.Tensor:
     """[log-probs] no-grad per-token log-probs [T] (old policy or frozen reference), on the model's device."""
     dev = next(model.parameters()).device
+    check_targets(lb, model.config.vocab_size)  # once, on the host: the ops below skip their device-side reads
     out = torch.empty(lb.num_tokens, device=dev)
     for mb in micro_batches(lb, range(lb.input_ids.shape[0]), budget, dev, model.config.mask_token_id):
-        out[upload(mb.sel, dev)] = micro_batch_logprobs(model, mb.to(dev)).float()
+        out[upload(mb.sel, dev)] = micro_batch_logprobs(model, mb.to(dev), check_values=False).float()
     return out.cpu()  # one copy (and host sync) per pass
 
 
@@ -308,6 +309,7 @@ def loss_backward_stage(model, lb: LayoutBatch | None, rows: range, adv_tok, old
         return agg
     sums = []  # per micro-batch [loss, kl, clip_frac share], on the device
     correct_dev = upload(correct, dev)
+    check_targets(lb, model.config.vocab_size)  # once, on the host; seq ids are lb's rows by construction
     for host_mb in micro_batches(lb, rows, cfg.micro_batch_tokens, dev, model.config.mask_token_id):
         sel, mb = host_mb.sel, host_mb.to(dev)  # sel [t]: the micro-batch's targets among lb's
         hidden = model.hidden(mb.input_ids, mb.position_ids, mb.layout)  # [1, P, H] the packed samples
@@ -321,7 +323,7 @@ def loss_backward_stage(model, lb: LayoutBatch | None, rows: range, adv_tok, old
             upload(ref[sel], dev) if ref is not None else None, upload(adv_tok[sel], dev),
             upload(lb.tgt_row[sel], dev), lb.input_ids.shape[0], correct_dev, eps_low=cfg.eps_low,
             eps_high=cfg.eps_high, beta=cfg.kl_beta if ref is not None else 0.0, mu=cfg.nll_weight,
-            reduction=cfg.reduction, totals=totals, suppress_token=model.config.mask_token_id)
+            reduction=cfg.reduction, totals=totals, suppress_token=model.config.mask_token_id, check_values=False)
         loss.backward()
         # loss and kl are this micro-batch's share of the mini-batch value (weighted by the totals): they add up;
         # clip_frac is a mean over the micro-batch's tokens: weighted by its share of the tokens
