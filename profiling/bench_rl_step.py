@@ -172,7 +172,7 @@ def main() -> None:
     rows, out_modes = [], {}
     for mode in modes:
         lb = build_layout_batch(seqs, smap, plens, rlens, block, cfg.mask_token_id, mode)
-        packed = micro_batches(lb, range(samples), budget, device, cfg.mask_token_id)
+        packed = list(micro_batches(lb, range(samples), budget, device, cfg.mask_token_id))
         padded = padded_ranges(lb, budget)
         geometry = {
             "padded": (sum((r1 - r0) * lb.input_ids.shape[1] for r0, r1, _ in padded), len(padded)),

@@ -403,6 +403,8 @@ def test_packed_layout_bad_inputs():
         PackedLayout(4, **dict(tables, key_ok=lay.key_ok.int()))
     with pytest.raises(ValueError, match="block >= 0"):
         PackedLayout(4, **dict(tables, block=lay.block - 1))
+    with pytest.raises(ValueError, match="segment ids must be < the number of positions"):
+        PackedLayout(4, **dict(tables, seg=torch.where(lay.seg == 0, 2**40, lay.seg.long())))
     q = torch.randn(1, 4, 70, 8)
     with pytest.raises(ValueError, match="PackedLayout has 2 rows but the batch is 1"):
         masked_attention(q, q[:, :2], q[:, :2], lay)

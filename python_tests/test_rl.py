@@ -288,7 +288,7 @@ def test_streamed_reference_equals_the_per_micro_batch_forward(mode):
     model = tiny_model(dtype=torch.float64)
     lb = reference_batch(model, mode)
     budget = 3 * lb.input_ids.shape[1]
-    mbs = micro_batches(lb, range(8), budget, torch.device("cpu"), MASK)
+    mbs = list(micro_batches(lb, range(8), budget, torch.device("cpu"), MASK))
     assert len(mbs) >= 2
     want = logprob_stage(model, lb, budget)
     ref = host_copy(model, pin=False)
@@ -518,7 +518,7 @@ def test_gpu_training_passes_do_not_sync_per_micro_batch():
     counts = {}
     for budget in (10**6, 128):  # one micro-batch vs several
         cfg = RLConfig(micro_batch_tokens=budget, kl_beta=0.0, group_size=2)
-        n_mb = len(micro_batches(lb, range(12), budget, torch.device("cuda")))
+        n_mb = len(list(micro_batches(lb, range(12), budget, torch.device("cuda"))))
         counts[n_mb] = (syncs(lambda: logprob_stage(model, lb, budget)),
                         syncs(lambda: loss_backward_stage(model, lb, range(12), adv, None, None, correct, cfg)))
     (few, a), (many, b) = sorted(counts.items())

@@ -47,7 +47,9 @@ def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     host does not wait for the stream's queued work (a pageable copy syncs the stream first)."""
     device = torch.device(device)
     if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
+        # a pinned tensor's pin_memory() is itself: copy it, so the caller may change it while the copy is in flight
+        staged = (t.clone() if t.is_pinned() else t).pin_memory()
+        return staged.to(device, non_blocking=True)
     return t.to(device)
 
 

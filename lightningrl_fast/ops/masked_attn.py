@@ -141,6 +141,9 @@ class PackedLayout:
                                  f"{getattr(self, name).device}")
         if bool((self.copy < -1).any()) or bool((self.block < 0).any()) or bool((self.seg < -1).any()):
             raise ValueError("PackedLayout needs seg >= -1, copy >= -1 and block >= 0 everywhere")
+        if int(self.seg.max()) >= self.seg.numel():
+            raise ValueError(f"PackedLayout segment ids must be < the number of positions ({self.seg.numel()}), got "
+                             f"{int(self.seg.max())}")
         row, start, end = self.spans()
         count = torch.bincount(self.seg[self.seg >= 0].long(), minlength=row.numel())
         split = (((end - start) != count) | (row != (end - 1) // self.total)) & (count > 0)

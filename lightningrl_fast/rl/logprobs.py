@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -181,6 +181,12 @@ def _best_fit(sizes: list[int], order: list[int], budget: int) -> list[list[int]
 
 def pack_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_shapes: bool = False,
                        pad_id: int = 0) -> list[MicroBatch]:
+    """`iter_micro_batches` as a list."""
+    return list(iter_micro_batches(lb, rows, budget, pad_shapes, pad_id))
+
+
+def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_shapes: bool = False,
+                       pad_id: int = 0) -> Iterator[MicroBatch]:
     """Pack the samples `rows` (distinct) of `lb` into micro-batches of at most `budget` positions (a sample longer
     than the budget gets one of its own); every target of those rows is in exactly one micro-batch.
 
@@ -189,12 +195,14 @@ def pack_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
     trace: per round only the blocks that unmask something in it), so no sample pays for the longest one or for
     the most rounds. `pad_shapes` (CUDA) rounds each row to `packed_length`: a few shapes per run for the
     compiled attention; otherwise rows are exactly as long as their segments. Samples without targets are left
-    out. Exact: every kept position sees what it sees in the LayoutBatch, and padding is never attended."""
+    out. Exact: every kept position sees what it sees in the LayoutBatch, and padding is never attended.
+    The plan (which samples go where) is made, and input errors raised, at the call; each micro-batch is built
+    when the iteration asks for it, so a training loop packs the next one while the GPU runs the current one."""
     n_all, ncopies, bs = lb.layout.n, lb.layout.num_copies, lb.layout.block_size
     nrows = lb.input_ids.shape[0]
     rows_t = torch.as_tensor(list(rows), dtype=torch.int64)
     if rows_t.numel() == 0:
-        return []
+        return iter(())
     if budget < 1:
         raise ValueError(f"micro-batch budget must be >= 1 position, got {budget}")
     if n_all % bs:
@@ -228,41 +236,43 @@ def pack_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
     p_bin = bin_of[p_sample]
     p_split = torch.split(torch.argsort(p_bin, stable=True), torch.bincount(p_bin + 1, minlength=len(bins) + 1).tolist())[1:]
     j = torch.arange(bs)
-    out = []
-    for b, members in enumerate(bins):
-        m = torch.tensor(members)
-        local = torch.zeros(nrows, dtype=torch.int64)
-        local[m] = torch.arange(len(members))  # segment id of each member
-        # the bin's pieces: its noisy pieces, then every member's clean blocks (after its noisy ones)
-        noisy = p_split[b]
-        c_sample = torch.repeat_interleave(m, n_clean[m])
-        c_blk = torch.arange(c_sample.numel()) - torch.repeat_interleave(torch.cumsum(n_clean[m], 0) - n_clean[m],
-                                                                        n_clean[m])
-        sample = torch.cat([p_sample[noisy], c_sample])  # [pieces]
-        copy = torch.cat([p_copy[noisy], torch.full_like(c_sample, ncopies - 1)])
-        blk = torch.cat([p_blk[noisy], c_blk])
-        dst = torch.cat([p_dst[noisy], off_of[c_sample] + (n_noisy[c_sample] + c_blk) * bs])
-        used = int(seg_len[m].sum())
-        length = packed_length(used, budget) if pad_shapes else used
-        col = (dst[:, None] + j).reshape(-1)  # [used] every piece's positions in the row
-        src = (copy * n_all + blk * bs)[:, None] + j  # [pieces, B] columns of lb.input_ids
-        src_row = sample[:, None].expand(-1, bs)
-        ids = torch.full((1, length), pad_id, dtype=lb.input_ids.dtype)
-        pos = torch.zeros((1, length), dtype=lb.position_ids.dtype)
-        ids[0, col] = lb.input_ids[src_row, src].reshape(-1)
-        pos[0, col] = lb.position_ids[src_row, src].reshape(-1)
-        seg = torch.full((1, length), -1, dtype=torch.int32)
-        cpy = torch.full((1, length), -1, dtype=torch.int32)
-        bl = torch.zeros((1, length), dtype=torch.int32)
-        ok = torch.zeros((1, length), dtype=torch.bool)
-        seg[0, col] = local[src_row].reshape(-1).int()
-        cpy[0, col] = torch.where(copy == ncopies - 1, -1, copy)[:, None].expand(-1, bs).reshape(-1).int()
-        bl[0, col] = blk[:, None].expand(-1, bs).reshape(-1).int()
-        ok[0, col] = ((blk * bs)[:, None] + j < valid[sample][:, None]).reshape(-1)
-        sel = t_split[b]
-        out.append(MicroBatch(ids, pos, PackedLayout(bs, seg, cpy, bl, ok), sel, torch.zeros_like(sel), t_col[sel],
-                              lb.targets[sel], m))
-    return out
+
+    def rows_of_plan() -> Iterator[MicroBatch]:  # the plan's micro-batches, one at a time
+        for b, members in enumerate(bins):
+            m = torch.tensor(members)
+            local = torch.zeros(nrows, dtype=torch.int64)
+            local[m] = torch.arange(len(members))  # segment id of each member
+            # the bin's pieces: its noisy pieces, then every member's clean blocks (after its noisy ones)
+            noisy = p_split[b]
+            c_sample = torch.repeat_interleave(m, n_clean[m])
+            c_blk = torch.arange(c_sample.numel()) - torch.repeat_interleave(torch.cumsum(n_clean[m], 0) - n_clean[m],
+                                                                            n_clean[m])
+            sample = torch.cat([p_sample[noisy], c_sample])  # [pieces]
+            copy = torch.cat([p_copy[noisy], torch.full_like(c_sample, ncopies - 1)])
+            blk = torch.cat([p_blk[noisy], c_blk])
+            dst = torch.cat([p_dst[noisy], off_of[c_sample] + (n_noisy[c_sample] + c_blk) * bs])
+            used = int(seg_len[m].sum())
+            length = packed_length(used, budget) if pad_shapes else used
+            col = (dst[:, None] + j).reshape(-1)  # [used] every piece's positions in the row
+            src = (copy * n_all + blk * bs)[:, None] + j  # [pieces, B] columns of lb.input_ids
+            src_row = sample[:, None].expand(-1, bs)
+            ids = torch.full((1, length), pad_id, dtype=lb.input_ids.dtype)
+            pos = torch.zeros((1, length), dtype=lb.position_ids.dtype)
+            ids[0, col] = lb.input_ids[src_row, src].reshape(-1)
+            pos[0, col] = lb.position_ids[src_row, src].reshape(-1)
+            seg = torch.full((1, length), -1, dtype=torch.int32)
+            cpy = torch.full((1, length), -1, dtype=torch.int32)
+            bl = torch.zeros((1, length), dtype=torch.int32)
+            ok = torch.zeros((1, length), dtype=torch.bool)
+            seg[0, col] = local[src_row].reshape(-1).int()
+            cpy[0, col] = torch.where(copy == ncopies - 1, -1, copy)[:, None].expand(-1, bs).reshape(-1).int()
+            bl[0, col] = blk[:, None].expand(-1, bs).reshape(-1).int()
+            ok[0, col] = ((blk * bs)[:, None] + j < valid[sample][:, None]).reshape(-1)
+            sel = t_split[b]
+            yield MicroBatch(ids, pos, PackedLayout(bs, seg, cpy, bl, ok), sel, torch.zeros_like(sel), t_col[sel],
+                             lb.targets[sel], m)
+
+    return rows_of_plan()
 
 
 def batch_logprobs(model: SDARForCausalLM, lb: LayoutBatch, chunk: int = 4096) -> torch.Tensor:
@@ -309,7 +319,7 @@ def check_targets(lb: LayoutBatch, vocab: int) -> None:
 
 
 @torch.no_grad()
-def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, mbs: Sequence[MicroBatch],
+def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, mbs: Iterable[MicroBatch],
                       device: torch.device, chunk_tokens: int) -> torch.Tensor:
     """Per-target log-probs [T] (float32, CPU) of a host-resident `model`, computed on `device` layer by layer.
 

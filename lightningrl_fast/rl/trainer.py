@@ -21,7 +21,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -33,8 +33,8 @@ from ..tasks import is_correct_batch
 from .advantages import Scored, compute_advantages, keep_groups, score_rollout
 from .distributed import (SINGLE, DistEnv, all_gather, all_max, all_sum, broadcast_from_owners, owned, partition,
                           reduce_and_clip)
-from .logprobs import (LayoutBatch, MicroBatch, build_layout_batch, check_targets, host_copy, micro_batch_logprobs,
-                       pack_micro_batches, streamed_logprobs)
+from .logprobs import (LayoutBatch, MicroBatch, build_layout_batch, check_targets, host_copy, iter_micro_batches,
+                       micro_batch_logprobs, streamed_logprobs)
 from .optim import make_optimizer
 
 
@@ -260,10 +260,11 @@ def layout_stage(groups: Groups, block_size: int, mask_id: int, mode: str) -> La
 
 
 def micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, device: torch.device,
-                  pad_id: int = 0) -> list[MicroBatch]:
-    """The samples `rows` of lb packed into forwards of at most `budget` positions (`pack_micro_batches`), row
-    lengths rounded to a few fixed ones on CUDA (one FlexAttention compile per length)."""
-    return pack_micro_batches(lb, rows, budget, pad_shapes=torch.device(device).type == "cuda", pad_id=pad_id)
+                  pad_id: int = 0) -> Iterator[MicroBatch]:
+    """The samples `rows` of lb packed into forwards of at most `budget` positions (`iter_micro_batches`: each
+    built when the loop asks for it), row lengths rounded to a few fixed ones on CUDA (one FlexAttention compile
+    per length)."""
+    return iter_micro_batches(lb, rows, budget, pad_shapes=torch.device(device).type == "cuda", pad_id=pad_id)
 
 
 @torch.no_grad()
