@@ -310,6 +310,16 @@ def varied_batch(model, mode, seed=5):
     return build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, 4, MASK, mode)
 
 
+def loss_inputs(lb, seed):
+    """Random per-token advantages (per sample), old and reference log-probs, and verifier flags for the 12 rows of
+    a varied_batch."""
+    g = torch.Generator().manual_seed(seed)
+    adv_tok = torch.randn(12, generator=g, dtype=torch.float64)[lb.tgt_row]
+    old = -torch.rand(lb.num_tokens, generator=g, dtype=torch.float64)
+    ref = -torch.rand(lb.num_tokens, generator=g, dtype=torch.float64)
+    return adv_tok, old, ref, torch.tensor([True, False] * 6)
+
+
 @pytest.mark.parametrize("mode", ["block_proxy", "trace"])
 def test_packed_micro_batches_equal_the_padded_batch(mode):
     """Packing (each sample cut to its own length and rounds, several samples per row, rows padded to fixed
@@ -399,11 +409,7 @@ def test_packed_loss_and_gradients_equal_the_padded_forward():
 
     model = tiny_model(dtype=torch.float64, peaky=20.0)
     lb = varied_batch(model, "block_proxy", seed=6)
-    g = torch.Generator().manual_seed(2)
-    adv_tok = torch.randn(12, generator=g, dtype=torch.float64)[lb.tgt_row]
-    old = -torch.rand(lb.num_tokens, generator=g, dtype=torch.float64)
-    ref = -torch.rand(lb.num_tokens, generator=g, dtype=torch.float64)
-    correct = torch.tensor([True, False] * 6)
+    adv_tok, old, ref, correct = loss_inputs(lb, seed=2)
     cfg = RLConfig(micro_batch_tokens=64, kl_beta=0.05, nll_weight=0.1, group_size=2, prompts_per_step=6)
     model.zero_grad()
     agg = loss_backward_stage(model, lb, range(12), adv_tok, old, ref, correct, cfg)
@@ -463,11 +469,7 @@ def test_gpu_packed_training_pass_matches_the_cpu(mode):
 
     model = tiny_model(dtype=torch.float64, peaky=20.0)
     lb = varied_batch(model, mode)
-    g = torch.Generator().manual_seed(3)
-    adv_tok = torch.randn(12, generator=g, dtype=torch.float64)[lb.tgt_row]
-    old = -torch.rand(lb.num_tokens, generator=g, dtype=torch.float64)
-    ref = -torch.rand(lb.num_tokens, generator=g, dtype=torch.float64)
-    correct = torch.tensor([True, False] * 6)
+    adv_tok, old, ref, correct = loss_inputs(lb, seed=3)
     cfg = RLConfig(micro_batch_tokens=256, kl_beta=0.05, nll_weight=0.1, group_size=2, prompts_per_step=6)
     cpu = loss_backward_stage(model, lb, range(12), adv_tok, old, ref, correct, cfg)
     gpu_model = copy.deepcopy(model).float().cuda()
