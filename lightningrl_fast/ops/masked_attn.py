@@ -284,14 +284,20 @@ def prepare(layout: MaskLayout | PackedLayout, batch: int, device: torch.device)
     device = torch.device(device)
     if device.type == "cuda":
         return block_mask(layout, batch, device)
-    return SegmentGroups(layout.groups()) if isinstance(layout, PackedLayout) else None
+    return SegmentGroups.of(layout) if isinstance(layout, PackedLayout) else None
 
 
 @dataclass(frozen=True)
 class SegmentGroups:
-    """The reference path's plan of a PackedLayout: `PackedLayout.groups()`, computed once per forward."""
+    """The reference path's plan of a PackedLayout, computed once per forward: `PackedLayout.groups()` and the
+    token tables flattened to [4, rows * total]."""
 
     groups: list
+    tabs: torch.Tensor
+
+    @classmethod
+    def of(cls, layout: "PackedLayout") -> "SegmentGroups":
+        return cls(layout.groups(), layout.token_tables().view(4, layout.rows * layout.total))
 
 
 def block_mask(layout: MaskLayout | PackedLayout, batch: int, device: torch.device, compiled: bool | None = None):
@@ -402,9 +408,9 @@ def packed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     back in one scatter; padding positions give zeros. q [R, Hq, P, D], k/v [R, Hkv, P, D] -> [R, Hq, P, D]."""
     rows, hq, total, d = q.shape
     hkv = k.shape[1]
-    groups = groups if groups is not None else SegmentGroups(layout.groups())
+    groups = groups if groups is not None else SegmentGroups.of(layout)
     qf, kf, vf = (t.transpose(1, 2).reshape(rows * total, t.shape[1], d) for t in (q, k, v))  # [R * P, H, D]
-    tabs = layout.token_tables().view(4, rows * total).to(q.device)
+    tabs = groups.tabs.to(q.device)
     where, vals = [], []
     for pos, inside in groups.groups:
         pos, inside = pos.to(q.device), inside.to(q.device)

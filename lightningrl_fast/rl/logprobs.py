@@ -110,15 +110,14 @@ class MicroBatch:
 
     Sample i becomes one segment: the noisy blocks that hold its targets (one block of one noisy copy each), then
     its clean copy cut to its own decoded length (whole blocks). Nothing else is needed: a noisy block attends to
-    itself and to earlier clean blocks, and nothing attends to a noisy block. Its targets are read at
-    (read_row, read_col) of the hidden states; `sel` says which of the LayoutBatch's targets they are
+    itself and to earlier clean blocks, and nothing attends to a noisy block. Its targets are read at columns
+    read_col of the row's hidden states; `sel` says which of the LayoutBatch's targets they are
     (lb.targets[sel], lb.tgt_row[sel], ...)."""
 
     input_ids: torch.Tensor  # [1, P] int64 (pad id at padding)
     position_ids: torch.Tensor  # [1, P] int64
     layout: PackedLayout
     sel: torch.Tensor  # [t] int64 indices into the LayoutBatch's targets
-    read_row: torch.Tensor  # [t] int64 (0: one packed row)
     read_col: torch.Tensor  # [t] int64
     targets: torch.Tensor  # [t] int64 token ids (lb.targets[sel])
     samples: torch.Tensor  # [s] int64 the LayoutBatch rows packed here, in segment order
@@ -137,8 +136,7 @@ class MicroBatch:
         """The tensors the forward reads on `device` (the layout stays on the host; `prepare` moves what it needs);
         copies to a GPU do not block the host."""
         return MicroBatch(upload(self.input_ids, device), upload(self.position_ids, device), self.layout, self.sel,
-                          upload(self.read_row, device), upload(self.read_col, device), upload(self.targets, device),
-                          self.samples)
+                          upload(self.read_col, device), upload(self.targets, device), self.samples)
 
 
 _LENGTH_QUANTUM = 128  # FlexAttention's block: packed rows on CUDA are a multiple of it
@@ -224,10 +222,12 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
     # every sample's bin and offset; every noisy piece's place in its bin's row; each target's read position
     bin_of = torch.full((nrows,), -1, dtype=torch.int64)
     off_of = torch.zeros(nrows, dtype=torch.int64)
+    local_of = torch.zeros(nrows, dtype=torch.int64)  # segment id of a sample within its bin
     for b, members in enumerate(bins):
         m = torch.tensor(members)
         bin_of[m] = b
         off_of[m] = torch.cumsum(seg_len[m], 0) - seg_len[m]
+        local_of[m] = torch.arange(len(members))
     first_piece = torch.cumsum(n_noisy, 0) - n_noisy  # [N] index of each sample's first noisy piece
     p_dst = off_of[p_sample] + (torch.arange(pieces.numel()) - first_piece[p_sample]) * bs  # [pieces]
     t_bin = bin_of[lb.tgt_row]  # [T] -1 outside `rows`
@@ -240,8 +240,6 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
     def rows_of_plan() -> Iterator[MicroBatch]:  # the plan's micro-batches, one at a time
         for b, members in enumerate(bins):
             m = torch.tensor(members)
-            local = torch.zeros(nrows, dtype=torch.int64)
-            local[m] = torch.arange(len(members))  # segment id of each member
             # the bin's pieces: its noisy pieces, then every member's clean blocks (after its noisy ones)
             noisy = p_split[b]
             c_sample = torch.repeat_interleave(m, n_clean[m])
@@ -264,13 +262,12 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
             cpy = torch.full((1, length), -1, dtype=torch.int32)
             bl = torch.zeros((1, length), dtype=torch.int32)
             ok = torch.zeros((1, length), dtype=torch.bool)
-            seg[0, col] = local[src_row].reshape(-1).int()
+            seg[0, col] = local_of[src_row].reshape(-1).int()
             cpy[0, col] = torch.where(copy == ncopies - 1, -1, copy)[:, None].expand(-1, bs).reshape(-1).int()
             bl[0, col] = blk[:, None].expand(-1, bs).reshape(-1).int()
             ok[0, col] = ((blk * bs)[:, None] + j < valid[sample][:, None]).reshape(-1)
             sel = t_split[b]
-            yield MicroBatch(ids, pos, PackedLayout(bs, seg, cpy, bl, ok), sel, torch.zeros_like(sel), t_col[sel],
-                             lb.targets[sel], m)
+            yield MicroBatch(ids, pos, PackedLayout(bs, seg, cpy, bl, ok), sel, t_col[sel], lb.targets[sel], m)
 
     return rows_of_plan()
 
@@ -305,7 +302,7 @@ def micro_batch_logprobs(model: SDARForCausalLM, mb: MicroBatch, chunk: int = 40
     """Per-target log-probs [t] of a MicroBatch (already on the model's device) under `model`. `check_values=False`
     when the caller has run `check_targets` on the LayoutBatch (no device sync per micro-batch)."""
     hidden = model.hidden(mb.input_ids, mb.position_ids, mb.layout)  # [1, P, H]
-    h = hidden[mb.read_row, mb.read_col]  # [t, H]
+    h = hidden[0, mb.read_col]  # [t, H]
     return linear_logprobs(h, model.lm_head.weight, mb.targets, chunk=chunk, suppress_token=model.config.mask_token_id,
                            check_values=check_values)
 
@@ -344,10 +341,7 @@ def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, mbs: Iterable[Mic
         subs = [mb.to(device) for mb in chunk]
         xs, ropes, plans = [], [], []
         for host_mb, sub in zip(chunk, subs):
-            x = model.model.embed_tokens(host_mb.input_ids.cpu())  # [1, P, H] on the host (.cpu(): a no-op there)
-            if device.type == "cuda":
-                x = x.pin_memory()  # page-locked: the upload below is an async DMA, not a staged synchronous copy
-            x = x.to(device, non_blocking=True)
+            x = upload(model.model.embed_tokens(host_mb.input_ids), device)  # [1, P, H] embedded on the host
             xs.append(x)
             ropes.append(rope_cos_sin(sub.position_ids, cfg.head_dim, cfg.rope_theta, x.dtype))
             plans.append(prepare(sub.layout, 1, device))
@@ -357,7 +351,7 @@ def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, mbs: Iterable[Mic
             for k, sub in enumerate(subs):
                 xs[k] = work(xs[k], *ropes[k], sub.layout, plans[k])
         for host_mb, sub, x in zip(chunk, subs, xs):
-            h = norm(x)[sub.read_row, sub.read_col]  # [t, H]
+            h = norm(x)[0, sub.read_col]  # [t, H]
             out[host_mb.sel] = linear_logprobs(h, head, sub.targets, chunk=4096, suppress_token=cfg.mask_token_id,
                                                check_values=False).float().cpu()
     return out

@@ -314,7 +314,7 @@ def loss_backward_stage(model, lb: LayoutBatch | None, rows: range, adv_tok, old
     for host_mb in micro_batches(lb, rows, cfg.micro_batch_tokens, dev, model.config.mask_token_id):
         sel, mb = host_mb.sel, host_mb.to(dev)  # sel [t]: the micro-batch's targets among lb's
         hidden = model.hidden(mb.input_ids, mb.position_ids, mb.layout)  # [1, P, H] the packed samples
-        h = hidden[mb.read_row, mb.read_col]  # [t, H] the states that predict the targets
+        h = hidden[0, mb.read_col]  # [t, H] the states that predict the targets
         agg["positions"] = agg.get("positions", 0) + host_mb.positions
         agg["used"] = agg.get("used", 0) + host_mb.used
         # one fused pass: log-probs, loss and its gradient without [t, V] logits (CUDA kernel; chunked reference
