@@ -74,15 +74,17 @@ def synthetic_batch(n: int, prompt: tuple[int, int], response: tuple[int, int], 
 
 def padded_ranges(lb: LayoutBatch, budget: int) -> list[tuple[int, int, torch.Tensor]]:
     """The baseline's micro-batches: consecutive rows of the padded LayoutBatch, budget // row-width rows each."""
-    per = max(1, budget // lb.input_ids.shape[1])
-    rows = lb.input_ids.shape[0]
+    width = lb.layout.n * lb.layout.num_copies
+    per = max(1, budget // width)
+    rows = lb.num_rows
     return [(r0, min(rows, r0 + per), ((lb.tgt_row >= r0) & (lb.tgt_row < r0 + per)).nonzero().squeeze(1))
             for r0 in range(0, rows, per)]
 
 
 def padded_sub(lb: LayoutBatch, r0: int, r1: int, dev):
     lay = MaskLayout(lb.layout.n, lb.layout.num_copies, lb.layout.block_size, lb.layout.lengths[r0:r1])
-    return lb.input_ids[r0:r1].to(dev), lb.position_ids[r0:r1].to(dev), lay
+    ids, pos = lb.inputs(slice(r0, r1))  # [rows, copies * n] each
+    return ids.to(dev), pos.to(dev), lay
 
 
 @torch.no_grad()
@@ -108,7 +110,7 @@ def padded_train(model, lb: LayoutBatch, adv_tok, old, ref, correct, cfg: RLConf
         h = hidden[(lb.tgt_row[sel] - r0).to(dev), lb.tgt_col[sel].to(dev)]
         loss, _, _ = fused_linear_grpo_loss(
             h, model.lm_head.weight, lb.targets[sel].to(dev), old[sel].to(dev), ref[sel].to(dev), adv_tok[sel].to(dev),
-            lb.tgt_row[sel].to(dev), lb.input_ids.shape[0], correct.to(dev), eps_low=cfg.eps_low,
+            lb.tgt_row[sel].to(dev), lb.num_rows, correct.to(dev), eps_low=cfg.eps_low,
             eps_high=cfg.eps_high, beta=cfg.kl_beta, mu=cfg.nll_weight, reduction=cfg.reduction, totals=totals,
             suppress_token=model.config.mask_token_id)
         loss.backward()
@@ -175,7 +177,7 @@ def main() -> None:
         packed = list(micro_batches(lb, range(samples), budget, device, cfg.mask_token_id))
         padded = padded_ranges(lb, budget)
         geometry = {
-            "padded": (sum((r1 - r0) * lb.input_ids.shape[1] for r0, r1, _ in padded), len(padded)),
+            "padded": (sum((r1 - r0) * lb.layout.n * lb.layout.num_copies for r0, r1, _ in padded), len(padded)),
             "packed": (sum(mb.positions for mb in packed), len(packed)),
         }
         used = sum(mb.used for mb in packed)

@@ -90,6 +90,44 @@ def test_trace_logprobs_equal_the_sampler_logprobs(block):
         build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, 4, MASK, "exact")
 
 
+def test_layout_batch_copies_follow_the_trajectory():
+    """The compact LayoutBatch (clean tokens + a round per position) expands to the copies REFERENCE §3 defines,
+    built here row by row from the step map: trace copy r masks the response tokens unmasked in round >= r of
+    their block (round = step - the block's first step), block proxy masks every generated token; the last copy
+    is clean; each target is read in the copy of its round. It stores [N, n] tensors only, whatever the rounds."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(10, 100, (n,), generator=g).tolist() for n in [1, 4, 6, 11]]
+    ro = generate(model, prompts, SamplerConfig(threshold=0.4, temperature=1.0, max_new_tokens=17, eos_ids=(3,)))
+    bs = 4
+    for mode in ("trace", "block_proxy"):
+        lb = build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, bs, MASK, mode)
+        n, ncopies = lb.layout.n, lb.layout.num_copies
+        assert lb.x0.shape == lb.rnd.shape == (4, n) and lb.rnd.dtype == torch.int16
+        ids, pos = lb.inputs()
+        assert torch.equal(ids, lb.input_ids) and torch.equal(pos, lb.position_ids)
+        assert torch.equal(pos[:, :n], torch.arange(n).expand(4, n)) and torch.equal(pos[:, n:2 * n], pos[:, :n])
+        most = 0  # the most rounds of any block
+        for i in range(4):
+            smap = ro.seq_step_map[i, :n].tolist()
+            p0 = int(ro.prompt_lens[i])
+            gen = [p for p in range(n) if p >= p0 and smap[p] >= 0]
+            first = {p // bs: min(smap[q] for q in gen if q // bs == p // bs) for p in gen}
+            rnd = {p: (smap[p] - first[p // bs] if mode == "trace" else 0) for p in gen}
+            most = max(most, max(rnd.values()) + 1)
+            for r in range(ncopies):
+                want = ro.sequences[i, :n].clone()
+                if r < ncopies - 1:
+                    for p in gen:
+                        if rnd[p] >= r:
+                            want[p] = MASK
+                assert torch.equal(ids[i, r * n:(r + 1) * n], want), (mode, i, r)
+            for k in (lb.tgt_row == i).nonzero().squeeze(1).tolist():
+                p = p0 + int(lb.resp_pos[k])
+                assert int(lb.tgt_col[k]) == rnd[p] * n + p and int(lb.targets[k]) == int(ro.sequences[i, p])
+        assert ncopies == most + 1 and (most > 1 or mode == "block_proxy")  # trace: several rounds in some block
+
+
 @pytest.mark.parametrize("mode", ["block_proxy", "trace"])
 def test_microbatched_backward_equals_one_batch(mode):
     model = tiny_model(dtype=torch.float64, peaky=20.0)

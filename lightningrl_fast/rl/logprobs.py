@@ -36,11 +36,17 @@ MODES = ("block_proxy", "trace")
 
 @dataclass
 class LayoutBatch:
-    """One training forward: inputs of several copies plus where each target token is read."""
+    """One training forward: several copies of each sequence plus where each target token is read.
 
-    input_ids: torch.Tensor  # [N, copies * n] int64
-    position_ids: torch.Tensor  # [N, copies * n] int64
-    layout: MaskLayout
+    Stored compactly (the copies differ only in which response tokens are masked): the clean tokens x0 and, per
+    position, its round `rnd`; noisy copy r holds the mask token wherever rnd >= r, x0 elsewhere, and the last
+    copy is x0. So a trace-mode batch of R rounds costs N x n x 10 bytes on the host, not N x (R + 1) x n x 8;
+    `input_ids` / `inputs(rows)` build the copies for the padded forward."""
+
+    x0: torch.Tensor  # [N, n] int64 clean tokens (whole blocks)
+    rnd: torch.Tensor  # [N, n] int16 round of a response position (block proxy: 0), -1 elsewhere
+    mask_id: int
+    layout: MaskLayout  # n, num_copies (rounds + 1), block size, valid lengths
     tgt_row: torch.Tensor  # [T] int64 row of each target token
     tgt_col: torch.Tensor  # [T] int64 column (in the copies) where its logits are read
     targets: torch.Tensor  # [T] int64 token ids
@@ -50,11 +56,40 @@ class LayoutBatch:
     def num_tokens(self) -> int:
         return int(self.targets.numel())
 
+    @property
+    def num_rows(self) -> int:
+        return int(self.x0.shape[0])
+
+    def tokens(self, rows: torch.Tensor, copy: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Token ids at (row, copy, position in the copy), broadcast together: the mask token where the noisy copy
+        masks the position, the clean token otherwise."""
+        noisy = copy < self.layout.num_copies - 1
+        return torch.where(noisy & (self.rnd[rows, pos] >= copy), self.mask_id, self.x0[rows, pos])
+
+    def inputs(self, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, position_ids) [r, copies * n] int64 of the padded forward over rows `rows` (all copies
+        materialized: r x copies x n x 8 bytes each)."""
+        n, ncopies = self.layout.n, self.layout.num_copies
+        x0, rnd = self.x0[rows], self.rnd[rows]
+        copies = [torch.where(rnd >= r, self.mask_id, x0) for r in range(ncopies - 1)]
+        pos = torch.arange(n, device=x0.device)
+        return torch.cat(copies + [x0], dim=1), pos.repeat(ncopies).expand(x0.shape[0], -1)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """[N, copies * n] every row's copies (built on each access)."""
+        return self.inputs()[0]
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """[N, copies * n] (an expanded view)."""
+        n, ncopies = self.layout.n, self.layout.num_copies
+        return torch.arange(n, device=self.x0.device).repeat(ncopies).expand(self.num_rows, -1)
+
     def to(self, device: torch.device | str) -> "LayoutBatch":
         """The same batch with its tensors on `device` (the layout's lengths stay: `prepare` moves them)."""
-        return LayoutBatch(self.input_ids.to(device), self.position_ids.to(device), self.layout,
-                           self.tgt_row.to(device), self.tgt_col.to(device), self.targets.to(device),
-                           self.resp_pos.to(device))
+        return LayoutBatch(self.x0.to(device), self.rnd.to(device), self.mask_id, self.layout, self.tgt_row.to(device),
+                           self.tgt_col.to(device), self.targets.to(device), self.resp_pos.to(device))
 
 
 def build_layout_batch(sequences: torch.Tensor, step_map: torch.Tensor, prompt_lens: torch.Tensor,
@@ -82,9 +117,8 @@ def build_layout_batch(sequences: torch.Tensor, step_map: torch.Tensor, prompt_l
     is_resp = (pos[None] >= prompt_lens[:, None]) & (pos[None] < valid[:, None])  # [N, n] all generated positions
     is_tgt = (pos[None] >= prompt_lens[:, None]) & (pos[None] < (prompt_lens + resp_lens)[:, None])  # [N, n]
     if mode == "block_proxy":
-        xt = torch.where(is_resp, mask_id, x0)
-        copies = [xt]
-        tgt_copy = torch.zeros_like(smap)
+        rnd = torch.where(is_resp, 0, -1)  # [N, n] one noisy copy: every response position masked
+        ncopies = 2
     else:
         nblk = n // bs
         blk = (pos // bs).expand(nrows, n)
@@ -92,16 +126,14 @@ def build_layout_batch(sequences: torch.Tensor, step_map: torch.Tensor, prompt_l
         first = torch.full((nrows, nblk), big, device=dev).scatter_reduce(
             1, blk, torch.where(is_resp, smap, big), reduce="amin")  # [N, nblk] first step of each block
         rnd = torch.where(is_resp, smap - first.gather(1, blk), -1)  # [N, n] round of each token
-        rounds = int(rnd.max()) + 1 if bool(is_resp.any()) else 1
-        copies = [torch.where(is_resp & (rnd >= r), mask_id, x0) for r in range(rounds)]
-        tgt_copy = rnd.clamp_min(0)
-    ncopies = len(copies) + 1
-    input_ids = torch.cat(copies + [x0], dim=1)  # [N, ncopies * n]
-    position_ids = pos.repeat(ncopies).expand(nrows, -1)
+        ncopies = (int(rnd.max()) + 1 if bool(is_resp.any()) else 1) + 1
+    if ncopies - 1 > torch.iinfo(torch.int16).max:
+        raise ValueError(f"{ncopies - 1} rounds in one block: more than a LayoutBatch can index")
     tgt_row, tgt_p = is_tgt.nonzero(as_tuple=True)
-    tgt_col = tgt_copy[tgt_row, tgt_p] * n + tgt_p
+    tgt_col = rnd[tgt_row, tgt_p].clamp_min(0) * n + tgt_p
     layout = MaskLayout(n, ncopies, bs, valid.clamp_min(1))
-    return LayoutBatch(input_ids, position_ids, layout, tgt_row, tgt_col, x0[tgt_row, tgt_p], tgt_p - prompt_lens[tgt_row])
+    return LayoutBatch(x0, rnd.to(torch.int16), mask_id, layout, tgt_row, tgt_col, x0[tgt_row, tgt_p],
+                       tgt_p - prompt_lens[tgt_row])
 
 
 @dataclass
@@ -197,7 +229,7 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
     The plan (which samples go where) is made, and input errors raised, at the call; each micro-batch is built
     when the iteration asks for it, so a training loop packs the next one while the GPU runs the current one."""
     n_all, ncopies, bs = lb.layout.n, lb.layout.num_copies, lb.layout.block_size
-    nrows = lb.input_ids.shape[0]
+    nrows = lb.num_rows
     rows_t = torch.as_tensor(list(rows), dtype=torch.int64)
     if rows_t.numel() == 0:
         return iter(())
@@ -252,12 +284,12 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
             used = int(seg_len[m].sum())
             length = packed_length(used, budget) if pad_shapes else used
             col = (dst[:, None] + j).reshape(-1)  # [used] every piece's positions in the row
-            src = (copy * n_all + blk * bs)[:, None] + j  # [pieces, B] columns of lb.input_ids
+            src = (blk * bs)[:, None] + j  # [pieces, B] positions within the copy
             src_row = sample[:, None].expand(-1, bs)
-            ids = torch.full((1, length), pad_id, dtype=lb.input_ids.dtype)
-            pos = torch.zeros((1, length), dtype=lb.position_ids.dtype)
-            ids[0, col] = lb.input_ids[src_row, src].reshape(-1)
-            pos[0, col] = lb.position_ids[src_row, src].reshape(-1)
+            ids = torch.full((1, length), pad_id, dtype=torch.int64)
+            pos = torch.zeros((1, length), dtype=torch.int64)
+            ids[0, col] = lb.tokens(src_row, copy[:, None], src).reshape(-1)
+            pos[0, col] = src.reshape(-1)
             seg = torch.full((1, length), -1, dtype=torch.int32)
             cpy = torch.full((1, length), -1, dtype=torch.int32)
             bl = torch.zeros((1, length), dtype=torch.int32)

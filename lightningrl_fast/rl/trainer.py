@@ -273,7 +273,7 @@ def logprob_stage(model: SDARForCausalLM, lb: LayoutBatch, budget: int) -> torch
     dev = next(model.parameters()).device
     check_targets(lb, model.config.vocab_size)  # once, on the host: the ops below skip their device-side reads
     out = torch.empty(lb.num_tokens, device=dev)
-    for mb in micro_batches(lb, range(lb.input_ids.shape[0]), budget, dev, model.config.mask_token_id):
+    for mb in micro_batches(lb, range(lb.num_rows), budget, dev, model.config.mask_token_id):
         out[upload(mb.sel, dev)] = micro_batch_logprobs(model, mb.to(dev), check_values=False).float()
     return out.cpu()  # one copy (and host sync) per pass
 
@@ -286,7 +286,7 @@ def reference_stage(state: TrainState, lb: LayoutBatch, cfg: RLConfig) -> torch.
     dev = next(state.model.parameters()).device
     if ref_dev == dev:
         return logprob_stage(state.ref_model, lb, cfg.micro_batch_tokens)
-    mbs = micro_batches(lb, range(lb.input_ids.shape[0]), cfg.micro_batch_tokens, dev,
+    mbs = micro_batches(lb, range(lb.num_rows), cfg.micro_batch_tokens, dev,
                         state.model.config.mask_token_id)
     return streamed_logprobs(state.ref_model, lb, mbs, dev, chunk_tokens=16 * cfg.micro_batch_tokens)
 
@@ -322,7 +322,7 @@ def loss_backward_stage(model, lb: LayoutBatch | None, rows: range, adv_tok, old
         loss, stats, _ = fused_linear_grpo_loss(
             h, model.lm_head.weight, mb.targets, upload(old[sel], dev) if old is not None else None,
             upload(ref[sel], dev) if ref is not None else None, upload(adv_tok[sel], dev),
-            upload(lb.tgt_row[sel], dev), lb.input_ids.shape[0], correct_dev, eps_low=cfg.eps_low,
+            upload(lb.tgt_row[sel], dev), lb.num_rows, correct_dev, eps_low=cfg.eps_low,
             eps_high=cfg.eps_high, beta=cfg.kl_beta if ref is not None else 0.0, mu=cfg.nll_weight,
             reduction=cfg.reduction, totals=totals, suppress_token=model.config.mask_token_id, check_values=False)
         loss.backward()
