@@ -528,7 +528,7 @@ def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
         losses = train_sft(ctx.model, lambda rng: rng.choice(kept), steps=b.rft_steps, batch_size=b.rft_batch_size,
                            lr=b.rft_lr, pad_id=ctx.tokenizer.pad_token_id, seed=cfg.rl.seed,
                            warmup=max(1, min(20, b.rft_steps // 10)), log_every=max(1, b.rft_steps // 10), log=say,
-                           time_budget_s=remaining)
+                           time_budget_s=remaining, micro_batch_tokens=cfg.rl.micro_batch_tokens)
     elapsed = time.perf_counter() - t_start
     say(f"RFT: {len(losses)} fine-tune steps, phase took {elapsed:.1f}s")
     with open(ctx.out / "metrics.jsonl", "a", encoding="utf-8") as f:
