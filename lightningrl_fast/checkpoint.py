@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import shutil
 import uuid
@@ -48,6 +49,15 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# The JSON types config.json must give the keys SDARConfig reads (checked before it is built, so that a quoted
+# number or a "false" string is named here, not met later as a TypeError inside the model or as a wrong model).
+_POSITIVE_INT_KEYS = (*REQUIRED_CONFIG_KEYS, "max_position_embeddings", "block_size")
+_OPTIONAL_POSITIVE_INT_KEYS = ("num_key_value_heads", "head_dim")  # null: derived from the other keys
+_POSITIVE_FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
+_OPTIONAL_KEY_TYPES = {"mask_token_id": (int,), "tie_word_embeddings": (bool,), "torch_dtype": (str,), "dtype": (str,),
+                       "hidden_act": (str,), "rope_scaling": (dict,), "model_type": (str,)}
+# safetensors dtypes a floating-point SDAR weight may be stored in (converted to the load dtype)
+_FLOAT_STORAGE = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json",
                    "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
@@ -73,21 +83,57 @@ def _backup_hint(folder: Path) -> str:
     return f" (an interrupted save left the previous checkpoint at {olds[-1]})" if olds else ""
 
 
+def _read_json_object(file: Path) -> dict:
+    """The JSON object in `file`; CheckpointError naming the file when it is not UTF-8, not JSON or not an object."""
+    try:
+        d = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, and the int-digits limit / nesting depth
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, got {type(d).__name__}")
+    return d
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _config_type_problems(d: dict) -> list[str]:
+    """What is wrong with the types / ranges of the config keys SDARConfig reads (empty when nothing)."""
+    problems = []
+    for k in (*_POSITIVE_INT_KEYS, *_OPTIONAL_POSITIVE_INT_KEYS):
+        if k not in d or (d[k] is None and k in _OPTIONAL_POSITIVE_INT_KEYS):
+            continue
+        if not (_is_int(d[k]) and d[k] > 0):
+            problems.append(f"{k!r} must be a positive integer, got {d[k]!r}")
+    for k in _POSITIVE_FLOAT_KEYS:
+        v = d.get(k)
+        if v is None and k == "rope_theta":  # null: the official default
+            continue
+        if k in d and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+            problems.append(f"{k!r} must be a positive finite number, got {v!r}")
+    for k, types in _OPTIONAL_KEY_TYPES.items():
+        v = d.get(k)
+        if v is not None and (not isinstance(v, types) or (types == (int,) and isinstance(v, bool))):
+            problems.append(f"{k!r} must be {' or '.join(t.__name__ for t in types)} (or null), got {v!r}")
+    return problems
+
+
 def read_config(path: str | Path) -> SDARConfig:
     """SDARConfig of a checkpoint folder (or of a config.json path), with errors naming the file and key."""
     path = Path(path)
     file = path if path.suffix == ".json" else path / CONFIG_NAME
     if not file.is_file():
         raise FileNotFoundError(f"no {CONFIG_NAME} at {file}" + _backup_hint(file.parent))
-    try:
-        d = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{file} must hold a JSON object, got {type(d).__name__}")
+    d = _read_json_object(file)
     missing = [k for k in REQUIRED_CONFIG_KEYS if k not in d]
     if missing:
         raise CheckpointError(f"{file} is missing required key(s): {', '.join(repr(k) for k in missing)}")
+    problems = _config_type_problems(d)
+    if problems:
+        raise CheckpointError(f"{file} has key(s) of the wrong type or range: {'; '.join(problems)}")
     if d.get("model_type") not in (None, "sdar", "qwen3"):
         warnings.warn(f"{file}: model_type {d.get('model_type')!r} is not 'sdar'; loading it as SDAR", stacklevel=2)
     try:
@@ -119,11 +165,7 @@ def checkpoint_files(folder: str | Path) -> dict[str, Path]:
     folder = Path(folder)
     index = folder / INDEX_NAME
     if index.is_file():
-        try:
-            spec = json.loads(index.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{index} is not valid JSON: {e}") from None
-        wmap = spec.get("weight_map") if isinstance(spec, dict) else None
+        wmap = _read_json_object(index).get("weight_map")
         if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
             raise CheckpointError(f"{index} has no valid 'weight_map' (an object of tensor name -> shard file)")
         bad = sorted({v for v in wmap.values() if Path(v).name != v})
@@ -135,8 +177,11 @@ def checkpoint_files(folder: str | Path) -> dict[str, Path]:
         return {k: folder / v for k, v in wmap.items()}
     single = folder / WEIGHTS_NAME
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return {k: single for k in f.keys()}
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                return {k: single for k in f.keys()}
+        except Exception as e:  # safetensors' header errors (truncated, empty, not a safetensors file)
+            raise CheckpointError(f"cannot read safetensors file {single}: {e}") from None
     raise FileNotFoundError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {folder}" + _backup_hint(folder))
 
 
@@ -147,8 +192,9 @@ def _by_shard(files: dict[str, Path]) -> dict[Path, list[str]]:
     return dict(sorted(shards.items()))
 
 
-def _tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
-    """Shapes from the shard headers (no weight is read); checks each tensor is where the index says."""
+def _tensor_shapes(files: dict[str, Path], floating: set[str] = frozenset()) -> dict[str, tuple[int, ...]]:
+    """Shapes from the shard headers (no weight is read); checks each tensor is where the index says, and that
+    those named in `floating` (the model's parameters) are stored in a floating-point type."""
     shapes = {}
     for shard, names in _by_shard(files).items():
         try:
@@ -158,7 +204,12 @@ def _tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
                 if lost:
                     raise CheckpointError(f"{shard} lacks tensor(s) the index assigns to it: {', '.join(lost)}")
                 for n in names:
-                    shapes[n] = tuple(f.get_slice(n).get_shape())
+                    sl = f.get_slice(n)
+                    if n in floating and sl.get_dtype() not in _FLOAT_STORAGE:
+                        raise CheckpointError(f"{shard}: tensor {n} is stored as {sl.get_dtype()}, not a "
+                                              f"floating-point type ({', '.join(_FLOAT_STORAGE)}): a quantized or "
+                                              "corrupt checkpoint")
+                    shapes[n] = tuple(sl.get_shape())
         except CheckpointError:
             raise
         except Exception as e:  # safetensors' header errors
@@ -231,7 +282,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None,
         model = SDARForCausalLM(config)
     aliases = _aliases(model)
     files = checkpoint_files(folder)
-    _validate(model, _tensor_shapes(files), folder)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    _validate(model, _tensor_shapes(files, params), folder)
 
     wanted = {n for n, _ in model.named_parameters()}
     open_on = _open_device(device)

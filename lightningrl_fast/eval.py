@@ -49,6 +49,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -61,6 +62,7 @@ from .generate import (
     CLIError,
     add_decoding_args,
     batches,
+    check_block_size,
     check_decoding_args,
     check_model_dir,
     cli_main,
@@ -70,8 +72,11 @@ from .generate import (
     join_ranks,
     load_model_checked,
     load_tokenizer_checked,
+    parse_json_line,
     progress,
+    read_config_checked,
     resolve_dtype,
+    split_lines,
 )
 from .rl import distributed
 from .rl.distributed import SINGLE, DistEnv, all_gather
@@ -295,19 +300,33 @@ def _timed(fn, *a):
 def load_results(path: str | Path) -> dict:
     """A results JSON written by this tool (checked: a "points" list with accuracy and mean_tpf)."""
     path = Path(path)
+    if path.is_dir():
+        raise CLIError(f"overlay {path} is a folder, not a results JSON")
     if not path.is_file():
         raise CLIError(f"overlay {path} does not exist")
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, the int-digits limit
         raise CLIError(f"overlay {path} is not valid JSON: {e}") from None
     pts = d.get("points") if isinstance(d, dict) else None
     if not isinstance(pts, list) or not pts:
         raise CLIError(f"overlay {path} is not a results file of lightningrl_fast.eval (no \"points\" list)")
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
     for i, p in enumerate(pts):
-        if not isinstance(p, dict) or not all(isinstance(p.get(k), (int, float)) for k in ("accuracy", "mean_tpf")):
+        if not isinstance(p, dict) or not all(number(p.get(k)) for k in ("accuracy", "mean_tpf")):
             raise CLIError(f"overlay {path}: point {i} lacks numeric \"accuracy\" / \"mean_tpf\"")
+        if not 0 <= p["accuracy"] <= 1:  # NaN fails too
+            raise CLIError(f"overlay {path}: point {i} has accuracy {p['accuracy']}; expected a fraction in [0, 1]")
+        if p.get("threshold") is not None and not number(p["threshold"]):
+            raise CLIError(f"overlay {path}: point {i} has a non-numeric \"threshold\" {p['threshold']!r}")
     d.setdefault("label", path.stem)
+    if not isinstance(d["label"], str):
+        raise CLIError(f"overlay {path}: \"label\" must be a string, got {d['label']!r}")
+    if d.get("sampler") is not None and not isinstance(d["sampler"], dict):
+        raise CLIError(f"overlay {path}: \"sampler\" must be an object, got {type(d['sampler']).__name__}")
     return d
 
 
@@ -389,6 +408,8 @@ def load_synthetic(path: str | Path | None, task):
     if path is None:
         return list(task.test)
     path = Path(path)
+    if path.is_dir():
+        raise CLIError(f"data file {path} is a folder, not a file")
     if not path.is_file():
         raise CLIError(f"data file {path} does not exist")
     try:
@@ -396,13 +417,13 @@ def load_synthetic(path: str | Path | None, task):
     except UnicodeDecodeError as e:
         raise CLIError(f"{path}: not UTF-8 text ({e})") from None
     out, errors = [], []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(split_lines(text), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            errors.append(f"{path}:{lineno}: not valid JSON ({e.msg})")
+            row = parse_json_line(line)
+        except ValueError as e:
+            errors.append(f"{path}:{lineno}: not valid JSON ({e})")
             continue
         ops = row.get("operands") if isinstance(row, dict) else None
         if ops is None and isinstance(row, dict) and isinstance(row.get("prompt"), str) and _SYNTH_PROMPT.match(row["prompt"]):
@@ -464,6 +485,21 @@ def parse_thresholds(text: str) -> list[float]:
     return vals
 
 
+def check_out_folder(out: str) -> None:
+    """--out names a folder, or a path where one can be made: found before decoding, not when the results are
+    written (which would lose them)."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise CLIError(f"--out {out} exists and is not a folder")
+    for folder in (p.absolute(), *p.absolute().parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise CLIError(f"--out {out}: {folder} is not a folder")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise CLIError(f"--out {out}: {folder} is not writable")
+            break
+
+
 def _safe_name(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "run"
 
@@ -497,7 +533,10 @@ def run(args) -> dict:
     check_decoding_args(args)
     if args.limit is not None and args.limit < 1:
         raise CLIError(f"--limit must be >= 1, got {args.limit}")
+    if args.workers is not None and args.workers < 1:
+        raise CLIError(f"--workers must be >= 1, got {args.workers}")
     thresholds = parse_thresholds(args.thresholds)
+    check_out_folder(args.out)
     model_dir = check_model_dir(args.model)
     overlays = [load_results(p) for p in args.overlay]
     task = make_task(args.task, args.workers)
@@ -509,6 +548,7 @@ def run(args) -> dict:
 
 def _run_on(args, env: DistEnv, device, thresholds, model_dir, overlays, task, examples, data_info) -> dict:
     dtype = resolve_dtype(args.dtype, device)
+    check_block_size(args.block_size, read_config_checked(model_dir).max_position_embeddings)
     tokenizer = load_tokenizer_checked(model_dir)
     if args.max_new_tokens is None:
         args.max_new_tokens = task.max_response_tokens() if hasattr(task, "max_response_tokens") else 512
@@ -539,10 +579,14 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, overlays, task, e
         return res
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"{_safe_name(label)}.{args.task}"
     json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
-    json_path.write_text(json.dumps(res, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(res, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    except OSError as e:
+        print(format_table(res))  # the numbers are not lost with the file
+        raise CLIError(f"cannot write the results to {json_path}: {e.strerror or e}") from None
     plotted = plot_curves(runs, png_path, title=f"{args.task}: accuracy vs tokens per forward")
 
     ranks = f" x {env.world} ranks" if env.active else ""

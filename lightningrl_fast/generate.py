@@ -11,6 +11,9 @@ Prompts file:
     (an optional "id" is copied to the output row).
 Every row is checked (and tokenized, and checked against the checkpoint's vocabulary and
 max_position_embeddings) BEFORE the model is loaded; errors name the file and the line (`file:line: ...`).
+Lines end at "\n" / "\r\n" / "\r" only (a U+2028 inside a JSON string is not a line break); rows are strict
+JSON (NaN / Infinity refused). The options are checked first too: ranges, `--block-size` within the model's
+positions, and an `--out` whose folder exists and that is not the prompts file.
 
 `--chat` (default) wraps each prompt in the ChatML user turn (`tokenizer.chat_prompt`); `--no-chat` feeds it
 as is. Decoding is greedy unless `--temperature` > 0. `--block-size` other than the checkpoint's also sets the
@@ -38,6 +41,8 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -71,6 +76,31 @@ def _fail_rows(path: Path, errors: list[str], what: str) -> None:
         raise CLIError(f"{len(errors)} {what} in {path}:\n  " + "\n  ".join(errors[:10]) + more)
 
 
+def split_lines(text: str) -> list[str]:
+    """The lines of a JSONL / .txt file: split at "\n", "\r\n" and "\r" (universal newlines), not at the other
+    separators `str.splitlines` knows (U+2028, U+0085, form feed, ...), which may sit inside a JSON string or a
+    prompt."""
+    lines = re.split(r"\r\n|\r|\n", text)
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_line(line: str) -> Any:
+    """One JSON value of a JSONL line; ValueError with a readable reason (strict JSON: NaN / Infinity, which
+    Python would read and then write back as invalid JSON, are refused, as are values Python cannot hold)."""
+    try:
+        return json.loads(line, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{e.msg} at column {e.colno}") from None
+    except (ValueError, RecursionError) as e:  # NaN / Infinity, > 4300-digit integers, nesting too deep
+        raise ValueError(str(e)) from None
+
+
 def read_prompts(path: str | Path) -> list[PromptRow]:
     """Rows of a prompts file (see the module docstring); CLIError listing every bad row as `file:line: why`."""
     path = Path(path)
@@ -79,7 +109,7 @@ def read_prompts(path: str | Path) -> list[PromptRow]:
     if not path.is_file():
         raise CLIError(f"prompts file {path} is not a file")
     try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark may lead
+        lines = split_lines(path.read_text(encoding="utf-8-sig"))  # a byte-order mark may lead
     except UnicodeDecodeError as e:
         raise CLIError(f"{path}: not UTF-8 text ({e})") from None
     rows: list[PromptRow] = []
@@ -92,9 +122,9 @@ def read_prompts(path: str | Path) -> list[PromptRow]:
             rows.append(PromptRow(line, lineno))
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            errors.append(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})")
+            obj = parse_json_line(line)
+        except ValueError as e:
+            errors.append(f"{path}:{lineno}: not valid JSON ({e})")
             continue
         if not isinstance(obj, dict):
             errors.append(f"{path}:{lineno}: expected a JSON object with a \"prompt\" string, got {type(obj).__name__}")
@@ -148,6 +178,27 @@ def encode_prompts(rows: Sequence[PromptRow], tokenizer, path: str | Path, chat:
         out.append(ids)
     _fail_rows(Path(path), errors, "prompt(s) that cannot be decoded")
     return out
+
+
+def check_block_size(block_size: int | None, max_len: int) -> None:
+    """A --block-size larger than the model's positions would decode past them (and allocate a cache that wide)."""
+    if block_size is not None and block_size > max_len:
+        raise CLIError(f"--block-size {block_size} exceeds the model's max_position_embeddings {max_len}")
+
+
+def check_out_file(out: str | None, prompts: str | Path) -> None:
+    """An --out file that can be created, and is not the prompts file (opening it would erase the prompts)."""
+    if out is None:
+        return
+    p = Path(out)
+    if p.is_dir():
+        raise CLIError(f"--out {out} is a folder; give a file name")
+    if not p.parent.is_dir():
+        raise CLIError(f"--out {out}: the folder {p.parent} does not exist")
+    if not os.access(p if p.exists() else p.parent, os.W_OK):
+        raise CLIError(f"--out {out}: {'the file' if p.exists() else 'its folder'} is not writable")
+    if p.exists() and p.samefile(prompts):
+        raise CLIError(f"--out {out} is the prompts file: writing the results would erase the prompts")
 
 
 def check_model_dir(path: str | Path) -> Path:
@@ -274,7 +325,9 @@ def add_decoding_args(ap: argparse.ArgumentParser, temperature: float = 0.0, max
     """Sampler / device options shared by the generate and eval command lines."""
     g = ap.add_argument_group("decoding")
     g.add_argument("--block-size", type=int, default=None, help="block size (default: the checkpoint's)")
-    g.add_argument("--threshold", type=float, default=0.9, help="confidence threshold tau (default 0.9)")
+    g.add_argument("--threshold", type=float, default=0.9,
+                   help="confidence threshold tau (default 0.9); above 1 no confidence reaches it: top-1 alone, or "
+                        "the quota alone with --rule quota")
     g.add_argument("--rule", choices=("threshold", "quota"), default="threshold",
                    help="threshold = top-1 + threshold (LightningRL); quota = SDAR's per-step quota")
     g.add_argument("--steps-per-block", type=int, default=None, help="S for --rule quota (default: block size)")
@@ -291,7 +344,16 @@ def add_decoding_args(ap: argparse.ArgumentParser, temperature: float = 0.0, max
     g.add_argument("--no-cuda-graphs", action="store_true", help="run the denoising step eagerly on CUDA")
 
 
+SEED_LIMIT = 2**62  # Philox seeds are int64; each batch adds its index
+
+
 def check_decoding_args(args) -> None:
+    if not (math.isfinite(args.threshold) and args.threshold >= 0):  # above 1: no confidence reaches it
+        raise CLIError(f"--threshold must be a finite confidence >= 0, got {args.threshold}")
+    if not math.isfinite(args.temperature):
+        raise CLIError(f"--temperature must be a finite number, got {args.temperature}")
+    if not -SEED_LIMIT <= args.seed < SEED_LIMIT:
+        raise CLIError(f"--seed must be in [-2**62, 2**62), got {args.seed}")
     if args.block_size is not None and args.block_size <= 0:
         raise CLIError(f"--block-size must be positive, got {args.block_size}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
@@ -361,8 +423,7 @@ def run(args) -> dict:
     check_decoding_args(args)
     model_dir = check_model_dir(args.model)
     rows = read_prompts(args.prompts)
-    if args.out is not None and Path(args.out).is_dir():
-        raise CLIError(f"--out {args.out} is a folder; give a file name")
+    check_out_file(args.out, args.prompts)
     env, device = join_ranks(args.device)
     with distributed.joined(env):
         return _generate(args, env, device, model_dir, rows)
@@ -380,6 +441,7 @@ def _generate(args, env, device, model_dir: Path, rows: list) -> dict:
 
     dtype = resolve_dtype(args.dtype, device)
     mcfg = read_config_checked(model_dir)
+    check_block_size(args.block_size, mcfg.max_position_embeddings)
     tokenizer = load_tokenizer_checked(model_dir)
     eos_ids = eos_ids_for(tokenizer, mcfg.vocab_size)
     ids = encode_prompts(rows, tokenizer, args.prompts, args.chat, mcfg.vocab_size, mcfg.max_position_embeddings,
@@ -387,7 +449,10 @@ def _generate(args, env, device, model_dir: Path, rows: list) -> dict:
     cfg = sampler_config_from_args(args, eos_ids)
 
     model = load_model_checked(model_dir, device, dtype)
-    out_f = (open(args.out, "w", encoding="utf-8") if args.out else sys.stdout) if env.main else None
+    try:
+        out_f = (open(args.out, "w", encoding="utf-8") if args.out else sys.stdout) if env.main else None
+    except OSError as e:
+        raise CLIError(f"cannot write --out {args.out}: {e.strerror or e}") from None
     log = sys.stdout if args.out else sys.stderr
     n_tok = n_fwd = 0
     seconds = 0.0

@@ -65,11 +65,30 @@ def chat_prompt(user_text: str, system: str | None = None) -> str:
     return f"{head}{IM_START}user\n{user_text}{IM_END}\n{IM_START}assistant\n"
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path, expect: type | None = dict) -> Any:
+    """The JSON document in `path` (a JSON object unless `expect` says otherwise); ValueError naming the file."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, and the int-digits limit / nesting depth
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if expect is not None and not isinstance(doc, expect):
+        raise ValueError(f"{path} must hold a JSON {'object' if expect is dict else expect.__name__}, "
+                         f"got {type(doc).__name__}")
+    return doc
+
+
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _token_ids(value: Any, where: str) -> list[int]:
+    """A token id or a list of them (generation_config's eos_token_id), checked: ValueError naming `where`."""
+    ids = value if isinstance(value, list) else [value]
+    if not all(_is_id(i) for i in ids):
+        raise ValueError(f"{where} must be a non-negative integer token id or a list of them, got {value!r}")
+    return ids
 
 
 def _token_content(value: Any) -> str | None:
@@ -211,9 +230,12 @@ class Tokenizer:
 
 def _read_merges(path: Path) -> list[tuple[str, str]]:
     merges = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if not line or (lineno == 1 and line.startswith("#version")):
                 continue
             parts = line.split(" ")
@@ -226,7 +248,19 @@ def _read_merges(path: Path) -> list[tuple[str, str]]:
 def _added_tokens(folder: Path, config: dict) -> list[tuple[int, AddedToken]]:
     """Added tokens by id: tokenizer_config's added_tokens_decoder, then legacy added_tokens.json."""
     out: dict[int, AddedToken] = {}
-    for key, t in (config.get("added_tokens_decoder") or {}).items():
+    where = f"{folder / 'tokenizer_config.json'}: added_tokens_decoder"
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise ValueError(f"{where} must be an object of id -> token, got {type(decoder).__name__}")
+    flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
+    for key, t in decoder.items():
+        if not key.isdigit():
+            raise ValueError(f"{where}: key {key!r} is not a token id")
+        if not (isinstance(t, dict) and isinstance(t.get("content"), str) and t["content"]):
+            raise ValueError(f"{where}[{key!r}] must be an object with a non-empty string \"content\", got {t!r}")
+        bad = [f for f in flags if f in t and not isinstance(t[f], bool)]
+        if bad:
+            raise ValueError(f"{where}[{key!r}]: {', '.join(bad)} must be true or false")
         out[int(key)] = AddedToken(t["content"], single_word=t.get("single_word", False), lstrip=t.get("lstrip", False),
                                    rstrip=t.get("rstrip", False), normalized=t.get("normalized", False),
                                    special=t.get("special", True))
@@ -234,8 +268,10 @@ def _added_tokens(folder: Path, config: dict) -> list[tuple[int, AddedToken]]:
     if legacy.is_file():
         contents = {t.content for t in out.values()}
         for content, i in _read_json(legacy).items():
-            if int(i) not in out and content not in contents:
-                out[int(i)] = AddedToken(content, normalized=False, special=True)
+            if not _is_id(i):
+                raise ValueError(f"{legacy}: the id of {content!r} must be a non-negative integer, got {i!r}")
+            if i not in out and content not in contents:
+                out[i] = AddedToken(content, normalized=False, special=True)
     return sorted(out.items())
 
 
@@ -248,6 +284,10 @@ def build_qwen2_bpe(folder: str | Path, config: dict | None = None) -> tokenizer
     if config is None:
         config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
     vocab: dict[str, int] = _read_json(folder / "vocab.json")
+    bad = [(t, i) for t, i in vocab.items() if not _is_id(i)]
+    if bad:
+        raise ValueError(f"{folder / 'vocab.json'}: token ids must be non-negative integers; "
+                         f"{len(bad)} are not, e.g. {bad[0][0]!r}: {bad[0][1]!r}")
     added = _added_tokens(folder, config)
     # Added tokens whose ids do not continue the base vocabulary contiguously must sit in the model's
     # vocabulary at their ids; when they do continue it (Qwen2), they stay out of it, as in tokenizer.json.
@@ -257,8 +297,13 @@ def build_qwen2_bpe(folder: str | Path, config: dict | None = None) -> tokenizer
         vocab = dict(vocab)
         for i, t in added:
             vocab.setdefault(t.content, i)
-    bpe = models.BPE(vocab=vocab, merges=_read_merges(folder / "merges.txt"), unk_token=None, fuse_unk=False,
-                     byte_fallback=False, continuing_subword_prefix="", end_of_word_suffix="")
+    try:
+        bpe = models.BPE(vocab=vocab, merges=_read_merges(folder / "merges.txt"), unk_token=None, fuse_unk=False,
+                         byte_fallback=False, continuing_subword_prefix="", end_of_word_suffix="")
+    except ValueError:
+        raise
+    except Exception as e:  # the Rust error (e.g. a merge of a symbol vocab.json lacks) says what; add where
+        raise ValueError(f"vocab.json and merges.txt of {folder} do not form a BPE model: {e}") from None
     tok = tokenizers.Tokenizer(bpe)
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -350,7 +395,8 @@ class CharTokenizer(Tokenizer):
         tok = cls(cfg["alphabet"])
         saved = folder / "tokenizer.json"
         if saved.is_file():  # the saved vocabulary must agree with the alphabet
-            vocab = _read_json(saved)["model"]["vocab"]
+            model = _read_json(saved).get("model")
+            vocab = model.get("vocab") if isinstance(model, dict) else None
             if vocab != tok.backend.get_vocab(with_added_tokens=False):
                 raise ValueError(f"{saved} does not match the alphabet of {folder / 'tokenizer_config.json'}")
         return tok
@@ -385,7 +431,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     gen = folder / "generation_config.json"
     if gen.is_file():
         e = _read_json(gen).get("eos_token_id")
-        eos_ids = [] if e is None else _as_id_list(e)
+        eos_ids = [] if e is None else _token_ids(e, f"{gen}: eos_token_id")
     pad = _token_content(config.get("pad_token"))
     if pad is None and backend.token_to_id(ENDOFTEXT) is not None:
         pad = ENDOFTEXT
@@ -395,6 +441,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         model_cfg = folder / "config.json"
         if model_cfg.is_file():
             mask_id = _read_json(model_cfg).get("mask_token_id")
+            if mask_id is not None and not _is_id(mask_id):
+                raise ValueError(f"{model_cfg}: mask_token_id must be a non-negative integer, got {mask_id!r}")
         if mask_id is None:
             mask = next((m for m in (MASK, "<MASK>") if backend.token_to_id(m) is not None), None)
     return Tokenizer(backend, eos_tokens=[t for t in eos_tokens if t], pad_token=pad, mask_token=mask,

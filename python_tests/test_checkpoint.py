@@ -381,6 +381,70 @@ def test_no_weights(tmp_path):
         load_model(tmp_path)
 
 
+
+@pytest.mark.parametrize("key, value, named", [
+    ("rms_norm_eps", "1e-6", "'rms_norm_eps' must be a positive finite number, got '1e-6'"),
+    ("rms_norm_eps", float("nan"), "'rms_norm_eps' must be a positive finite number, got nan"),
+    ("rms_norm_eps", -1.0, "'rms_norm_eps' must be a positive finite number"),
+    ("rope_theta", "abc", "'rope_theta' must be a positive finite number"),
+    ("max_position_embeddings", "256", "'max_position_embeddings' must be a positive integer, got '256'"),
+    ("max_position_embeddings", -1, "'max_position_embeddings' must be a positive integer, got -1"),
+    ("max_position_embeddings", None, "'max_position_embeddings' must be a positive integer, got None"),
+    ("num_hidden_layers", True, "'num_hidden_layers' must be a positive integer, got True"),
+    ("mask_token_id", "110", "'mask_token_id' must be int (or null), got '110'"),
+    ("tie_word_embeddings", "false", "'tie_word_embeddings' must be bool (or null), got 'false'"),
+])
+def test_config_values_of_the_wrong_type_are_named(tmp_path, key, value, named):
+    """A quoted number, a "false" string, NaN or a bool count was a TypeError deep in the model, an unclear
+    comparison error, or (tie_word_embeddings "false", NaN eps) a silently different model."""
+    model, cfg = tiny_model()
+    folder = save_model(model, cfg, tmp_path / "ck")
+    d = json.loads((folder / "config.json").read_text())
+    d[key] = value
+    (folder / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match="wrong type or range") as e:
+        load_model(folder)
+    assert named in str(e.value) and "config.json" in str(e.value)
+
+
+def test_real_configs_pass_the_type_checks():
+    for size in ("4B", "8B"):
+        read_config(META / f"SDAR-{size}-Chat")  # no error
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "garbage"])
+def test_corrupt_single_safetensors_file_is_named(tmp_path, damage):
+    """A truncated / empty / non-safetensors model.safetensors raised safetensors' own SafetensorError (a
+    traceback through the CLIs), not a CheckpointError naming the file."""
+    model, cfg = tiny_model()
+    folder = save_model(model, cfg, tmp_path / "ck")
+    f = folder / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes({"truncate": data[: len(data) // 2], "empty": b"", "garbage": b"\x10" + b"\0" * 7 + b"{not json}"}[damage])
+    with pytest.raises(CheckpointError, match="cannot read safetensors file .*model.safetensors"):
+        load_model(folder)
+
+
+def test_integer_weight_is_refused(tmp_path):
+    """An integer tensor under a float weight's name was silently cast to the load dtype."""
+    model, cfg = tiny_model()
+    folder = save_model(model, cfg, tmp_path / "ck")
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    sd["model.norm.weight"] = torch.ones(64, dtype=torch.int32)
+    save_file(sd, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="model.norm.weight is stored as I32, not a floating-point type"):
+        load_model(folder)
+
+
+def test_non_utf8_config_and_index_are_named(saved):
+    folder, _ = saved
+    (folder / "model.safetensors.index.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not UTF-8"):
+        load_model(folder)
+    (folder / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(CheckpointError, match="config.json is not UTF-8"):
+        load_model(folder)
+
 # --- atomic save ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("exchange", [True, False])

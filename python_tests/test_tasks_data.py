@@ -258,6 +258,58 @@ def test_limit(tmp_path):
     assert len(res) == 3
 
 
+
+def test_limit_below_one_is_refused(tmp_path):
+    """limit=0 or a negative limit returned one example (the check ran after the first append)."""
+    path = write_jsonl(tmp_path / "g.jsonl", GSM * 5)
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="limit must be a positive integer"):
+            load_examples(path, limit=bad)
+
+
+def test_a_folder_is_named_as_a_folder(tmp_path):
+    """A folder passed as the data file was reported as `no such file` (FileNotFoundError)."""
+    folder = tmp_path / "data.jsonl"
+    folder.mkdir()
+    with pytest.raises(DataFormatError, match="data.jsonl is a folder, not a data file"):
+        load_examples(folder)
+
+
+def test_json_that_python_cannot_parse_is_a_bad_row(tmp_path):
+    """A > 4300-digit integer or a deeply nested value made json.loads raise a bare ValueError / RecursionError,
+    which escaped load_examples without the file and line (a traceback through the CLIs)."""
+    rows = [GSM[0], '{"problem": "x", "answer": ' + "9" * 5000 + "}", '{"question": ' + "[" * 100_000 + "]" * 100_000 + "}"]
+    path = write_jsonl(tmp_path / "odd.jsonl", rows)
+    with pytest.warns(UserWarning, match="skipped 2 malformed"):
+        res = load_examples(path)
+    assert len(res) == 1 and [e.line for e in res.errors] == [2, 3]
+    assert all("bad JSON" in e.message for e in res.errors)
+    whole = tmp_path / "odd.json"
+    whole.write_text('[{"problem": "x", "answer": ' + "9" * 5000 + "}]")
+    with pytest.raises(DataFormatError, match="odd.json: not valid JSON"):
+        load_examples(whole)
+
+
+def test_empty_prompt_text_and_humaneval_test_are_bad_rows(tmp_path):
+    """An empty question / problem / prompt / MBPP text was accepted (the model was asked nothing and scored), and a
+    HumanEval row with an empty `test` scored every completion wrong (check is undefined)."""
+    rows = [
+        {"question": "", "answer": "#### 3"},
+        {"question": "  \n", "answer": "#### 3"},
+    ]
+    with pytest.raises(DataFormatError, match=r"e\.jsonl:1: gsm8k: key 'question' is empty"):
+        load_examples(write_jsonl(tmp_path / "e.jsonl", rows), on_error="raise")
+    with pytest.raises(DataFormatError, match="key 'question' is empty"):
+        load_examples(write_jsonl(tmp_path / "e.jsonl", rows[1:]), on_error="raise")
+    cases = [({"problem": " ", "answer": "1"}, "math500: key 'problem' is empty"),
+             ({"prompt": "", "answer": "1"}, "plain: key 'prompt' is empty"),
+             ({**MBPP[0], "text": ""}, "mbpp: key 'text' is empty"),
+             ({**HUMANEVAL[0], "test": ""}, "humaneval: key 'test' is empty"),
+             ({**HUMANEVAL[0], "prompt": ""}, "humaneval: key 'prompt' is empty")]
+    for row, msg in cases:
+        with pytest.raises(DataFormatError, match=msg):
+            load_examples(write_jsonl(tmp_path / "r.jsonl", [row]), on_error="raise")
+
 def test_code_row_type_errors(tmp_path):
     rows = [dict(MBPP[0], test_list="assert add(1, 2) == 3"), dict(MBPP[0], test_list=[1, 2]), dict(MBPP[0], test_list=[]),
             dict(HUMANEVAL[0], entry_point="not valid"), MBPP[0]]

@@ -192,6 +192,58 @@ def test_missing_files(tmp_path):
         load_tokenizer(tmp_path)
 
 
+
+def _bpe_folder(tmp_path: Path, **files) -> Path:
+    """A tiny vocab.json + merges.txt tokenizer folder; `files` replace or add files (name -> text or bytes)."""
+    vocab = {c: i for i, c in enumerate("abcĠ")}
+    vocab["ab"] = 4
+    base = {"vocab.json": json.dumps(vocab), "merges.txt": "#version: 0.2\na b\n",
+            "tokenizer_config.json": json.dumps({"added_tokens_decoder": {"5": {"content": "<|endoftext|>", "special": True}}})}
+    for name, content in {**base, **files}.items():
+        name = name.replace("__", ".")
+        if isinstance(content, bytes):
+            (tmp_path / name).write_bytes(content)
+        else:
+            (tmp_path / name).write_text(content, encoding="utf-8")
+    return tmp_path
+
+
+@pytest.mark.parametrize("files, named", [
+    ({"tokenizer_config__json": "[]"}, "tokenizer_config.json must hold a JSON object, got list"),
+    ({"vocab__json": "[1, 2]"}, "vocab.json must hold a JSON object, got list"),
+    ({"vocab__json": json.dumps({"a": 0, "b": "1", "c": 2, "Ġ": 3, "ab": 4})}, "vocab.json: token ids must be non-negative integers"),
+    ({"vocab__json": b"\xff\xfe{}"}, "vocab.json is not UTF-8 text"),
+    ({"merges__txt": "#version: 0.2\na b\nzz qq\n"}, "do not form a BPE model"),
+    ({"merges__txt": b"#version: 0.2\na b\n\xff b\n"}, "merges.txt:3: not UTF-8 text"),
+    ({"tokenizer_config__json": json.dumps({"added_tokens_decoder": {"x": {"content": "<x>"}}})}, "key 'x' is not a token id"),
+    ({"tokenizer_config__json": json.dumps({"added_tokens_decoder": {"9": {"special": True}}})}, "non-empty string \"content\""),
+    ({"tokenizer_config__json": json.dumps({"added_tokens_decoder": {"9": "<x>"}})}, "non-empty string \"content\""),
+    ({"tokenizer_config__json": json.dumps({"added_tokens_decoder": {"9": {"content": "<x>", "special": "no"}}})},
+     "special must be true or false"),
+    ({"added_tokens__json": "[1]"}, "added_tokens.json must hold a JSON object"),
+    ({"added_tokens__json": json.dumps({"<y>": "zz"})}, "added_tokens.json: the id of '<y>' must be a non-negative integer"),
+    ({"generation_config__json": "[]"}, "generation_config.json must hold a JSON object"),
+    ({"generation_config__json": json.dumps({"eos_token_id": 1.5})}, "eos_token_id must be a non-negative integer token id"),
+    ({"generation_config__json": json.dumps({"eos_token_id": ["5"]})}, "eos_token_id must be a non-negative integer token id"),
+    ({"config__json": json.dumps({"mask_token_id": "7"})}, "config.json: mask_token_id must be a non-negative integer"),
+])
+def test_malformed_tokenizer_files_are_named(tmp_path, files, named):
+    """Each of these was an AttributeError / TypeError / KeyError / the Rust `Exception` (a traceback through the
+    CLIs, which report OSError / ValueError / KeyError), or a UnicodeDecodeError that did not name the file."""
+    with pytest.raises(ValueError) as e:
+        load_tokenizer(_bpe_folder(tmp_path, **files))
+    assert named in str(e.value)
+
+
+def test_char_tokenizer_json_of_the_wrong_shape_is_named(tmp_path):
+    CharTokenizer().save(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("[]")
+    with pytest.raises(ValueError, match="tokenizer.json must hold a JSON object"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"model": []}')
+    with pytest.raises(ValueError, match="does not match the alphabet"):
+        load_tokenizer(tmp_path)
+
 def test_gapped_added_token_ids(tmp_path):
     """Added tokens that do not continue the base vocabulary still get their declared ids."""
     vocab = {c: i for i, c in enumerate("abcĠ")}

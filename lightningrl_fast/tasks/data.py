@@ -23,8 +23,9 @@ plain       ``prompt``, ``answer`` (optional ``id``, ``kind``; a ``"code"`` row 
             needs ``test_list`` or ``test`` + ``entry_point``)
 ==========  =====================================================================  ======
 
-Malformed rows (bad JSON, not an object, a missing key, a wrong type, an empty or non-finite reference answer,
-a GSM8K answer without a number after ``####``, a code row without tests)
+Malformed rows (bad JSON, not an object, a missing key, a wrong type, an empty question / problem / prompt,
+an empty or non-finite reference answer, a GSM8K answer without a number after ``####``, a code row without
+tests, a HumanEval row with an empty ``test``)
 become `RowError`s naming the file and the line (JSONL) or the row index (JSON, Parquet). With
 ``on_error="raise"`` the first one raises `DataFormatError`; with ``on_error="skip"`` (default) they are
 skipped, counted in `LoadResult.errors`, and summarized in one warning and one log line — never dropped
@@ -185,7 +186,7 @@ def _holds_json_lines(path: Path) -> bool:
         return False
     try:
         return isinstance(json.loads(first.decode("utf-8-sig")), dict)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # not UTF-8 / not JSON / too many digits / nested too deep
         return False
 
 
@@ -209,6 +210,9 @@ def _iter_raw_rows(path: Path) -> Iterator[tuple[dict[str, Any] | None, RowError
                     except json.JSONDecodeError as e:
                         yield None, RowError(spath, f"bad JSON: {e.msg} (column {e.colno})", line=lineno)
                         continue
+                    except (ValueError, RecursionError) as e:  # an integer of > 4300 digits, nesting too deep
+                        yield None, RowError(spath, f"bad JSON: {e}", line=lineno)
+                        continue
                     if not isinstance(obj, dict):
                         yield None, RowError(spath, f"expected a JSON object, got {type(obj).__name__}", line=lineno)
                         continue
@@ -220,7 +224,7 @@ def _iter_raw_rows(path: Path) -> Iterator[tuple[dict[str, Any] | None, RowError
                 return
             try:
                 doc = json.loads(data.decode("utf-8-sig"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            except (ValueError, RecursionError) as e:  # + not UTF-8, > 4300-digit integers, nesting too deep
                 where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
                 raise DataFormatError(f"{path}: not valid JSON{where}: {e}") from None
             if isinstance(doc, dict) and isinstance(doc.get("data"), list):
@@ -282,6 +286,14 @@ def _get(row: dict[str, Any], key: str, types: tuple[type, ...] = (str,), defaul
     return value
 
 
+def _text(row: dict[str, Any], key: str) -> str:
+    """A required text field that the prompt is built from: a string with something besides whitespace."""
+    value = _get(row, key)
+    if not value.strip():
+        raise _BadRow(f"key {key!r} is empty")
+    return value
+
+
 def _text_answer(value: Any, key: str) -> str:
     """A reference answer as text: a non-empty string, or a finite number (a math answer is never NaN)."""
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -317,7 +329,7 @@ def _row_id(row: dict[str, Any], default: str) -> str:
 
 
 def _from_gsm8k(row: dict[str, Any], default_id: str) -> Example:
-    question = _get(row, "question")
+    question = _text(row, "question")
     solution = _get(row, "answer")
     final = parse_gsm8k_reference(solution)
     if final is None:
@@ -328,7 +340,7 @@ def _from_gsm8k(row: dict[str, Any], default_id: str) -> Example:
 
 
 def _from_math500(row: dict[str, Any], default_id: str) -> Example:
-    problem = _get(row, "problem")
+    problem = _text(row, "problem")
     answer = _text_answer(_get(row, "answer", (str, int, float)), "answer")
     solution = _get(row, "solution", default="")
     return Example(_row_id(row, default_id), problem, answer, "math", "math500", solution=solution)
@@ -342,7 +354,7 @@ def _str_list(row: dict[str, Any], key: str, default: Any = ...) -> list[str]:
 
 
 def _from_mbpp(row: dict[str, Any], default_id: str) -> Example:
-    text = _get(row, "text") if "text" in row else _get(row, "prompt")
+    text = _text(row, "text") if "text" in row else _text(row, "prompt")
     code = _get(row, "code")
     tests = _str_list(row, "test_list")
     if not tests:
@@ -358,9 +370,9 @@ def _from_mbpp(row: dict[str, Any], default_id: str) -> Example:
 
 
 def _from_humaneval(row: dict[str, Any], default_id: str) -> Example:
-    prompt = _get(row, "prompt")
+    prompt = _text(row, "prompt")
     solution = _get(row, "canonical_solution")
-    test = _get(row, "test")
+    test = _text(row, "test")  # without it every completion would fail `check`: a silently wrong score
     entry = _get(row, "entry_point")
     if not entry.isidentifier():
         raise _BadRow(f"'entry_point' {entry!r} is not a Python identifier")
@@ -370,7 +382,7 @@ def _from_humaneval(row: dict[str, Any], default_id: str) -> Example:
 
 
 def _from_plain(row: dict[str, Any], default_id: str) -> Example:
-    prompt = _get(row, "prompt")
+    prompt = _text(row, "prompt")
     answer = _text_answer(_get(row, "answer", (str, int, float)), "answer")
     kind = _get(row, "kind", default="math")
     if kind not in ("math", "code"):
@@ -421,7 +433,11 @@ def load_examples(
         raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
     if fmt is not None and fmt not in _CONVERTERS:
         raise ValueError(f"fmt must be one of {FORMATS} or None, got {fmt!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
     path = Path(path)
+    if path.is_dir():
+        raise DataFormatError(f"{path} is a folder, not a data file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     stem = path.name.split(".")[0]
