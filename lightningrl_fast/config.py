@@ -21,7 +21,9 @@ unique across sections. Where a value comes from, lowest to highest priority:
     4. the command-line flags.
 
 `parse_config(argv)` returns a validated `TrainConfig`; every error it finds (bad combinations, missing
-files, values out of range) is a `ConfigError` raised BEFORE any model or dataset is loaded.
+files, values out of range, NaN/inf, an `--out` folder that holds a previous run and is not the one `--resume`
+continues, a `--model` other than the resumed run's) is a `ConfigError` raised BEFORE any model or dataset is
+loaded. A config file with a key given twice (TOML, YAML or JSON) is an error too.
 """
 
 from __future__ import annotations
@@ -544,9 +546,16 @@ def build_parser() -> argparse.ArgumentParser:
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Flat {key: value} from a .toml / .yaml / .yml / .json file; unknown keys are a ConfigError."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"--config {path} is a folder, not a config file")
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror or e})") from None
     suffix = path.suffix.lower()
     try:
         if suffix == ".toml":
@@ -558,9 +567,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
                 import yaml
             except ImportError:
                 raise ConfigError(f"--config {path}: reading YAML needs pyyaml (pip install pyyaml), or use TOML") from None
-            raw = yaml.safe_load(text) or {}
+            raw = yaml.load(text, Loader=_yaml_loader(yaml)) or {}  # safe_load, duplicate keys refused
         elif suffix == ".json":
-            raw = json.loads(text)
+            raw = json.loads(text, object_pairs_hook=_json_object)  # duplicate keys refused
         else:
             raise ConfigError(f"--config {path}: unknown file type {suffix!r} (use .toml, .yaml, .yml or .json)")
     except ConfigError:
@@ -571,9 +580,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: the top level must be a table/mapping, got {type(raw).__name__}")
     flat: dict[str, Any] = {}
 
-    def put(key: str, value: Any, section: str | None) -> None:
-        k = key.replace("-", "_")
+    def put(key: Any, value: Any, section: str | None) -> None:
         where = f"[{section}] " if section else ""
+        if not isinstance(key, str):
+            raise ConfigError(f"--config {path}: key {where}{key!r} is not a name (keys are option names such as "
+                              "'group_size')")
+        k = key.replace("-", "_")
         if k not in OPTIONS:
             near = difflib.get_close_matches(k, list(OPTIONS) + list(SECTIONS), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
@@ -590,9 +602,42 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         if key in SECTIONS and isinstance(value, dict):
             for k2, v2 in value.items():
                 put(k2, v2, key)
+        elif key in SECTIONS:
+            raise ConfigError(f"--config {path}: [{key}] is a section: give it a table of options (e.g. "
+                              f"[{key}] with one 'name = value' per line), got {value!r}")
         else:
             put(key, value, None)
     return flat
+
+
+class DuplicateKeyError(ValueError):
+    """A key given twice in one mapping of a YAML/JSON config file (TOML refuses it itself)."""
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKeyError(f"key {k!r} is given twice")
+        out[k] = v
+    return out
+
+
+def _yaml_loader(yaml: Any) -> type:
+    """yaml.SafeLoader refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            seen: set = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise DuplicateKeyError(f"key {key!r} is given twice (line {key_node.start_mark.line + 1})")
+                if isinstance(key, (str, int, float, bool)):
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -639,12 +684,67 @@ def resolve(flags: dict[str, Any], file_values: dict[str, Any] | None = None, co
     return cfg
 
 
+MAX_THREADS = 1024  # torch.set_num_threads far above the cores only slows down; ~2e4 and up crash the process
+SEED_LIMIT = 2**40  # |--seed|: the trainer derives int64 Philox seeds as seed * 7919 + step * 131 + rank * 2**48
+
+
+def _nonfinite_values(cfg: TrainConfig) -> list[tuple[str, Any]]:
+    """(key, value) of every float option (lists and tuples of floats included) holding NaN or inf."""
+    import math
+
+    bad = []
+    for k, o in OPTIONS.items():
+        v = getattr(getattr(cfg, o.section), o.name)
+        vals = v if isinstance(v, (list, tuple)) else [v]
+        if any(isinstance(x, float) and not math.isfinite(x) for x in vals):
+            bad.append((k, v))
+    return bad
+
+
+# files a run writes into its output folder: one of them there means the folder holds a run (config.json alone
+# does not: a run writes it before its first step)
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "latest", "reference", "rft-model")
+
+
+def previous_run_outputs(folder: Path) -> list[str]:
+    """Names of the outputs of an earlier run in `folder` (its checkpoints included), sorted."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name in RUN_OUTPUTS or p.name.startswith("checkpoint-"))
+
+
+def _same_folder(a: str | Path, b: str | Path) -> bool:
+    return Path(a).absolute().resolve() == Path(b).absolute().resolve()
+
+
+def _folder_problem(path: Path) -> str | None:
+    """Why `path` cannot be (created as) a writable folder, or None: it is a file, or its nearest existing
+    ancestor is a file or not writable."""
+    if path.exists():
+        if not path.is_dir():
+            return "exists and is not a folder"
+        return None if os.access(path, os.W_OK | os.X_OK) else "is not writable"
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot be created: {parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created: {parent} is not writable"
+    return None
+
+
 def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
     """Every check that needs no model: ranges, combinations, files and folders. Raises ConfigError."""
     from .tasks import available_tasks
 
     errs: list[str] = []
     r, d, e, rl, s, ev, ck, b = cfg.run, cfg.data, cfg.embedded, cfg.rl, cfg.sampler, cfg.eval, cfg.checkpoint, cfg.baseline
+    # NaN / inf pass every `x < 0` range check below (and would reach torch, the sampler or the loss): refuse them first
+    nonfinite = _nonfinite_values(cfg)
+    if nonfinite:
+        errs += [f"--{k.replace('_', '-')} must be a finite number, got {v}" for k, v in nonfinite]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errs) if len(errs) > 1 else errs[0])
     # RL
     try:
         rl.validate()
@@ -660,6 +760,10 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
         errs.append(f"--max-nonfinite-steps must be >= 1, got {rl.max_nonfinite_steps}")
     if not all(0 <= x < 1 for x in rl.betas):
         errs.append(f"--betas must be in [0, 1), got {rl.betas}")
+    if rl.eps_low >= 1:
+        errs.append(f"--eps-low must be < 1 (the ratio is clipped below at 1 - eps_low > 0), got {rl.eps_low}")
+    if not -SEED_LIMIT <= rl.seed <= SEED_LIMIT:
+        errs.append(f"--seed must be in [-2**40, 2**40] (the rollout seeds derived from it are int64), got {rl.seed}")
     # sampler
     if not 0.0 <= s.threshold <= 1.0:
         errs.append(f"--threshold must be in [0, 1], got {s.threshold}")
@@ -690,8 +794,10 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
     # run
     if r.rl_time_budget is not None and r.rl_time_budget <= 0:
         errs.append(f"--rl-time-budget must be positive (or none), got {r.rl_time_budget}")
-    if r.threads < 0:
-        errs.append(f"--threads must be >= 0, got {r.threads}")
+    if not 0 <= r.threads <= MAX_THREADS:
+        errs.append(f"--threads must be in [0, {MAX_THREADS}] (0 = torch's default), got {r.threads}")
+    if r.dist_timeout_min <= 0:
+        errs.append(f"--dist-timeout-min must be positive, got {r.dist_timeout_min}")
     # checkpoints
     if ck.save_every < 0:
         errs.append(f"--save-every must be >= 0, got {ck.save_every}")
@@ -733,6 +839,10 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
             errs.append(f"--test-fraction must be in (0, 1), got {e.test_fraction}")
         if e.sft_lr <= 0:
             errs.append(f"--sft-lr must be positive, got {e.sft_lr}")
+        if e.sft_warmup < 1:  # the warm-up factor is (step + 1) / sft_warmup
+            errs.append(f"--sft-warmup must be >= 1 (1 = no warm-up), got {e.sft_warmup}")
+        if e.sft_time_budget is not None and e.sft_time_budget <= 0:
+            errs.append(f"--sft-time-budget must be positive (or none), got {e.sft_time_budget}")
         if d.task != "synthetic":
             errs.append(f"--task {d.task} needs --model DIR (the embedded default model only knows the "
                         "synthetic task's characters)")
@@ -754,21 +864,41 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
         for flag, p in (("--train-data", d.train_data), ("--eval-data", d.eval_data)):
             if p is not None and not Path(p).is_file():
                 errs.append(f"{flag} {p}: no such file")
-        if d.model is not None:
+        # a resumed run loads its model from the checkpoint: the folder it once started from may be gone
+        # (the frozen KL reference is checked against its fingerprint when the checkpoint loads)
+        model_from_resumed = ck.resume is not None and cfg.sources.get("model") == "resumed run"
+        if d.model is not None and not model_from_resumed:
             mp = Path(d.model)
             if not mp.is_dir():
                 errs.append(f"--model {d.model}: no such folder")
             elif not (mp / "config.json").is_file():
                 errs.append(f"--model {d.model}: no config.json in the folder (not an SDAR checkpoint)")
+        resumed_run = None
         if ck.resume is not None:
             from .rl.checkpointing import resolve_checkpoint
 
             try:
-                resolve_checkpoint(ck.resume)
+                resumed_run = resolve_checkpoint(ck.resume).parent
             except (FileNotFoundError, ValueError) as ex:
                 errs.append(f"--resume: {ex}")
-        if d.out is not None and Path(d.out).exists() and not Path(d.out).is_dir():
-            errs.append(f"--out {d.out} exists and is not a folder")
+        if d.out is not None:
+            problem = _folder_problem(Path(d.out))
+            if problem:
+                errs.append(f"--out {d.out} {problem}")
+            elif (prev := previous_run_outputs(Path(d.out))) and not (
+                    resumed_run is not None and _same_folder(resumed_run, d.out)):
+                # a second run there would append to its metrics.jsonl, replace or prune its checkpoints and
+                # overwrite its summary and config
+                listed = ", ".join(prev[:4]) + (", ..." if len(prev) > 4 else "")
+                can_resume = any(n == "latest" or n.startswith("checkpoint-") for n in prev)
+                errs.append(f"--out {d.out} holds a previous run ({listed}); "
+                            + (f"continue it with --resume {d.out}, or " if can_resume and ck.resume is None else "")
+                            + "pick another --out (or remove that folder)")
+        if cfg.embedded_default and cfg.embedded.cache and ck.resume is None:
+            problem = _folder_problem(cache_root(cfg))
+            if problem:
+                errs.append(f"the SFT cache folder {cache_root(cfg)} (--cache-dir, $LRF_CACHE_DIR) {problem}; "
+                            "pick another --cache-dir or use --no-cache")
     if errs:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errs) if len(errs) > 1 else errs[0])
 
@@ -782,6 +912,14 @@ def parse_config(argv: Sequence[str] | None = None, check_paths: bool = True) ->
     file_values = read_config_file(config_file) if config_file is not None else {}
     resumed_values = _resumed_run_values(flags.get("resume", file_values.get("resume")))
     cfg = resolve(flags, file_values, config_file, resumed_values)
+    if cfg.checkpoint.resume is not None and cfg.sources.get("model") in ("flag", "file"):
+        # a resume continues from the checkpoint's weights: another --model would be ignored without a word
+        saved = resumed_values.get("model")
+        if cfg.data.model is None or saved is None or not _same_folder(cfg.data.model, saved):
+            raise ConfigError(f"--model {cfg.data.model} conflicts with --resume {cfg.checkpoint.resume}: a resumed run "
+                              f"continues from its checkpoint's weights (the run started from "
+                              f"{saved if saved is not None else 'the embedded default model'}); drop --model, or "
+                              "start a new run from a checkpoint with --model <out>/checkpoint-<step>")
     validate(cfg, check_paths=check_paths)
     return cfg
 
@@ -803,7 +941,12 @@ def _resumed_run_values(resume: Any) -> dict[str, Any]:
     saved = ck.parent / RUN_CONFIG
     if not saved.is_file():
         return {}
-    values = read_config_file(saved)
+    try:
+        values = read_config_file(saved)
+    except ConfigError as ex:
+        msg = str(ex).removeprefix("--config ")
+        raise ConfigError(f"--resume {resume}: the run's saved config {msg} (fix or remove that file; flags and "
+                          "--config then give the settings)") from None
     for k in ("resume", "out"):
         values.pop(k, None)
     return values

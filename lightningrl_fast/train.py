@@ -17,7 +17,9 @@ wall-clock budget, and prints the same table: the two runs compare at equal CPU 
 
 Real use: `--model DIR --task math|code --train-data FILE [--eval-data FILE]` (DIR: config.json,
 safetensors, tokenizer files). `--resume OUT_OR_CHECKPOINT` continues a run exactly (same next batch, same
-RNG; the run's saved config.json is the base, flags override it).
+RNG; the run's saved config.json is the base, flags override it; --lr/--betas/--weight-decay given then replace the
+checkpoint's optimizer settings). An `--out` folder holding a previous run is refused (continue it with --resume);
+without --out, each run creates its own runs/<timestamp>[-N] folder.
 
 Several GPUs: `torchrun --nproc-per-node N -m lightningrl_fast.train ...` runs one process per GPU
 (rl/distributed.py: rollouts split by prompt, gradients summed, optimizer state sharded over the ranks,
@@ -253,6 +255,20 @@ def fit_examples(examples: list, task: Any, tokenizer: Any, model_cfg: Any, max_
     return kept
 
 
+def new_run_folder(base: Path) -> Path:
+    """Create `base`, or `base-1`, `base-2`, ... when it exists (exclusive mkdir: concurrent runs get distinct
+    folders); returns the folder created."""
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for i in range(10_000):
+        cand = base if i == 0 else base.with_name(f"{base.name}-{i}")
+        try:
+            cand.mkdir()
+            return cand
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{base}: no free run folder name (tried {base.name}-1 .. -9999); give --out DIR")
+
+
 def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistEnv = SINGLE,
                   device: torch.device | None = None) -> RunContext:
     """Task, model, tokenizer, data and sampler settings of a run. Several ranks: every rank loads the same
@@ -272,6 +288,8 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistE
         out = resume_from.parent
     else:
         out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        if env.main:  # two runs started in the same second must not share (and mix) one folder
+            out = new_run_folder(out)
     out = Path(broadcast(env, str(out.absolute())))  # rank 0's clock names the run folder
     out.mkdir(parents=True, exist_ok=True)
 
@@ -398,7 +416,7 @@ def _report(ctx: RunContext, before: dict, after: dict, label: str, history: lis
 def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     from .rl.checkpointing import NonFiniteModelError, load_checkpoint, save_checkpoint_ranks
     from .rl.distributed import broadcast, check_training_memory
-    from .rl.logging import RunLogger
+    from .rl.logging import RunLogger, read_metrics
     from .rl.trainer import make_state, train_step
 
     cfg, rl, env = ctx.cfg, ctx.cfg.rl, ctx.env
@@ -412,6 +430,8 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
         extra, metrics_len = loaded.extra, loaded.metrics_len
         reference_dir, reference_fp = loaded.reference_dir, loaded.reference_fingerprint
         say(f"resume: step {state.step}, data cursor {state.cursor} from {loaded.path}")
+    if env.main:  # a metrics.jsonl the run cannot continue is reported before minutes of evaluation
+        read_metrics(ctx.out, strict=True)
     before = extra.get("eval_before") or _eval_sweep(ctx, "before RL", say)
     elapsed = float(extra.get("rl_elapsed_s", 0.0))
     budget = cfg.run.rl_time_budget
@@ -617,9 +637,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _load_errors() -> tuple[type[BaseException], ...]:
     from .checkpoint import CheckpointError
+    from .rl.logging import MetricsFileError
     from .tasks.data import DataFormatError
 
-    return (FileNotFoundError, CheckpointError, DataFormatError, torch.cuda.OutOfMemoryError)
+    return (FileNotFoundError, CheckpointError, DataFormatError, MetricsFileError, torch.cuda.OutOfMemoryError)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ LATEST = "latest"
 REFERENCE = "reference"
 PREFIX = "checkpoint-"
 FORMAT_VERSION = 1
+STATE_KEYS = ("step", "cursor", "nonfinite_in_row", "optimizer", "scheduler", "rng")  # what a resume needs
 
 __all__ = [
     "NonFiniteModelError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "list_checkpoints",
@@ -430,7 +431,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return p
     latest = p / LATEST
     if latest.is_file():
-        name = latest.read_text(encoding="utf-8").strip()
+        try:
+            name = latest.read_text(encoding="utf-8").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"{latest} is corrupt (not UTF-8 text); it should hold one checkpoint folder name "
+                             f"such as {PREFIX}<step>") from None
         target = p / name
         if not target.exists():  # killed between the two fallback renames of a same-step re-save
             olds = sorted(q for q in p.iterdir() if q.name.startswith(f".{name}.old-"))
@@ -459,10 +464,25 @@ class LoadedCheckpoint:
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
     """The raw trainer_state.pt of a checkpoint (or run) folder; `extra` decoded."""
     ck = resolve_checkpoint(path)
-    ts = torch.load(ck / TRAINER_STATE, map_location="cpu", weights_only=True, mmap=True)  # tensors read on use
+    f = ck / TRAINER_STATE
+    others = [q.name for q in list_checkpoints(ck.parent) if q != ck]
+    hint = f"; resume from an earlier checkpoint instead ({', '.join(others[-3:])})" if others else ""
+    try:
+        ts = torch.load(f, map_location="cpu", weights_only=True, mmap=True)  # tensors read on use
+    except Exception as e:  # truncated, not a torch zip file, not loadable with weights_only
+        raise CheckpointError(f"{f}: cannot read the trainer state, the file is truncated or corrupt "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}){hint}") from None
+    if not isinstance(ts, dict):
+        raise CheckpointError(f"{f}: holds a {type(ts).__name__}, not a trainer state{hint}")
     if ts.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{ck / TRAINER_STATE}: unknown format {ts.get('format')!r} (expected {FORMAT_VERSION})")
-    ts["extra"] = json.loads(ts["extra"]) if isinstance(ts.get("extra"), str) else (ts.get("extra") or {})
+        raise CheckpointError(f"{f}: unknown format {ts.get('format')!r} (expected {FORMAT_VERSION})")
+    missing = [k for k in STATE_KEYS if k not in ts]
+    if missing:
+        raise CheckpointError(f"{f}: the trainer state lacks {', '.join(missing)}{hint}")
+    try:
+        ts["extra"] = json.loads(ts["extra"]) if isinstance(ts.get("extra"), str) else (ts.get("extra") or {})
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f}: its `extra` record is not valid JSON ({e}){hint}") from None
     ts["path"] = ck
     return ts
 
@@ -507,12 +527,32 @@ def _reshard_optimizer(ck: Path, ts: dict[str, Any], saved_world: int, n_params:
     return {"state": state, "param_groups": [dict(group or {}, params=list(range(len(mine))))]}
 
 
+def _apply_optimizer_config(state: TrainState, config: Any) -> None:
+    """The current config's lr, betas and weight decay over the ones the loaded optimizer and scheduler state
+    carry (torch restores them from the checkpoint): a resume with a changed --lr/--betas/--weight-decay runs
+    with the new values, at the learning-rate schedule's current factor. Unchanged values change nothing."""
+    lr, betas, wd = (getattr(config, k, None) for k in ("lr", "betas", "weight_decay"))
+    base_lrs = getattr(state.scheduler, "base_lrs", None)
+    for i, group in enumerate(state.optimizer.param_groups):
+        if betas is not None:
+            group["betas"] = tuple(betas)
+        if wd is not None:
+            group["weight_decay"] = wd
+        if lr is not None and base_lrs is not None and i < len(base_lrs) and base_lrs[i] != lr:
+            factor = group["lr"] / base_lrs[i] if base_lrs[i] else 1.0  # the schedule's factor at this step
+            base_lrs[i] = lr
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor
+
+
 def load_checkpoint(path: str | Path, state: TrainState, *, config: Any = None, restore_rng: bool = True,
                     load_model_weights: bool = True, env: DistEnv = SINGLE) -> LoadedCheckpoint:
     """Restore `state` in place from a checkpoint (or run) folder: model weights, frozen reference (from the
     recorded initial-policy folder, fingerprint-checked), optimizer, scheduler, step, cursor, non-finite
     counter and (restore_rng) the RNG states. `config` (the current RLConfig) is compared with the saved one;
-    differences are warned about. Returns what else the checkpoint holds (extra, metrics length, ...).
+    differences are warned about, and its lr, betas and weight decay replace the restored optimizer's. Returns
+    what else the checkpoint holds (extra, metrics length, ...). A trainer_state.pt that is truncated, corrupt or
+    lacks a field is a CheckpointError naming the file (and the run's other checkpoints).
     Data parallel: every rank calls it; rank r > 0 takes its optimizer shard and RNG states from
     `optimizer-rank<r>.pt`; the checkpoint must come from the same number of ranks."""
     ts = read_trainer_state(path)
@@ -547,11 +587,17 @@ def load_checkpoint(path: str | Path, state: TrainState, *, config: Any = None, 
         load_weights_into(state.model, ck)
     if ref_dir is not None:
         load_weights_into(state.ref_model, ref_dir)
-    state.optimizer.load_state_dict(opt_state)
-    state.scheduler.load_state_dict(ts["scheduler"])
-    state.step, state.cursor, state.nonfinite_in_row = int(ts["step"]), int(ts["cursor"]), int(ts["nonfinite_in_row"])
-    if restore_rng:
-        set_rng_state(rng)
+    try:
+        state.optimizer.load_state_dict(opt_state)
+        state.scheduler.load_state_dict(ts["scheduler"])
+        state.step, state.cursor, state.nonfinite_in_row = int(ts["step"]), int(ts["cursor"]), int(ts["nonfinite_in_row"])
+        if restore_rng:
+            set_rng_state(rng)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise CheckpointError(f"{ck / TRAINER_STATE}: its optimizer, scheduler or RNG state does not fit this model "
+                              f"or is corrupt ({type(e).__name__}: {e})") from None
+    if config is not None:
+        _apply_optimizer_config(state, config)
     saved = ts.get("rl_config")
     if config is not None and saved is not None:
         now = _config_dict(config) or {}

@@ -7,7 +7,9 @@
       step 12/200 | acc 0.938 tpf 3.41 reward 4.35 | loss 0.0312 kl 0.0009 clip 0.04 | 5321 tok/s |
       rollout 2.10s logprob 0.05s train 0.31s (2.5s)
 
-  On resume, `RunLogger(..., truncate_to=n)` keeps the first n lines (those covered by the checkpoint).
+  On resume, `RunLogger(..., truncate_to=n)` keeps the first n lines (those covered by the checkpoint); a
+  malformed line before the last one (or bytes that are not UTF-8) is a `MetricsFileError` naming the line, not
+  a reason to drop the records after it.
 * `format_table(headers, rows)`: a plain-text table; `sweep_table` and `before_after_table` format
   evaluation results (`{threshold: {"acc", "tpf", ...}}`).
 * `plot_training(history, path)` (accuracy and TPF over RL steps) and `plot_sweep(before, after, path)`
@@ -46,22 +48,49 @@ def _clean(v: Any) -> Any:
     return str(v)
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl (a trailing partial line from a killed run is ignored)."""
-    out = []
+class MetricsFileError(ValueError):
+    """A metrics.jsonl that cannot be continued without losing records (the message names the file and line)."""
+
+
+def read_metrics(path: str | Path, strict: bool = False) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (a trailing partial line from a killed run is ignored).
+
+    strict=False stops at the first malformed line; strict=True (a resumed run, which rewrites the file from
+    what it read) raises MetricsFileError for a malformed line that more records follow, or undecodable bytes."""
+    out: list[dict[str, Any]] = []
     p = Path(path)
     if p.is_dir():
         p = p / METRICS_FILE
     if not p.is_file():
+        if strict and p.exists():
+            raise MetricsFileError(f"{p} is not a file")
         return out
-    for line in p.read_text(encoding="utf-8").splitlines():
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if strict:
+            line_no = raw[:e.start].count(b"\n") + 1
+            raise MetricsFileError(f"{p}:{line_no}: not UTF-8 text (byte {e.start}); the file is corrupt: repair "
+                                   "or remove that line (or the file)") from None
+        text = raw.decode("utf-8", errors="replace")
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
         line = line.strip()
         if not line:
             continue
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            rec, err = None, str(e)
+        else:
+            err = None if isinstance(rec, dict) else f"a JSON {type(rec).__name__}, not an object"
+        if err is not None:
+            if strict and any(rest.strip() for rest in lines[i + 1:]):
+                raise MetricsFileError(f"{p}:{i + 1}: not a metrics record ({err}) and {len(lines) - i - 1} "
+                                       "line(s) follow it: the file is corrupt; repair or remove that line")
+            break  # a partial last line of a killed run
+        out.append(rec)
     return out
 
 
@@ -105,7 +134,7 @@ class RunLogger:
         self.total = total_steps
         self.stream = stream or sys.stdout
         self._print = print_fn or (lambda s: print(s, file=self.stream, flush=True))
-        self.history: list[dict[str, Any]] = read_metrics(self.path) if write else []
+        self.history: list[dict[str, Any]] = read_metrics(self.path, strict=True) if write else []
         if write and truncate_to is not None:
             self.history = self.history[:truncate_to]
             self._rewrite()

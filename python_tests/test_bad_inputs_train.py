@@ -1,0 +1,298 @@
+"""Bad input to the training entry point (`python -m lightningrl_fast.train`, config.py, rl/checkpointing.py,
+rl/logging.py): each case ends in one `error:` line naming the problem (exit status 2 for a configuration, 1
+for a corrupt run folder found while loading), never a traceback from deep inside, a silently different run,
+a crash of the process or lost records.
+
+Every test here was a defect: NaN/inf or out-of-range values that reached torch or the sampler (a traceback
+after the model loaded, a negative SFT learning rate, an SFT warm-up of one step cached as the real one, a
+segfault from --threads), config files that raised from inside the readers or silently kept the last of two
+equal keys, a second run into a run folder (mixed metrics.jsonl, replaced checkpoints), a corrupt
+trainer_state.pt or metrics.jsonl (a traceback; valid records after a corrupt line deleted), a resume that
+ignored --lr / --betas / --weight-decay / --model while saying otherwise, a resume refused because the folder
+the run once started from is gone, two runs started in the same second sharing one runs/<timestamp> folder.
+CPU, tiny models, a few seconds each.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightningrl_fast import config as C
+from lightningrl_fast import train as T
+from lightningrl_fast.checkpoint import CheckpointError
+from lightningrl_fast.rl import logging as L
+from lightningrl_fast.rl.checkpointing import load_checkpoint, save_checkpoint
+from lightningrl_fast.rl.trainer import RLConfig, make_state
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread, restored after
+
+
+def _fails(argv: list[str], capsys, status: int, *named: str) -> str:
+    """`train.main(argv)` exits with `status` and an `error:` line containing every string of `named`."""
+    assert T.main(argv) == status
+    err = capsys.readouterr().err
+    assert "error: " in err and "Traceback" not in err, err
+    for s in named:
+        assert s in err, (s, err)
+    return err
+
+
+def _gsm8k(path: Path, n: int = 6) -> Path:
+    path.write_text("".join(json.dumps({"question": f"What is {i}+{i + 1}?", "answer": f"s\n#### {2 * i + 1}"}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+@pytest.fixture
+def math_run(tmp_path, ascii_checkpoint):
+    """`math_run(out, *extra)` -> argv of a tiny real-checkpoint run (--model DIR --task math, 2 prompts x 2
+    samples, 8 new tokens, no eval set): seconds on one CPU thread."""
+    model = ascii_checkpoint(tmp_path / "model")
+    data = _gsm8k(tmp_path / "train.jsonl")
+
+    def argv(out: Path | None, *extra: str, model_dir: Path = model) -> list[str]:
+        return (["--model", str(model_dir), "--task", "math", "--train-data", str(data)]
+                + (["--out", str(out)] if out is not None else [])
+                + ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
+                   "--threads", "1", "--no-plots", "--progress", "off", *extra])
+
+    return argv
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# values: NaN / inf / out of range
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,match", [
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),  # was: torch's "Invalid learning rate" traceback
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--kl-beta", "inf"], "--kl-beta must be a finite number"),
+    (["--eps-low", "nan"], "--eps-low must be a finite number"),
+    (["--grad-clip", "nan"], "--grad-clip must be a finite number"),
+    (["--temperature", "nan"], "--temperature must be a finite number"),  # was: a sampler traceback mid-run
+    (["--nll-weight", "nan"], "--nll-weight must be a finite number"),
+    (["--rl-time-budget", "nan"], "--rl-time-budget must be a finite number"),
+    (["--sft-lr", "nan"], "--sft-lr must be a finite number"),
+    (["--eps-low", "1.5"], "--eps-low must be < 1"),
+    (["--sft-time-budget", "-5"], "--sft-time-budget must be positive"),  # was: 1 SFT step, cached as the model
+    (["--sft-warmup", "0"], "--sft-warmup must be >= 1"),  # was: ZeroDivisionError in the SFT scheduler
+    (["--sft-warmup", "-5"], "--sft-warmup must be >= 1"),  # was: a negative SFT learning rate (ascent)
+    (["--dist-timeout-min", "0"], "--dist-timeout-min must be positive"),
+    (["--seed", str(2**55)], "--seed must be in [-2**40, 2**40]"),  # was: OverflowError in the sampler at step 1
+    (["--threads", "100000"], "--threads must be in [0, 1024]"),  # was: a segfault in torch.set_num_threads
+])
+def test_nonfinite_and_out_of_range_values_are_config_errors(argv, match):
+    with pytest.raises(C.ConfigError, match=match.replace("[", r"\[").replace("*", r"\*")):
+        C.parse_config(argv, check_paths=False)
+
+
+def test_nonfinite_values_from_config_files(tmp_path):
+    for name, text in (("a.toml", "[rl]\nlr = nan\n"), ("b.yaml", "rl:\n  kl_beta: .inf\n"),
+                       ("c.json", '{"lr": NaN}')):
+        f = tmp_path / name
+        f.write_text(text)
+        with pytest.raises(C.ConfigError, match="must be a finite number"):
+            C.parse_config(["--config", str(f)], check_paths=False)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# config files
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,content,match", [
+    ("bad.toml", b"lr = '\xff\xfe'\n", r"not UTF-8 text"),  # was: UnicodeDecodeError traceback
+    ("int-key.yaml", b"1: 2\n", r"key 1 is not a name"),  # was: AttributeError traceback
+    ("dup.yaml", b"lr: 1e-5\nsteps: 3\nlr: 2e-5\n", r"key 'lr' is given twice \(line 3\)"),  # was: last one kept
+    ("dup-section.yaml", b"rl:\n  lr: 1e-5\n  lr: 2e-5\n", r"key 'lr' is given twice"),
+    ("dup.json", b'{"steps": 3, "steps": 4}', r"key 'steps' is given twice"),  # was: last one kept
+    ("scalar-section.toml", b"rl = 5\n", r"\[rl\] is a section: give it a table"),  # was: "did you mean 'rl'?"
+])
+def test_bad_config_files(tmp_path, name, content, match):
+    f = tmp_path / name
+    f.write_bytes(content)
+    with pytest.raises(C.ConfigError, match=match):
+        C.parse_config(["--config", str(f)], check_paths=False)
+
+
+def test_config_path_that_is_a_folder(tmp_path):
+    with pytest.raises(C.ConfigError, match="is a folder, not a config file"):  # was: "no such file"
+        C.parse_config(["--config", str(tmp_path)], check_paths=False)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# output and cache folders
+# ------------------------------------------------------------------------------------------------------------
+
+def test_out_and_cache_folders_under_a_file(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    # was: NotADirectoryError traceback once the model had loaded
+    with pytest.raises(C.ConfigError, match=r"--out .*a-file/run cannot be created: .*a-file is a file"):
+        C.parse_config(["--out", str(f / "run")])
+    # was: FileExistsError traceback after the whole SFT warm-up had run
+    with pytest.raises(C.ConfigError, match=r"SFT cache folder .*a-file .*exists and is not a folder"):
+        C.parse_config(["--cache-dir", str(f)])
+    C.parse_config(["--cache-dir", str(f), "--no-cache"])  # nothing is cached: no folder needed
+
+
+def test_second_run_into_a_run_folder_is_refused(tmp_path, math_run, capsys):
+    """Was: the second run appended its steps to the first one's metrics.jsonl, replaced its checkpoint-1 and
+    overwrote its config.json and summary.json, all without a word."""
+    out = tmp_path / "run"
+    assert T.main(math_run(out)) == 0
+    before = _tree(out)
+    _fails(math_run(out, "--steps", "2"), capsys, T.EXIT_CONFIG, f"--out {out} holds a previous run",
+           "checkpoint-1", "metrics.jsonl", f"continue it with --resume {out}")
+    other = tmp_path / "other"
+    assert T.main(math_run(other, "--seed", "1")) == 0
+    # a resume must not write into another run's folder either
+    _fails(["--resume", str(other), "--out", str(out), "--steps", "2"], capsys, T.EXIT_CONFIG,
+           f"--out {out} holds a previous run")
+    assert _tree(out) == before
+    # resuming into the run's own folder (named as --out, or through a checkpoint folder) is what continues it
+    assert T.main(["--resume", str(out / "checkpoint-1"), "--out", str(out), "--steps", "2", "--progress", "off"]) == 0
+    assert [m["step"] for m in L.read_metrics(out)] == [1, 2]
+    # a folder holding only the config.json of a run that died before its first step may be reused
+    died = tmp_path / "died"
+    died.mkdir()
+    (died / "config.json").write_text("{}")
+    assert T.main(math_run(died)) == 0
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, math_run, monkeypatch):
+    """Was: both wrote into runs/<timestamp> (metrics.jsonl of two runs mixed, checkpoints replaced)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(T.time, "strftime", lambda fmt, *a: "20250101-000000")
+    first = tmp_path / "runs" / "20250101-000000"
+    first.mkdir(parents=True)
+    (first / "metrics.jsonl").write_text(json.dumps({"step": 1, "acc": 0.25}) + "\n")
+    assert T.main(math_run(None)) == 0
+    assert L.read_metrics(first) == [{"step": 1, "acc": 0.25}]
+    assert [m["step"] for m in L.read_metrics(tmp_path / "runs" / "20250101-000000-1")] == [1]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# resume: corrupt run folders
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def finished_run(tmp_path, math_run):
+    out = tmp_path / "run"
+    assert T.main(math_run(out, "--steps", "2", "--save-every", "1")) == 0
+    assert (out / "latest").read_text().strip() == "checkpoint-2"
+    return out
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "not-a-dict"])
+def test_corrupt_trainer_state(finished_run, capsys, damage):
+    """Was: an OSError / RuntimeError traceback from torch.load (mmap of a non-zip file)."""
+    f = finished_run / "checkpoint-2" / "trainer_state.pt"
+    data = f.read_bytes()
+    if damage == "truncated":
+        f.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        f.write_bytes(b"garbage\n")
+    elif damage == "empty":
+        f.write_bytes(b"")
+    else:
+        torch.save([1, 2, 3], f)
+    _fails(["--resume", str(finished_run), "--steps", "3"], capsys, T.EXIT_ERROR, str(f),
+           "resume from an earlier checkpoint instead (checkpoint-1)")
+    assert (finished_run / "latest").read_text().strip() == "checkpoint-2"  # nothing was written
+
+
+def test_latest_that_is_not_text(finished_run, capsys):
+    (finished_run / "latest").write_bytes(b"\xff\xfe")
+    _fails(["--resume", str(finished_run), "--steps", "3"], capsys, T.EXIT_CONFIG,
+           f"{finished_run / 'latest'} is corrupt (not UTF-8 text)")
+
+
+def test_corrupt_metrics_line_on_resume_loses_no_record(finished_run, capsys):
+    """Was: the records after a corrupt line were deleted from metrics.jsonl and the run went on."""
+    m = finished_run / "metrics.jsonl"
+    lines = m.read_text().splitlines()
+    lines[0] = lines[0][:20]
+    m.write_text("\n".join(lines) + "\n")
+    damaged = m.read_bytes()
+    _fails(["--resume", str(finished_run), "--steps", "3"], capsys, T.EXIT_ERROR, f"{m}:1: not a metrics record",
+           "1 line(s) follow it")
+    assert m.read_bytes() == damaged
+    m.write_bytes(b'{"step": 1}\n\xff\xfe\n')  # was: UnicodeDecodeError traceback
+    _fails(["--resume", str(finished_run), "--steps", "3"], capsys, T.EXIT_ERROR, f"{m}:2: not UTF-8 text")
+    # a partial LAST line (a killed run) is still dropped quietly, the records before it kept
+    m.write_text("\n".join(lines[1:] + ['{"step": 3, "ac']))
+    assert T.main(["--resume", str(finished_run), "--steps", "3", "--progress", "off"]) == 0
+    assert [r["step"] for r in L.read_metrics(m)] == [2, 3]
+
+
+def test_run_logger_strict_read(tmp_path):
+    m = tmp_path / "metrics.jsonl"
+    m.write_text('{"step": 1}\n[1, 2]\n{"step": 2}\n')
+    # was: the list kept as a record (the end-of-run plot then failed on it, after the whole training)
+    with pytest.raises(L.MetricsFileError, match=r"metrics.jsonl:2: not a metrics record \(a JSON list"):
+        L.RunLogger(tmp_path, progress="off")
+    assert m.read_text() == '{"step": 1}\n[1, 2]\n{"step": 2}\n'
+    assert L.read_metrics(m) == [{"step": 1}]  # the plain reader stops there
+
+
+# ------------------------------------------------------------------------------------------------------------
+# resume: changed settings
+# ------------------------------------------------------------------------------------------------------------
+
+def test_resume_applies_a_changed_lr_betas_and_weight_decay(tmp_path, ascii_checkpoint):
+    """Was: the optimizer and scheduler state of the checkpoint silently restored the old lr / betas / weight
+    decay, while the run header and the warning announced the new ones."""
+    from lightningrl_fast.checkpoint import load_model
+
+    folder = ascii_checkpoint(tmp_path / "model")
+    old = RLConfig(lr=1e-3, warmup_steps=4, kl_beta=0.0)
+    state = make_state(load_model(folder)[0], old)
+    state.optimizer.step()  # no gradients: changes nothing (torch warns about a scheduler step before it)
+    state.scheduler.step()  # one step into the warm-up: factor 2/4
+    save_checkpoint(tmp_path / "run", state, config=old)
+    new = RLConfig(lr=1e-2, warmup_steps=4, kl_beta=0.0, betas=(0.8, 0.9), weight_decay=0.1)
+    resumed = make_state(load_model(folder)[0], new)
+    with pytest.warns(UserWarning, match="lr 0.001 -> 0.01"):
+        load_checkpoint(tmp_path / "run", resumed, config=new)
+    g = resumed.optimizer.param_groups[0]
+    assert g["lr"] == pytest.approx(1e-2 * 2 / 4) and g["betas"] == (0.8, 0.9) and g["weight_decay"] == 0.1
+    resumed.scheduler.step()
+    assert resumed.scheduler.get_last_lr()[0] == pytest.approx(1e-2 * 3 / 4)
+    # the same config resumes exactly as saved
+    same = make_state(load_model(folder)[0], old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_checkpoint(tmp_path / "run", same, config=old)
+    assert same.optimizer.state_dict()["param_groups"] == state.optimizer.state_dict()["param_groups"]
+
+
+def test_resume_with_another_model_is_refused(tmp_path, math_run, capsys, ascii_checkpoint):
+    """Was: --model was ignored without a word (the resumed run loads its checkpoint's weights)."""
+    out = tmp_path / "run"
+    assert T.main(math_run(out)) == 0
+    other = ascii_checkpoint(tmp_path / "other-model", max_pos=256)
+    _fails(["--resume", str(out), "--model", str(other), "--steps", "2"], capsys, T.EXIT_CONFIG,
+           f"--model {other} conflicts with --resume {out}", f"the run started from {tmp_path / 'model'}")
+    # naming the run's own model again is fine
+    assert T.main(["--resume", str(out), "--model", str(tmp_path / "model"), "--steps", "2", "--progress", "off"]) == 0
+
+
+def test_resume_after_the_start_model_folder_is_gone(tmp_path, math_run):
+    """Was: '--model <old folder>: no such folder', though the resumed run loads its checkpoint's weights (and,
+    without the KL term, needs nothing else from that folder)."""
+    start = Path(shutil.copytree(tmp_path / "model", tmp_path / "start"))  # math_run's model, to delete
+    out = tmp_path / "run"
+    assert T.main(math_run(out, "--kl-beta", "0", model_dir=start)) == 0
+    shutil.rmtree(start)
+    assert T.main(["--resume", str(out), "--steps", "2", "--progress", "off"]) == 0
+    assert [m["step"] for m in L.read_metrics(out)] == [1, 2]
