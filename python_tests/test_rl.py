@@ -308,6 +308,10 @@ def test_rl_config_validation():
         RLConfig(group_size=1).validate()
     with pytest.raises(ValueError, match="logprob_mode"):
         RLConfig(logprob_mode="exact").validate()
+    with pytest.raises(ValueError, match="lr must be a positive finite number, got -1.0"):
+        RLConfig(lr=-1.0).validate()
+    with pytest.raises(ValueError, match="grad_clip must be a positive finite number, got nan"):
+        RLConfig(grad_clip=float("nan")).validate()
 
 
 def reference_batch(model, mode="block_proxy"):

@@ -80,8 +80,10 @@ class RLConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 2:
             raise ValueError("group_size must be >= 2: advantages are relative within a group")
-        if self.lr <= 0 or self.grad_clip <= 0:
-            raise ValueError("lr and grad_clip must be positive")
+        for name in ("lr", "grad_clip"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {v}")
 
 
 class Task(Protocol):
