@@ -45,9 +45,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .config import RUN_CONFIG, ConfigError, TrainConfig, cache_root, parse_config
+from .config import OPTIONS, RUN_CONFIG, ConfigError, TrainConfig, cache_root, parse_config
 from .rl.distributed import SINGLE, DistEnv
 from .tasks import is_correct_batch
+
+SAVED_AS_ABSOLUTE = ("model", "train_data", "eval_data", "cache_dir")  # path options of the run's config.json
 
 SFT_CACHE_VERSION = 4  # bump when the SFT recipe changes in a way the cache key cannot see
 
@@ -603,6 +605,10 @@ def _run(cfg: TrainConfig, say: Callable[[str], None], env: DistEnv, device: tor
     saved = cfg.to_dict()
     saved["data"]["out"] = str(ctx.out)
     saved["checkpoint"]["resume"] = None
+    for key in SAVED_AS_ABSOLUTE:  # a resume from another working directory finds the same files
+        o = OPTIONS[key]
+        if saved[o.section][o.name] not in (None, "none"):
+            saved[o.section][o.name] = str(Path(saved[o.section][o.name]).absolute())
     if env.main:
         _write_json(ctx.out / RUN_CONFIG, saved)
     n_params = sum(p.numel() for p in ctx.model.parameters())

@@ -366,13 +366,14 @@ def _gsm8k_rows(path: Path, questions: list[str]) -> Path:
     return path
 
 
-def test_cli_trains_a_checkpoint_folder_on_a_math_file(tmp_path, capsys, ascii_checkpoint):
-    model = ascii_checkpoint(tmp_path / "model")
-    data = _gsm8k_rows(tmp_path / "train.jsonl", [f"What is {i}+{i + 1}?" for i in range(6)]
-                       + ["What is 7+1?" + " padding" * 60])  # 600+ tokens: does not fit 512 positions
+def test_cli_trains_a_checkpoint_folder_on_a_math_file(tmp_path, capsys, ascii_checkpoint, monkeypatch):
+    ascii_checkpoint(tmp_path / "model")
+    _gsm8k_rows(tmp_path / "train.jsonl", [f"What is {i}+{i + 1}?" for i in range(6)]
+                + ["What is 7+1?" + " padding" * 60])  # 600+ tokens: does not fit 512 positions
     out = tmp_path / "run"
-    argv = ["--model", str(model), "--task", "math", "--train-data", str(data), "--eval-data", str(data),
-            "--out", str(out), "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+    monkeypatch.chdir(tmp_path)  # paths given relative to the working directory, as users do
+    argv = ["--model", "model", "--task", "math", "--train-data", "train.jsonl", "--eval-data", "train.jsonl",
+            "--out", "run", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
             "--max-new-tokens", "16", "--eval-limit", "3", "--eval-thresholds", "0.9", "--threads", "1",
             "--no-plots", "--progress", "plain"]
     assert T.main(argv) == 0
@@ -384,6 +385,13 @@ def test_cli_trains_a_checkpoint_folder_on_a_math_file(tmp_path, capsys, ascii_c
     final = sorted(out.glob("checkpoint-*"))[-1]
     trained, cfg = load_model(final)
     assert cfg.vocab_size == load_tokenizer(final).vocab_size  # a loadable SDAR folder with its tokenizer
+    # the run's config.json holds absolute paths: a resume from another working directory finds the same files
+    saved = json.loads((out / "config.json").read_text())["data"]
+    assert saved["model"] == str(tmp_path / "model") and saved["train_data"] == str(tmp_path / "train.jsonl")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert T.main(["--resume", str(out), "--steps", "3"]) == 0
+    assert [r["step"] for r in L.read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
 
 
 def test_cli_names_a_prompt_the_tokenizer_cannot_encode_before_training(tmp_path, capsys):
