@@ -1,6 +1,7 @@
 """[cli] Decode prompts from a file with an SDAR checkpoint and write JSONL results.
 
-    python -m lightningrl_fast.generate --model DIR --prompts FILE [--out FILE.jsonl]
+    python -m lightningrl_fast.generate --model DIR --prompts FILE [--out FILE.jsonl]   (DIR: an SDAR checkpoint
+        folder, or a training run's folder for its latest checkpoint)
         [--block-size B] [--threshold T] [--rule threshold|quota] [--steps-per-block S]
         [--temperature X] [--top-k K] [--top-p P] [--max-new-tokens N] [--batch-size N] [--seed S]
         [--chat/--no-chat] [--device auto|cpu|cuda[:i]] [--dtype auto|bfloat16|float16|float32] [--no-cuda-graphs]
@@ -202,12 +203,20 @@ def check_out_file(out: str | None, prompts: str | Path) -> None:
 
 
 def check_model_dir(path: str | Path) -> Path:
-    """The checkpoint folder, or CLIError (missing folder / config.json), before anything heavy is loaded."""
+    """The checkpoint folder, or CLIError (missing folder / config.json), before anything heavy is loaded. A
+    training run's output folder stands for its latest checkpoint (the one its `latest` file names)."""
+    from .rl.checkpointing import LATEST, resolve_checkpoint
+
     p = Path(path)
     if not p.exists():
         raise CLIError(f"model folder {p} does not exist")
     if not p.is_dir():
         raise CLIError(f"--model {p} is not a folder (expected an SDAR checkpoint folder with config.json)")
+    if (p / LATEST).is_file():  # a run folder (its config.json is the run's): its latest checkpoint
+        try:
+            p = resolve_checkpoint(p)
+        except (OSError, ValueError) as e:
+            raise CLIError(f"--model {path}: a run folder whose latest checkpoint cannot be found ({e})") from None
     if not (p / "config.json").is_file():
         raise CLIError(f"model folder {p} has no config.json")
     return p

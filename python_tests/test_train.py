@@ -392,6 +392,21 @@ def test_cli_trains_a_checkpoint_folder_on_a_math_file(tmp_path, capsys, ascii_c
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert T.main(["--resume", str(out), "--steps", "3"]) == 0
     assert [r["step"] for r in L.read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+    # generate / eval take the run folder for its latest checkpoint (the README's `--model runs/<run>`)
+    from lightningrl_fast import generate as gen
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("What is 2+2?\n")
+    rows = []
+    for model_arg in (out, out / "checkpoint-3"):
+        dst = tmp_path / f"gen-{model_arg.name}.jsonl"
+        assert gen.main(["--model", str(model_arg), "--prompts", str(prompts), "--out", str(dst), "--no-chat",
+                         "--max-new-tokens", "8", "--device", "cpu", "--quiet"]) == 0
+        rows.append([json.loads(x)["token_ids"] for x in dst.read_text().splitlines()])
+    assert rows[0] == rows[1]
+    (out / "latest").write_text("checkpoint-99\n")
+    assert gen.main(["--model", str(out), "--prompts", str(prompts), "--device", "cpu", "--quiet"]) == 2
+    assert "a run folder whose latest checkpoint cannot be found" in capsys.readouterr().err
 
 
 def test_cli_names_a_prompt_the_tokenizer_cannot_encode_before_training(tmp_path, capsys):
