@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops._common import host_checks_allowed, pdl_allowed
+from .ops._common import check_int, check_tensor, host_checks_allowed, pdl_allowed
 from .ops.block_attn import block_attention, check_cache_lengths
 from .ops.linear import linear
 from .ops.masked_attn import MaskLayout, PackedLayout, masked_attention, prepare
@@ -415,16 +415,34 @@ class SDARForCausalLM(nn.Module):
         return sd
 
     # -- full-sequence forward ------------------------------------------------------------------------
-    def _check_ids(self, input_ids: torch.Tensor) -> None:
+    def _check_ids(self, input_ids: torch.Tensor, check_values: bool | None = None) -> None:
+        """input_ids: an int32/int64 [batch, length] tensor on the model's device; with `check_values` (None = for
+        CPU ids, where it costs no device sync), every id in [0, vocab_size). nn.Embedding would fail on an id out
+        of range with an IndexError that names neither, or on CUDA with a device-side assert that ends the
+        process's CUDA context."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"input_ids must be an int [batch, length] tensor, got "
                              f"{getattr(input_ids, 'dtype', type(input_ids))} {tuple(getattr(input_ids, 'shape', ()))}")
+        dev = self.model.embed_tokens.weight.device
+        if input_ids.device != dev:
+            raise ValueError(f"input_ids is on {input_ids.device} but the model is on {dev}")
+        vocab = self.config.vocab_size
+        if check_values is None:
+            check_values = input_ids.device.type == "cpu"
+        if check_values and input_ids.numel():
+            lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"input_ids has token id {bad} outside the vocabulary [0, {vocab})")
 
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-               layout: MaskLayout | PackedLayout | None = None) -> torch.Tensor:
+               layout: MaskLayout | PackedLayout | None = None, check_ids: bool | None = None) -> torch.Tensor:
         """Final normalized hidden states [B, N, H] under `layout` (None = block-causal over N with the
-        config's block size; a layout carries its own block size; a PackedLayout needs position_ids)."""
-        self._check_ids(input_ids)
+        config's block size; a layout carries its own block size; a PackedLayout needs position_ids).
+        position_ids: int [B, N] on input_ids' device. `check_ids`: check that the ids lie in the vocabulary
+        (ValueError); None = for CPU ids only: on CUDA it would be a host sync per forward, which the trainer's
+        micro-batch loop avoids (its ids come from the sampler and the tokenizer), so there pass True to check."""
+        self._check_ids(input_ids, check_ids)
         bsz, n = input_ids.shape
         cfg = self.config
         if layout is None:
@@ -433,6 +451,7 @@ class SDARForCausalLM(nn.Module):
             raise ValueError("a PackedLayout needs position_ids (each segment's own positions)")
         if position_ids is None:
             position_ids = torch.arange(layout.n, device=input_ids.device).repeat(layout.num_copies).expand(bsz, n)
+        check_tensor("position_ids", position_ids, dtypes=(torch.int32, torch.int64), device=input_ids.device)
         if position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != input_ids shape {tuple(input_ids.shape)}")
         x = self.model.embed_tokens(input_ids)  # [B, N, H]
@@ -446,9 +465,9 @@ class SDARForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                layout: MaskLayout | PackedLayout | None = None) -> torch.Tensor:
+                layout: MaskLayout | PackedLayout | None = None, check_ids: bool | None = None) -> torch.Tensor:
         """Logits [B, N, V] (see `hidden`)."""
-        return self.lm_head(self.hidden(input_ids, position_ids, layout))
+        return self.lm_head(self.hidden(input_ids, position_ids, layout, check_ids))
 
     # -- incremental forward against the KV cache ----------------------------------------------------------
     def hidden_cached(self, input_ids: torch.Tensor, cache: KVCache, cache_lens: torch.Tensor,
@@ -458,16 +477,22 @@ class SDARForCausalLM(nn.Module):
 
         Writes the chunk's K/V into `cache` (rows' first chunk_lens[b] tokens); lengths are not advanced.
         `block_size` overrides the config's (decoding a checkpoint with another block size).
-        `check_lengths`: validate the lengths once on the host (one device sync for CUDA lengths; None = unless
-        a CUDA graph is being captured or torch.compile traces). The sampler, which builds them, passes False.
+        cache_lens, chunk_lens: [B] int32 on the model's device; `cache` holds the model's layers, kv heads and
+        head_dim in the model's dtype.
+        `check_lengths`: validate the lengths and the token ids once on the host (one device sync for CUDA
+        tensors; None = unless a CUDA graph is being captured or torch.compile traces; CPU ids are checked
+        always). The sampler, which builds them, passes False.
         """
-        block_size = block_size or self.config.block_size
-        self._check_ids(input_ids)
+        block_size = self.config.block_size if block_size is None else check_int("block_size", block_size, lo=1)
+        if check_lengths is None:
+            check_lengths = host_checks_allowed(input_ids.device) if isinstance(input_ids, torch.Tensor) else False
+        self._check_ids(input_ids, True if check_lengths else None)  # CPU ids are checked either way (no sync)
         bsz, c = input_ids.shape
+        self._check_cache(cache)
         if bsz != cache.batch:
             raise ValueError(f"input_ids batch {bsz} != KV cache batch {cache.batch}")
-        if check_lengths is None:
-            check_lengths = host_checks_allowed(input_ids.device)
+        for name, t in (("cache_lens", cache_lens), ("chunk_lens", chunk_lens)):
+            check_tensor(name, t, shape=(bsz,), dtypes=(torch.int32,), device=input_ids.device)
         if check_lengths:
             check_cache_lengths(cache_lens, chunk_lens, c, cache.capacity)
         position_ids = cache_lens.to(torch.int64)[:, None] + torch.arange(c, device=input_ids.device)  # [B, C]
@@ -492,6 +517,17 @@ class SDARForCausalLM(nn.Module):
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, x = _decode_add_norm(nxt, layer.mlp.forward_cached(h), x)
         return _unpack(h[0], packed[0], packed[1], packed[2]) if packed is not None else h
+
+    def _check_cache(self, cache: KVCache) -> None:
+        """`cache` is a KVCache whose k and v are [layers, batch, capacity, kv_heads, head_dim] of this model, on
+        its device (a cache of another model failed deep inside, or indexed past its layers). Its dtype is checked
+        against the activations' by ops.block_attention."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
+        cfg, dev = self.config, self.model.embed_tokens.weight.device
+        want = (cfg.num_hidden_layers, None, None, cfg.num_key_value_heads, cfg.head_dim)
+        check_tensor("cache.k", cache.k, shape=want, device=dev)
+        check_tensor("cache.v", cache.v, shape=tuple(cache.k.shape), dtypes=(cache.k.dtype,), device=dev)
 
     def forward_cached(self, input_ids: torch.Tensor, cache: KVCache, cache_lens: torch.Tensor,
                        chunk_lens: torch.Tensor, block_size: int | None = None) -> torch.Tensor:

@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .model import KVCache, SDARForCausalLM
-from .ops.unmask import NOISE_MODES, threshold_unmask
+from .ops._common import check_float, check_int
+from .ops.unmask import NOISE_MODES, check_sampling_args, threshold_unmask
 from .profiling import nvtx_range
 
 _PREFILL_TOKENS = 16384  # prompt positions (rows x longest full-block prefix) per prefill forward
@@ -165,10 +166,27 @@ def cat_rollouts(parts: list[Rollout], mask_id: int) -> Rollout:
     )
 
 
+def _block_size(model: SDARForCausalLM, cfg: SamplerConfig) -> int:
+    """The decoding block size: cfg.block_size (an integer >= 1), None = the model config's."""
+    if not isinstance(cfg, SamplerConfig):
+        raise TypeError(f"cfg must be a SamplerConfig, got {type(cfg).__name__}")
+    if cfg.block_size is None:
+        return model.config.block_size
+    return check_int("block_size", cfg.block_size, lo=1)  # 0 fell back to the model's block size, silently
+
+
 def _validate(model: SDARForCausalLM, prompts, cfg: SamplerConfig, bs: int) -> int:
     vocab, mask_id = model.config.vocab_size, model.config.mask_token_id
+    if prompts is not None and not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
     if not prompts:
         raise ValueError("no prompts given")
+    # integers, not bools or floats: a float cast the sampler's state to float (a 1.5 max_new_tokens failed deep
+    # inside, a 2.5 steps_per_block made an int32 quota a float one)
+    check_int("max_new_tokens", cfg.max_new_tokens)
+    for name in ("steps_per_block", "sync_every", "max_length"):  # a bool: the ValueError below
+        if getattr(cfg, name) is not None and not isinstance(getattr(cfg, name), bool):
+            check_int(name, getattr(cfg, name))
     if cfg.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.rule not in ("threshold", "quota"):
@@ -179,19 +197,35 @@ def _validate(model: SDARForCausalLM, prompts, cfg: SamplerConfig, bs: int) -> i
         v = getattr(cfg, name)
         if v is not None and (isinstance(v, bool) or v < 1):
             raise ValueError(f"{name} must be >= 1, got {v}")
+    for name in ("threshold", "temperature"):
+        check_float(name, getattr(cfg, name), allow_inf=True, allow_nan=True)  # a number (TypeError); range below
     if not (math.isfinite(cfg.threshold) and math.isfinite(cfg.temperature)):
         raise ValueError(f"threshold and temperature must be finite, got {cfg.threshold}, {cfg.temperature}")
-    if not cfg.eos_ids or any(not 0 <= e < vocab for e in cfg.eos_ids):
+    eos = cfg.eos_ids
+    if not isinstance(eos, (list, tuple)) or any(isinstance(e, bool) or not isinstance(e, int) for e in eos):
+        raise TypeError(f"eos_ids must be a tuple of int token ids, got {eos!r}")  # floats made the tokens float
+    if not eos or any(not 0 <= e < vocab for e in eos):
         raise ValueError(f"eos_ids {cfg.eos_ids} must be non-empty and inside the vocabulary [0, {vocab})")
     if cfg.top_k < 0 or not 0 < cfg.top_p <= 1:
         raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {cfg.top_k}, {cfg.top_p}")
     if cfg.noise not in NOISE_MODES:
         raise ValueError(f"noise must be one of {NOISE_MODES}, got {cfg.noise!r}")
+    # what threshold_unmask will check at every step (an integer top_k, a temperature with an fp32 inverse)
+    check_sampling_args(cfg.threshold, cfg.temperature, cfg.top_k, cfg.top_p, cfg.noise)
+    check_int("seed", cfg.seed, lo=-(2**63), hi=2**63 - 1)  # the Philox key is int64
     max_len = cfg.max_length or model.config.max_position_embeddings
+    # blocks are aligned at 0 and decoded whole: the last one may reach past prompt + max_new_tokens, but not past
+    # the model's positions (unless max_length allows it)
+    pos_limit = max(max_len, model.config.max_position_embeddings)
     for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)):
+            raise TypeError(f"prompt {i} must be a list of int token ids, got {type(p).__name__}")
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty")
-        bad = [t for t in p if not (isinstance(t, int) and 0 <= t < vocab)]
+        not_int = [t for t in p if isinstance(t, bool) or not isinstance(t, int)]
+        if not_int:
+            raise TypeError(f"prompt {i} has token id(s) that are not ints: {not_int[:5]}")
+        bad = [t for t in p if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt {i} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
         if mask_id in p:
@@ -200,6 +234,11 @@ def _validate(model: SDARForCausalLM, prompts, cfg: SamplerConfig, bs: int) -> i
         if need > max_len:
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens {cfg.max_new_tokens} it needs "
                              f"{need} positions but the cache holds at most max_length = {max_len}")
+        end = ((need - 1) // bs + 1) * bs
+        if end > pos_limit:
+            raise ValueError(f"prompt {i}: with block_size {bs} its last block ends at position {end}, past the "
+                             f"model's max_position_embeddings = {model.config.max_position_embeddings} (blocks "
+                             f"start at position 0)")
     return max_len
 
 
@@ -419,10 +458,10 @@ class Decoder:
 
         t0 = time.perf_counter()
         model, mcfg = self.model, self.model.config
-        bs = cfg.block_size or mcfg.block_size
-        if bs <= 0:
-            raise ValueError(f"block_size must be positive, got {bs}")
+        bs = _block_size(model, cfg)
         _validate(model, prompts, cfg, bs)
+        if pad_id is not None:
+            pad_id = check_int("pad_id", pad_id, lo=-(2**63), hi=2**63 - 1)  # a float made Rollout.tokens float
         model.pack_decode_weights()  # q/k/v and gate/up as one GEMM each (a copy the first time, then a check)
         p0 = next(model.parameters())
         dev, dtype = p0.device, p0.dtype

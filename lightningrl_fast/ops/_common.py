@@ -6,6 +6,8 @@ check again with TORCH_CHECK so the extension is safe when called directly.
 
 from __future__ import annotations
 
+import math
+import operator
 import os
 from typing import Iterable, Sequence
 
@@ -40,6 +42,98 @@ def check_tensor(
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
     return t
+
+
+def check_int(name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
+    """`value` as a Python int (any integer: int, a numpy integer, a 0-d integer tensor; not a bool or a float),
+    with lo <= value <= hi where given."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got bool {value}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        want = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {want}, got {v}")
+    return v
+
+
+def check_float(name: str, value: object, *, allow_inf: bool = False, allow_nan: bool = False,
+                lo: float | None = None) -> float:
+    """`value` as a Python float: a real number (not a bool; NaN only with allow_nan, +-inf only with allow_inf),
+    >= lo if given."""
+    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}") from None
+    if math.isnan(v) and not allow_nan:
+        raise ValueError(f"{name} must not be NaN")
+    if math.isinf(v) and not allow_inf:
+        raise ValueError(f"{name} must be finite, got {v}")
+    if lo is not None and v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    return v
+
+
+def _is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Every element of the layout's memory span belongs to it exactly once (a permutation of a contiguous one)."""
+    expected = 1
+    for size, st in sorted((d for d in zip(shape, stride) if d[0] != 1), key=lambda d: d[1]):
+        if st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, one past the last byte) of t's elements."""
+    last = sum((size - 1) * st for size, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def check_no_overlap(written: Sequence[tuple[str, torch.Tensor]], read: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
+    """Raise ValueError when a tensor an op writes in place is certain to share memory with itself (an expanded,
+    stride-0 view: its rows would overwrite each other), with another written tensor or with an input the op reads
+    (what it reads may already be overwritten). Metadata only (no device access; the tensors are on one device),
+    a few microseconds when every tensor is contiguous in a storage of its own. Layouts whose overlap is not certain
+    (two interleaved strided views of one buffer) are let through, as torch's own checks do. Skipped while
+    torch.compile traces (fake tensors have no data pointers)."""
+    if torch.compiler.is_compiling():
+        return
+    nw = len(written)
+    by_storage: dict[int, list[int]] = {}  # only tensors of one storage can share memory
+    named = (*written, *read)
+    for j, (name, t) in enumerate(named):
+        if t.numel() == 0 or t.is_meta:
+            continue
+        if j < nw and t.numel() > 1 and not t.is_contiguous():
+            shape, stride = t.shape, t.stride()
+            span = 1 + sum((size - 1) * st for size, st in zip(shape, stride))
+            if t.numel() > span or any(st == 0 and size > 1 for size, st in zip(shape, stride)):
+                raise ValueError(f"{name} is written in place and must not have elements that share memory (an "
+                                 f"expanded view?), got shape {list(shape)} and strides {list(stride)}")
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(j)
+    for group in by_storage.values():
+        for i, ja in enumerate(group[:-1]):
+            if ja >= nw:
+                break  # indices ascend: the rest are read-only inputs
+            name, a = named[ja]
+            a0, a1 = _span(a)
+            for jb in group[i + 1 :]:
+                other, b = named[jb]
+                b0, b1 = _span(b)
+                if not (a0 < b1 and b0 < a1):
+                    continue
+                # the spans intersect: certain overlap when both start at the same element, or one tensor fills its
+                # span and the other has its first or last element inside it
+                if (a0 == b0 or (_is_dense(a.shape, a.stride()) and (a0 <= b0 < a1 or a0 < b1 <= a1))
+                        or (_is_dense(b.shape, b.stride()) and (b0 <= a0 < b1 or b0 < a1 <= b1))):
+                    verb = "written" if jb < nw else "read"
+                    raise ValueError(f"{name} is written in place and must not share memory with {other} (also "
+                                     f"{verb} by this op)")
 
 
 def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

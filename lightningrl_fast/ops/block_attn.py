@@ -31,7 +31,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ._common import FLOAT_DTYPES, check_tensor, cuda_kernel, host_checks_allowed
+from ._common import FLOAT_DTYPES, check_float, check_int, check_no_overlap, check_tensor, cuda_kernel, host_checks_allowed
 from .kv_cache import kv_cache_write, kv_cache_write_reference
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -77,14 +77,17 @@ def block_attention_reference(
     bsz, c, hq, d = q.shape
     hkv = k_cache.shape[2]
     cap = k_cache.shape[1]
-    if not q.is_cuda:  # only the filled prefix matters; on CUDA keep shapes static (no host sync)
-        cap = max(1, min(cap, int((cache_lens + chunk_lens).max())))
     cl = cache_lens.to(torch.int64).view(bsz, 1, 1)
     nl = chunk_lens.to(torch.int64).view(bsz, 1, 1)
+    # a row whose lengths are out of range was not written (kv_cache_write): it attends to nothing and its output
+    # is zero, as the kernel's (reached only with check_lengths=False)
+    row_ok = (cl >= 0) & (nl >= 0) & (nl <= c) & (cl + nl <= cap)  # [B, 1, 1]
+    if not q.is_cuda and bsz:  # only the filled prefix matters; on CUDA keep shapes static (no host sync)
+        cap = max(1, min(cap, int((cl + nl).max())))
     i = torch.arange(c, device=q.device).view(1, c, 1)
     t = torch.arange(cap, device=q.device).view(1, 1, cap)
     p = cl + i  # [B, C, 1] absolute query positions
-    allow = (i < nl) & ((t < cl) | ((t < cl + nl) & (t // block_size <= p // block_size)))  # [B, C, cap]
+    allow = row_ok & (i < nl) & ((t < cl) | ((t < cl + nl) & (t // block_size <= p // block_size)))  # [B, C, cap]
     kc = k_cache[:, :cap].transpose(1, 2)  # [B, Hkv, cap, D]
     vc = v_cache[:, :cap].transpose(1, 2)
     if hq != hkv:
@@ -150,7 +153,9 @@ def block_attention(
 
     q [B, C, Hq, D]; k, v [B, C, Hkv, D]; k_cache, v_cache [B, L, Hkv, D] (all one float dtype, one device);
     cache_lens, chunk_lens [B] int32 with cache_lens + chunk_lens <= L; Hq % Hkv == 0.
-    Returns [B, C, Hq, D] in q's dtype (rows beyond chunk_lens are zero). softmax_scale defaults to D^-0.5.
+    Returns [B, C, Hq, D] in q's dtype (rows beyond chunk_lens are zero). softmax_scale (finite) defaults to D^-0.5.
+    The caches are written in place: they must not share memory with each other or with q / k / v, nor have rows
+    that share memory (an expanded view): ValueError.
     check_lengths: validate the lengths on the host and raise ValueError (a device sync for CUDA lengths);
     None = unless a CUDA graph is being captured or torch.compile traces. Hot loops that build the lengths
     themselves (the sampler) pass False; the kernel then zeroes the output of an out-of-range row.
@@ -171,11 +176,14 @@ def block_attention(
     check_tensor("chunk_lens", chunk_lens, shape=(bsz,), dtypes=(torch.int32,), device=dev)
     if hq == 0 or hkv == 0 or hq % hkv:
         raise ValueError(f"q heads ({hq}) must be a positive multiple of the cache's kv heads ({hkv})")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    if d == 0:
+        raise ValueError(f"q must have a positive head_dim, got shape {list(q.shape)}")
+    block_size = check_int("block_size", block_size, lo=1)
+    scale = check_float("softmax_scale", softmax_scale) if softmax_scale is not None else d**-0.5
+    check_no_overlap([("k_cache", k_cache), ("v_cache", v_cache)], [("q", q), ("k", k), ("v", v)])
+    cache_lens, chunk_lens = cache_lens.contiguous(), chunk_lens.contiguous()  # the kernel reads them densely
     if check_lengths is None:
         check_lengths = host_checks_allowed(dev)
     if check_lengths:
         check_cache_lengths(cache_lens, chunk_lens, c, cap)
-    scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
     return _block_attention_op(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, scale, code)

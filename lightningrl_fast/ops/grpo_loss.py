@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-from ._common import FLOAT_DTYPES, check_tensor, cuda_kernel, host_checks_allowed
+from ._common import FLOAT_DTYPES, check_float, check_int, check_tensor, cuda_kernel, host_checks_allowed
 
 __all__ = [
     "fused_linear_grpo_loss",
@@ -115,8 +115,8 @@ def group_normalize(rewards: torch.Tensor, group_ids: torch.Tensor, weights: tor
     """Advantages [S] from rewards [S, R] (float), group_ids [S] (int), weights [R] (default all ones).
 
     Group ids are arbitrary integers (any values, members in any order). On CUDA the kernel never syncs with the
-    host; the finiteness check of the rewards (a host read) is skipped while capturing a CUDA graph or tracing
-    with torch.compile (non-finite rewards then give NaN advantages).
+    host; the finiteness check of the rewards and weights (a host read) is skipped while capturing a CUDA graph or
+    tracing with torch.compile (non-finite values then give NaN advantages).
     """
     check_tensor("rewards", rewards, ndim=2, dtypes=FLOAT_DTYPES)
     s, nr = rewards.shape
@@ -128,12 +128,20 @@ def group_normalize(rewards: torch.Tensor, group_ids: torch.Tensor, weights: tor
         raise ValueError(f"mode must be 'decoupled' or 'sum', got {mode!r}")
     if s == 0:
         raise ValueError("rewards has no samples")
-    if host_checks_allowed(rewards.device) and not bool(torch.isfinite(rewards).all()):
-        raise ValueError("rewards contain NaN or inf")
+    if nr == 0:
+        raise ValueError(f"rewards has no reward columns, got shape {list(rewards.shape)}")
+    if host_checks_allowed(rewards.device):  # one host read for both (a device sync on CUDA)
+        finite = torch.stack([torch.isfinite(rewards).all(), torch.isfinite(weights).all()]).tolist()
+        if not finite[0]:
+            raise ValueError("rewards contain NaN or inf")
+        if not finite[1]:
+            raise ValueError("weights contain NaN or inf")
     return _group_normalize_op(rewards, group_ids.to(torch.int64), weights, mode)
 
 
 def _parse_reduction(reduction: str) -> tuple[str, str, str]:
+    if not isinstance(reduction, str):
+        raise TypeError(f"reduction must be a string such as 'seq-tok-tok', got {type(reduction).__name__}")
     parts = tuple(p.strip().lower()[:3] for p in reduction.split("-"))
     if len(parts) != 3 or any(p not in _REDUCTIONS for p in parts):
         raise ValueError(f"reduction must be three of seq/tok joined by '-', e.g. 'seq-tok-tok', got {reduction!r}")
@@ -142,10 +150,15 @@ def _parse_reduction(reduction: str) -> tuple[str, str, str]:
 
 def _check_loss_inputs(t: int, dev: torch.device, old_logp, ref_logp, advantages, seq_idx, num_seqs: int, correct,
                        eps_low: float, eps_high: float, beta: float, reduction: str, totals,
-                       check_values: bool | None = None) -> tuple[str, str, str]:
+                       check_values: bool | None = None, mu: float = 0.0) -> tuple[str, str, str]:
     """The checks of grpo_token_loss (shared with fused_linear_grpo_loss, where old_logp may be None). Returns the
     parsed reduction. `check_values`: read seq_idx's range on the host (a device sync for CUDA tensors); None =
     unless capturing or compiling, False = the caller has checked it."""
+    num_seqs = check_int("num_seqs", num_seqs, lo=0)
+    for name, x in (("eps_low", eps_low), ("eps_high", eps_high)):
+        check_float(name, x, allow_inf=True, lo=0.0)  # inf: no clipping on that side
+    for name, x in (("beta", beta), ("mu", mu)):
+        check_float(name, x)
     if old_logp is not None:
         check_tensor("old_logp", old_logp, shape=(t,), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("advantages", advantages, shape=(t,), dtypes=FLOAT_DTYPES, device=dev)
@@ -155,10 +168,11 @@ def _check_loss_inputs(t: int, dev: torch.device, old_logp, ref_logp, advantages
         if ref_logp is None:
             raise ValueError("ref_logp is required when beta != 0")
         check_tensor("ref_logp", ref_logp, shape=(t,), dtypes=FLOAT_DTYPES, device=dev)
-    if eps_low < 0 or eps_high < 0:
-        raise ValueError(f"eps_low/eps_high must be >= 0, got {eps_low}, {eps_high}")
-    if totals is not None and len(totals) != 4:
-        raise ValueError(f"totals must be (sequences, tokens, correct sequences, correct tokens), got {totals!r}")
+    if totals is not None:
+        if isinstance(totals, (str, bytes)) or not hasattr(totals, "__len__") or len(totals) != 4:
+            raise ValueError(f"totals must be (sequences, tokens, correct sequences, correct tokens), got {totals!r}")
+        for name, x in zip(("sequences", "tokens", "correct sequences", "correct tokens"), totals):
+            check_float(f"totals ({name})", x, lo=0.0)  # a negative count flipped the loss's sign, NaN made it NaN
     parts = _parse_reduction(reduction)
     check_values = host_checks_allowed(dev) if check_values is None else check_values
     if t and check_values and (int(seq_idx.min()) < 0 or int(seq_idx.max()) >= num_seqs):
@@ -209,7 +223,7 @@ def grpo_token_loss(
     t = logp.shape[0]
     check_tensor("old_logp", old_logp, shape=(t,), dtypes=FLOAT_DTYPES, device=logp.device)
     red_pg, red_kl, red_nll = _check_loss_inputs(t, logp.device, old_logp, ref_logp, advantages, seq_idx, num_seqs,
-                                                 correct, eps_low, eps_high, beta, reduction, totals)
+                                                 correct, eps_low, eps_high, beta, reduction, totals, mu=mu)
 
     ratio = torch.exp(torch.clamp(logp - old_logp, -10.0, 10.0))  # [T]
     adv = advantages.to(ratio.dtype)
@@ -264,8 +278,7 @@ def _check_lm_head(hidden, weight, targets, chunk: int, suppress_token: int | No
     check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, shape=(None, hidden.shape[1]), dtypes=(hidden.dtype,), device=hidden.device)
     check_tensor("targets", targets, shape=(hidden.shape[0],), dtypes=(torch.int64,), device=hidden.device)
-    if chunk <= 0:
-        raise ValueError(f"chunk must be positive, got {chunk}")
+    check_int("chunk", chunk, lo=1)
     vocab = weight.shape[0]
     check_values = host_checks_allowed(hidden.device) if check_values is None else check_values
     if targets.numel() and check_values and not (0 <= int(targets.min()) and int(targets.max()) < vocab):
@@ -427,7 +440,7 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     suppress = _check_lm_head(hidden, weight, targets, chunk, suppress_token, check_values)
     t = hidden.shape[0]
     parts = _check_loss_inputs(t, hidden.device, old_logp, ref_logp, advantages, seq_idx, num_seqs, correct, eps_low,
-                               eps_high, beta, reduction, totals, check_values)
+                               eps_high, beta, reduction, totals, check_values, mu=mu)
     loss_kw = dict(eps_low=eps_low, eps_high=eps_high, beta=beta, mu=mu, reduction=reduction, totals=totals)
     kernel = cuda_kernel("fused_linear_grpo_loss", hidden)
     if kernel is None:

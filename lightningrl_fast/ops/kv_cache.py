@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from lightningrl_fast.ops._common import FLOAT_DTYPES, check_tensor, cuda_kernel, host_checks_allowed, same_device
+from lightningrl_fast.ops._common import (FLOAT_DTYPES, check_no_overlap, check_tensor, cuda_kernel, host_checks_allowed,
+                                          same_device)
 
 __all__ = ["kv_cache_write", "kv_cache_write_reference"]
 
@@ -49,8 +50,9 @@ def kv_cache_write_reference(
     pos = start[b_idx] + t_idx
     k_cache[b_idx, pos] = k[b_idx, t_idx]
     v_cache[b_idx, pos] = v[b_idx, t_idx]
-    if error_flag is not None:
-        error_flag.view(-1)[:1].masked_fill_((~row_ok).any().view(1), 1)
+    if error_flag is not None:  # element 0 = index (0, ..., 0), the kernel's data_ptr(), in any layout (view(-1) fails
+        # on a non-contiguous flag)
+        error_flag.as_strided((1,), (1,)).masked_fill_((~row_ok).any().view(1), 1)
 
 
 @torch.library.custom_op("lightningrl_fast::kv_cache_write", mutates_args=("k_cache", "v_cache", "error_flag"))
@@ -98,7 +100,8 @@ def kv_cache_write(
         check_lengths: check the lengths on the host and raise ValueError (a device sync for CUDA lengths).
             None = check unless capturing a CUDA graph or tracing with torch.compile.
 
-    All tensors on one device. Positions outside the written ranges are never touched.
+    All tensors on one device. Positions outside the written ranges are never touched. The caches must not share
+    memory with each other or with k / v, nor have rows that share memory (an expanded view): ValueError.
     """
     check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES)
     B, L, H, D = k_cache.shape
@@ -117,6 +120,8 @@ def kv_cache_write(
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if D > 1 and cache.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {cache.stride()}")
+    check_no_overlap([("k_cache", k_cache), ("v_cache", v_cache)],
+                     [("k", k), ("v", v), ("cache_lens", cache_lens), ("chunk_lens", chunk_lens)])
     k, v = (t if D <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     cache_lens, chunk_lens = cache_lens.contiguous(), chunk_lens.contiguous()
 

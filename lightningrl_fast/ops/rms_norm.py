@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from lightningrl_fast.ops._common import check_tensor, cuda_kernel
+from lightningrl_fast.ops._common import check_float, check_int, check_tensor, cuda_kernel
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference", "qk_norm_rope",
            "qk_norm_rope_reference"]
@@ -75,6 +75,14 @@ def _rms_kernel_ok(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
                                       and residual.data_ptr() % 16 == 0)))
 
 
+def _check_eps(eps: object) -> float:
+    """eps as a float: a number (TypeError otherwise), finite and >= 0 (ValueError)."""
+    eps = check_float("eps", eps, allow_inf=True, allow_nan=True)
+    if not (eps >= 0.0 and eps < float("inf")):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    return eps
+
+
 @torch.library.custom_op("lightningrl_fast::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     fn = cuda_kernel("rms_norm", x, weight)
@@ -95,9 +103,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError("x must have at least one dimension")
     check_tensor("weight", weight, shape=(x.shape[-1],), device=x.device,
                  dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64))
-    if not (eps >= 0.0 and eps < float("inf")):
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
-    return _rms_norm_op(x, weight, float(eps))
+    eps = _check_eps(eps)
+    return _rms_norm_op(x, weight, eps)
 
 
 @torch.library.custom_op("lightningrl_fast::add_rms_norm", mutates_args=())
@@ -124,9 +131,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         raise ValueError("x must have at least one dimension")
     check_tensor("residual", residual, shape=tuple(x.shape), dtypes=(x.dtype,), device=x.device)
     check_tensor("weight", weight, shape=(x.shape[-1],), device=x.device, dtypes=floats)
-    if not (eps >= 0.0 and eps < float("inf")):
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
-    return _add_rms_norm_op(x, residual, weight, float(eps))
+    eps = _check_eps(eps)
+    return _add_rms_norm_op(x, residual, weight, eps)
 
 
 @torch.library.custom_op("lightningrl_fast::qk_norm_rope", mutates_args=())
@@ -157,10 +163,10 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
     check_tensor("weight", weight, shape=(d,), dtypes=(x.dtype,), device=x.device)
     if weight2 is not None:
         check_tensor("weight2", weight2, shape=(d,), dtypes=(x.dtype,), device=x.device)
+        split = check_int("split", split)
         if not 0 <= split <= h:
             raise ValueError(f"split must be in [0, heads = {h}], got {split}")
     check_tensor("cos", cos, shape=(b, n, d), dtypes=(x.dtype,), device=x.device)
     check_tensor("sin", sin, shape=(b, n, d), dtypes=(x.dtype,), device=x.device)
-    if not (eps >= 0.0 and eps < float("inf")):
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
-    return _qk_norm_rope_op(x, weight, cos, sin, float(eps), weight2, int(split) if weight2 is not None else 0)
+    eps = _check_eps(eps)
+    return _qk_norm_rope_op(x, weight, cos, sin, eps, weight2, split if weight2 is not None else 0)

@@ -39,15 +39,19 @@ reproduced); -inf logits are fine.
 
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 
-from ._common import FLOAT_DTYPES, check_tensor, cuda_kernel
+from ._common import FLOAT_DTYPES, check_float, check_int, check_no_overlap, check_tensor, cuda_kernel
 
 BUCKET = 1024  # two-level sampling: token ids per bucket (csrc/kernels/unmask.cuh kBucket)
 BUCKET_TAG = 1 << 62  # two-level sampling: Philox counters of the bucket noise start here (kBucketTag)
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
 _U32 = 0xFFFFFFFF
+_FLT_MAX = 3.4028234663852886e38
 
 
 def philox_uniform(seed: int | torch.Tensor, offset: int | torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
@@ -165,6 +169,30 @@ def kernel_supported(logits: torch.Tensor, temperature: float, top_k: int, top_p
     return logits.dtype in KERNEL_DTYPES and logits.shape[1] <= KERNEL_MAX_POSITIONS and not (sampling and truncated)
 
 
+def check_sampling_args(threshold: float, temperature: float, top_k: int, top_p: float,
+                        noise: str) -> tuple[float, float, int, float, str]:
+    """The scalar arguments of `threshold_unmask` as (float, float, int, float, str), or a ValueError / TypeError
+    naming the bad one: threshold a number (+-inf allowed, not NaN); temperature not NaN, <= 0 (greedy) or with a
+    finite float32 inverse (what the kernel multiplies by); top_k an integer >= 0; top_p in (0, 1]; noise one of
+    NOISE_MODES."""
+    threshold = check_float("threshold", threshold, allow_inf=True)
+    temperature = check_float("temperature", temperature, allow_inf=True)
+    if temperature > 0:  # the kernel's 1.0f / float(temperature), in Python floats (no tensor op in the step)
+        t32 = struct.unpack("f", struct.pack("f", temperature))[0] if temperature <= _FLT_MAX else math.inf
+        if not (t32 > 0 and 1.0 / t32 <= _FLT_MAX and 0 < t32 < math.inf):
+            raise ValueError(f"temperature {temperature} is out of the float32 range (1 / temperature must be a finite "
+                             f"positive float32; <= 0 means greedy)")
+    top_k = check_int("top_k", top_k)
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    top_p = check_float("top_p", top_p, allow_inf=True, allow_nan=True)
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if noise not in NOISE_MODES:
+        raise ValueError(f"noise must be one of {NOISE_MODES}, got {noise!r}")
+    return threshold, temperature, top_k, top_p, noise
+
+
 @torch.library.custom_op(
     "lightningrl_fast::threshold_unmask", mutates_args=("tokens", "masked", "step_map", "logp", "conf")
 )
@@ -215,7 +243,9 @@ def threshold_unmask(
     logits [B, S, V] float16/bfloat16/float32/float64; tokens [B, S] int64; masked [B, S] bool;
     step_map [B, S] int32; logp, conf [B, S] float32; step, quota [B] int32; eos_ids [E] int64;
     seed, offset [1] int64. temperature <= 0 means greedy. noise: "two_level" or "per_token" (how sampling
-    spends its Gumbel noise; both exact). Returns (block_done [B], eos_seen [B]) bool.
+    spends its Gumbel noise; both exact). top_k >= V is the same as 0 (off). Returns (block_done [B], eos_seen [B])
+    bool. The five outputs must not share memory with one another or with an input (ValueError); the scalars
+    follow `check_sampling_args`.
     """
     check_tensor("logits", logits, ndim=3, dtypes=FLOAT_DTYPES)
     b, s, vocab = logits.shape
@@ -232,12 +262,11 @@ def threshold_unmask(
     check_tensor("offset", offset, shape=(1,), dtypes=(torch.int64,), device=dev)
     if vocab < 1 or s < 1:
         raise ValueError(f"logits must have at least one position and one token, got shape {list(logits.shape)}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if noise not in NOISE_MODES:
-        raise ValueError(f"noise must be one of {NOISE_MODES}, got {noise!r}")
+    threshold, temperature, top_k, top_p, noise = check_sampling_args(threshold, temperature, top_k, top_p, noise)
+    check_no_overlap([("tokens", tokens), ("masked", masked), ("step_map", step_map), ("logp", logp), ("conf", conf)],
+                     [("logits", logits), ("step", step), ("quota", quota), ("eos_ids", eos_ids), ("seed", seed),
+                      ("offset", offset)])
+    # quota < 0 acts as 0 (inactive row) and eos_ids outside the vocabulary never match: checking either would read
+    # device values on the host (a sync in the captured decode step), so neither is an error
     return _threshold_unmask_op(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-                                float(threshold), float(temperature), int(top_k), float(top_p), bool(greedy),
-                                str(noise))
+                                threshold, temperature, min(top_k, vocab), top_p, bool(greedy), noise)
