@@ -50,8 +50,15 @@ layers 1 and 4 remain: RLIMIT_NPROC then counts all the user's processes (it is 
 number plus ``max_procs``), a ctypes-based program could write the user's files or signal the caller,
 and an escaped daemon outlives the run (its CPU time stays capped). The memory bound is per process:
 ``max_procs`` x ``memory_mb`` (8 GiB by default, per concurrent run) is the worst case for a fork bomb
-that also allocates; use a cgroup if that matters. The nonce stops accidental forgery of results, not a
-program that introspects the harness.
+that also allocates; use a cgroup if that matters.
+
+Score integrity (the harness's docstring has the details): the program runs on worker threads that hold no
+harness frame, the reporter is a supervisor thread whose frame the program cannot reach (no gc walks, no
+``sys._current_frames``, no frame introspection on the trusted threads, no ``/proc/self/mem``), a test is
+counted only when its ``exec`` returned normally, and the tests see pristine builtins and restored stdlib
+modules. Out of reach of any in-process check: a solution returning objects that fool the comparison
+itself (``__eq__`` always True), a thread of the program racing the restore of a module attribute, and,
+with ``python_guard=False`` (``ctypes`` allowed), a program reading its own memory.
 """
 
 from __future__ import annotations
@@ -348,11 +355,52 @@ def _signal_name(sig: int) -> str:
         return f"SIG{sig}"
 
 
+# what util-linux unshare prints when its child (the harness) was SIGKILLed by `_kill_run`
+_UNSHARE_NOISE = "unshare: sigprocmask unblock failed: Invalid argument\n"
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of pid (``/proc/<pid>/task/<pid>/children``, else a scan of ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        pass
+    kids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                        kids.append(int(name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def _kill_run(proc: subprocess.Popen, namespaced: bool) -> None:
+    """SIGKILL everything of a run. Namespaced: the harness (init of the PID namespace, a child of
+    ``unshare``) first, so the namespace dies with it and ``unshare`` reaps it before exiting. Killing the
+    group at once would orphan the harness: it would then linger as a zombie of the sandbox uid until the
+    machine's init reaps it, and those zombies count against RLIMIT_NPROC of the next runs on that uid."""
+    if namespaced and proc.poll() is None:
+        for child in _children(proc.pid):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
+    _kill_group(proc.pid)
 
 
 def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> CodeResult:
@@ -437,9 +485,12 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
             buf += chunk
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                if not line.startswith(tag):
+                if line.startswith(tag):
+                    rec = line[len(tag):].decode("ascii", "replace").split(" ")
+                elif line.startswith(b"V "):  # a guard violation: unauthenticated, it can only fail the run
+                    rec = line.decode("ascii", "replace").split(" ")
+                else:
                     continue
-                rec = line[len(tag):].decode("ascii", "replace").split(" ")
                 records.append(rec)
                 if rec[0] == "R" and not ready_seen:
                     ready_seen = True
@@ -452,7 +503,7 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
             except subprocess.TimeoutExpired:
                 pass
         own_exit = proc.poll()  # the child's own status, before our kill below can stamp SIGKILL on it
-        _kill_group(proc.pid)
+        _kill_run(proc, bool(prefix))
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -501,13 +552,14 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
             pass_fraction=frac, passed=passed, reason=reason, n_tests=n_tests, n_passed=n_passed,
             duration_s=time.monotonic() - t0, test_errors=errors,
             stdout=_read_capped(out_path, cfg.max_output_bytes),
-            stderr=_read_capped(err_path, cfg.max_output_bytes) + (f"\n[sandbox] {setup_err}" if setup_err else ""),
+            stderr=_read_capped(err_path, cfg.max_output_bytes).replace(_UNSHARE_NOISE, "")
+            + (f"\n[sandbox] {setup_err}" if setup_err else ""),
             layers=tuple(layers),
         )
     finally:
         try:
             if proc is not None and proc.poll() is None:
-                _kill_group(proc.pid)
+                _kill_run(proc, bool(prefix))
                 proc.wait(timeout=10)
         except (OSError, subprocess.SubprocessError):
             pass
