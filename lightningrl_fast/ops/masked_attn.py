@@ -41,13 +41,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._common import check_tensor, upload
+from ._common import FLOAT_DTYPES, check_float, check_int, check_tensor, upload
 
 _TILE_ELEMS = 1 << 22  # mask elements per query tile in the reference path
 _FLEX_BLOCK = 128  # FlexAttention's block: the CUDA path pads the sequence to a multiple of it
 # compiles one run may make of flex_attention and of create_block_mask (one per batch rows x padded length),
 # and of every function
 _FLEX_RECOMPILES = {"recompile_limit": 128, "accumulated_recompile_limit": 1024}
+_INT32_MAX = torch.iinfo(torch.int32).max  # the token tables (PackedLayout.token_tables) are int32
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,7 +56,8 @@ class MaskLayout:
     """Geometry of a (multi-copy) block-diffusion sequence; see the module docstring.
 
     n: length of one copy; num_copies: R + 1 (the clean copy is last); block_size: B;
-    lengths: [batch] int tensor of valid tokens per copy, or None when every position is valid.
+    lengths: [batch] int tensor of valid tokens per copy (0..n; checked when on the host), or None when every
+    position is valid.
     """
 
     n: int
@@ -64,12 +66,22 @@ class MaskLayout:
     lengths: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        for name in ("n", "num_copies", "block_size"):
+            check_int(f"MaskLayout.{name}", getattr(self, name))
         if self.n <= 0 or self.num_copies <= 0 or self.block_size <= 0:
             raise ValueError(
                 f"MaskLayout needs n, num_copies, block_size > 0, got {self.n}, {self.num_copies}, {self.block_size}"
             )
+        for name in ("n", "num_copies", "block_size"):  # a numpy or 0-d tensor integer as a Python int
+            object.__setattr__(self, name, int(getattr(self, name)))
         if self.lengths is not None:
             check_tensor("MaskLayout.lengths", self.lengths, ndim=1, dtypes=(torch.int32, torch.int64))
+            # host lengths only (planned there): a device tensor would cost a sync per layout
+            if self.lengths.device.type == "cpu" and self.lengths.numel() and not torch.compiler.is_compiling():
+                lo, hi = int(self.lengths.min()), int(self.lengths.max())
+                if lo < 0 or hi > self.n:
+                    raise ValueError(f"MaskLayout.lengths must lie in [0, n = {self.n}] (valid tokens per copy), got "
+                                     f"{lo}..{hi}")
 
     @property
     def total(self) -> int:
@@ -126,8 +138,9 @@ class PackedLayout:
     key_ok: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0:
+        if check_int("PackedLayout.block_size", self.block_size) <= 0:
             raise ValueError(f"PackedLayout needs block_size > 0, got {self.block_size}")
+        object.__setattr__(self, "block_size", int(self.block_size))
         check_tensor("PackedLayout.seg", self.seg, ndim=2, dtypes=(torch.int32, torch.int64))
         shape = tuple(self.seg.shape)
         if shape[0] == 0 or shape[1] == 0:
@@ -141,6 +154,10 @@ class PackedLayout:
                                  f"{getattr(self, name).device}")
         if bool((self.copy < -1).any()) or bool((self.block < 0).any()) or bool((self.seg < -1).any()):
             raise ValueError("PackedLayout needs seg >= -1, copy >= -1 and block >= 0 everywhere")
+        for name in ("copy", "block"):  # the predicate reads int32 tables: a larger value would wrap silently
+            top = int(getattr(self, name).max())
+            if top > _INT32_MAX:
+                raise ValueError(f"PackedLayout.{name} values must be <= {_INT32_MAX} (int32 tables), got {top}")
         if int(self.seg.max()) >= self.seg.numel():
             raise ValueError(f"PackedLayout segment ids must be < the number of positions ({self.seg.numel()}), got "
                              f"{int(self.seg.max())}")
@@ -186,7 +203,20 @@ class PackedLayout:
     def from_segments(cls, rows: int, total: int, block_size: int, row, start, n, copies, lengths) -> "PackedLayout":
         """Whole MaskLayout sequences back to back: segment s at [start[s], start[s] + copies[s] * n[s]) of row
         row[s], copies[s] copies of length n[s] (the last one clean), lengths[s] valid positions per copy."""
-        row, start, n, copies, lengths = (torch.as_tensor(x).long() for x in (row, start, n, copies, lengths))
+        rows, total = check_int("rows", rows, lo=1), check_int("total", total, lo=1)
+        block_size = check_int("block_size", block_size, lo=1)
+        named = dict(row=row, start=start, n=n, copies=copies, lengths=lengths)
+        for name, x in named.items():
+            x = torch.as_tensor(x)
+            if x.dim() != 1 or (x.numel() and (x.dtype == torch.bool or x.is_floating_point() or x.is_complex())):
+                raise ValueError(f"PackedLayout.from_segments: {name} must be a 1-D sequence of integers (one per "
+                                 f"segment), got {x.dtype} of shape {list(x.shape)}")
+            named[name] = x.long().cpu()
+        sizes = {name: x.numel() for name, x in named.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"PackedLayout.from_segments needs one row, start, n, copies and length per segment, got "
+                             f"{sizes}")
+        row, start, n, copies, lengths = named.values()
         end = start + copies * n
         bad = ((n <= 0) | (copies <= 0) | (lengths < 0) | (lengths > n) | (row < 0) | (row >= rows) | (start < 0)
                | (end > total)).nonzero()
@@ -450,13 +480,22 @@ def masked_attention(
     a PackedLayout).
 
     `plan` is `prepare(layout, B, device)`, built once per forward and shared by the layers.
-    Differentiable (training uses it). Returns [B, Hq, N, D] in q's dtype.
+    q, k, v share one float dtype and device; Hq a multiple of Hkv >= 1. Differentiable (training uses it).
+    Returns [B, Hq, N, D] in q's dtype.
     """
-    check_tensor("q", q, ndim=4)
+    if not isinstance(layout, (MaskLayout, PackedLayout)):
+        raise TypeError(f"layout must be a MaskLayout or a PackedLayout, got {type(layout).__name__}")
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("k", k, ndim=4, shape=(q.shape[0], None, q.shape[2], q.shape[3]), device=q.device)
     check_tensor("v", v, shape=tuple(k.shape), device=q.device)
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')} but q has "
+                            f"{str(q.dtype).replace('torch.', '')} (q, k and v need one dtype)")
+    if softmax_scale is not None:
+        check_float("softmax_scale", softmax_scale)
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]}), which must be >= 1")
     if q.shape[2] != layout.total:
         what = f"{layout.total} packed positions" if isinstance(layout, PackedLayout) else f"{layout.num_copies} x {layout.n}"
         raise ValueError(f"sequence length {q.shape[2]} does not match the layout ({what})")

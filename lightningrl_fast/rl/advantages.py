@@ -6,6 +6,8 @@ dropped when every sample is wrong (no signal for accuracy, and NLL has nothing 
 TPF spread max - min < `min_tpf_range` (no signal for speed). Advantages: `ops.group_normalize` with
 weights (1, w_tpf), decoupled (z-score each reward within the group, then sum, then batch z-score) or
 "sum" (the ablation: sum the raw rewards first).
+Every entry point checks its `Scored` (`check_scored`: one length, finite values, integer group ids), so a
+mismatched or NaN reward is an error naming it, never a broadcast value or a silently dropped group.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops._common import check_float, check_tensor
 from ..ops.grpo_loss import group_normalize
 
 
@@ -29,14 +32,50 @@ class Scored:
         return torch.stack([self.accuracy, self.tpf], dim=1)  # [S, 2]
 
 
+_REAL = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+         torch.float32, torch.float64)
+
+
+def check_scored(sc: Scored) -> int:
+    """The number of samples S of `sc`: accuracy and tpf [S] real, group_ids [S] int, on one device, all finite
+    (a NaN TPF would silently drop its group in `keep_groups`). One host read (the rewards live on the host)."""
+    if not isinstance(sc, Scored):
+        raise TypeError(f"expected a Scored, got {type(sc).__name__}")
+    check_tensor("Scored.accuracy", sc.accuracy, ndim=1, dtypes=_REAL)
+    s = sc.accuracy.shape[0]
+    check_tensor("Scored.tpf", sc.tpf, shape=(s,), dtypes=_REAL, device=sc.accuracy.device)
+    check_tensor("Scored.group_ids", sc.group_ids, shape=(s,), device=sc.accuracy.device)
+    if s and sc.group_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"Scored.group_ids must have dtype in (int32, int64), got "
+                        f"{str(sc.group_ids.dtype).replace('torch.', '')}")
+    for name in ("accuracy", "tpf"):
+        if s and not bool(torch.isfinite(getattr(sc, name).float()).all()):
+            raise ValueError(f"Scored.{name} contains NaN or inf")
+    return s
+
+
 def score_rollout(correct: list[bool], tpf: torch.Tensor, eos_found: torch.Tensor, group_ids: torch.Tensor) -> Scored:
-    """Accuracy (verifier-correct AND finished with EOS) and TPF per sample."""
-    acc = torch.tensor(correct, dtype=torch.float32) * eos_found.float()
-    return Scored(acc, tpf.float(), group_ids)
+    """Accuracy (verifier-correct AND finished with EOS) and TPF per sample: correct [S] (bools), tpf [S],
+    eos_found [S] bool, group_ids [S] int."""
+    check_tensor("tpf", tpf, ndim=1, dtypes=_REAL)
+    s = tpf.shape[0]
+    check_tensor("eos_found", eos_found, shape=(s,), dtypes=(torch.bool,))
+    if len(correct) != s:
+        raise ValueError(f"correct has {len(correct)} entries but tpf has {s} samples")
+    bad = [c for c in correct if isinstance(c, (str, bytes)) or c not in (0, 1)]  # bools (numpy's too), 0 / 1
+    if bad:
+        raise TypeError(f"correct must hold booleans, got {bad[0]!r}")
+    acc = torch.tensor([bool(c) for c in correct], dtype=torch.float32).to(eos_found.device) * eos_found.float()
+    sc = Scored(acc, tpf.float(), group_ids)
+    check_scored(sc)
+    return sc
 
 
 def keep_groups(sc: Scored, min_tpf_range: float = 0.01, drop_all_wrong: bool = True) -> torch.Tensor:
     """[S] bool: samples of the groups that carry a learning signal (TPF-aware filtering)."""
+    min_tpf_range = check_float("min_tpf_range", min_tpf_range)
+    if check_scored(sc) == 0:
+        return torch.zeros(0, dtype=torch.bool, device=sc.accuracy.device)
     _, inv = torch.unique(sc.group_ids, return_inverse=True)
     ng = int(inv.max()) + 1
     any_right = torch.zeros(ng).scatter_reduce(0, inv, sc.accuracy.float(), "amax")
@@ -50,5 +89,6 @@ def keep_groups(sc: Scored, min_tpf_range: float = 0.01, drop_all_wrong: bool = 
 
 def compute_advantages(sc: Scored, tpf_weight: float = 1.0, mode: str = "decoupled") -> torch.Tensor:
     """[S] float32 advantages (one per sample, broadcast to its tokens by the caller)."""
-    weights = torch.tensor([1.0, tpf_weight])
+    check_scored(sc)
+    weights = torch.tensor([1.0, check_float("tpf_weight", tpf_weight)])
     return group_normalize(sc.rewards(), sc.group_ids, weights, mode)

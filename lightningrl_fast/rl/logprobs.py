@@ -27,11 +27,12 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from ..model import SDARForCausalLM, rope_cos_sin
-from ..ops._common import upload
+from ..ops._common import check_int, check_tensor, upload
 from ..ops.grpo_loss import linear_logprobs
 from ..ops.masked_attn import MaskLayout, PackedLayout, prepare, round_3_bits
 
 MODES = ("block_proxy", "trace")
+_INT_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass
@@ -102,15 +103,26 @@ def build_layout_batch(sequences: torch.Tensor, step_map: torch.Tensor, prompt_l
     """
     if mode not in MODES:
         raise ValueError(f"logprob mode must be one of {MODES}, got {mode!r}")
+    bs = check_int("block_size", block_size, lo=1)
+    mask_id = check_int("mask_id", mask_id, lo=0)
+    check_tensor("sequences", sequences, ndim=2, dtypes=_INT_DTYPES)
     nrows, length = sequences.shape
     if step_map.shape != sequences.shape:
         raise ValueError(f"step_map shape {tuple(step_map.shape)} != sequences shape {tuple(sequences.shape)}")
     dev = sequences.device
-    bs = block_size
+    check_tensor("step_map", step_map, dtypes=_INT_DTYPES, device=dev)
+    check_tensor("prompt_lens", prompt_lens, shape=(nrows,), dtypes=_INT_DTYPES, device=dev)
+    check_tensor("resp_lens", resp_lens, shape=(nrows,), dtypes=_INT_DTYPES, device=dev)
+    if nrows == 0 or length == 0:
+        raise ValueError(f"build_layout_batch needs at least one row and one position, got sequences of shape "
+                         f"{list(sequences.shape)}")
+    prompt_lens, resp_lens = prompt_lens.long(), resp_lens.long()
     decoded = step_map != -2
     valid = decoded.sum(1)  # [N] decoded length (whole blocks)
+    _check_decoded_rows(sequences, step_map, prompt_lens, resp_lens, valid, bs, mask_id, mode)
     n = int(valid.max())
-    n = -(-n // bs) * bs
+    if n == 0:
+        raise ValueError("build_layout_batch: no row has a decoded position (step_map is -2 everywhere)")
     x0 = sequences[:, :n]
     smap = step_map[:, :n].long()
     pos = torch.arange(n, device=dev)
@@ -134,6 +146,71 @@ def build_layout_batch(sequences: torch.Tensor, step_map: torch.Tensor, prompt_l
     layout = MaskLayout(n, ncopies, bs, valid.clamp_min(1))
     return LayoutBatch(x0, rnd.to(torch.int16), mask_id, layout, tgt_row, tgt_col, x0[tgt_row, tgt_p],
                        tgt_p - prompt_lens[tgt_row])
+
+
+def _first_bad_row(bad: torch.Tensor) -> int:
+    """The first row of a [N, ...] bool tensor with a True entry, or -1."""
+    rows = bad.reshape(bad.shape[0], -1).any(1).nonzero()
+    return int(rows[0]) if rows.numel() else -1
+
+
+def _check_decoded_rows(sequences, step_map, prompt_lens, resp_lens, valid, bs: int, mask_id: int, mode: str) -> None:
+    """build_layout_batch's rows are what the sampler records (one host pass per batch; raises naming the first
+    bad row): step_map is -1 over the prompt, >= 0 over the decoded response, then -2 to the end; the decoded
+    length (prompt + blocks) is whole blocks; 0 <= prompt_len, 0 <= resp_len and prompt_len + resp_len <= decoded
+    length; no decoded response token is the mask token (its log-prob is -inf: the mask token is out of the
+    softmax); trace mode: blocks were decoded one after the other (a block's first step after the previous
+    block's last), which the replay of rounds assumes."""
+    nrows, length = sequences.shape
+    pos = torch.arange(length, device=sequences.device)[None]  # [1, L]
+    checks = [
+        ((prompt_lens < 0) | (resp_lens < 0), lambda i: f"prompt_lens and resp_lens must be >= 0, got row {i}: "
+                                                        f"{int(prompt_lens[i])}, {int(resp_lens[i])}"),
+        (prompt_lens + resp_lens > valid, lambda i: f"row {i}: prompt_len {int(prompt_lens[i])} + resp_len "
+                                                    f"{int(resp_lens[i])} exceeds its decoded length {int(valid[i])}"),
+    ]
+    in_prompt = pos < prompt_lens[:, None]
+    in_resp = ~in_prompt & (pos < valid[:, None])
+    want = torch.where(in_prompt, -1, torch.where(in_resp, 0, -2))  # [N, L] -1 prompt, 0 (>= 0) response, -2 after
+    off = torch.where(in_resp, step_map < 0, step_map != want)
+    checks.append((off, lambda i: f"row {i}: step_map must be -1 over the prompt ({int(prompt_lens[i])} positions), "
+                                  f">= 0 over the decoded response and -2 after it, got "
+                                  f"{_runs(step_map[i].tolist())}"))
+    checks.append((valid % bs != 0, lambda i: f"row {i}: decoded length {int(valid[i])} (prompt + decoded blocks) is "
+                                              f"not whole blocks of {bs}"))
+    masked = in_resp & (sequences == mask_id)
+    checks.append((masked, lambda i: f"row {i}: the mask token {mask_id} at decoded response position "
+                                     f"{int(masked[i].nonzero()[0])} (the sampler never unmasks to it)"))
+    if mode == "trace":
+        nblk = -(-length // bs)
+        blk = (pos // bs).expand(nrows, length)
+        smap = step_map.long()
+        big = torch.iinfo(torch.int64).max
+        first = torch.full((nrows, nblk), big, device=sequences.device).scatter_reduce(
+            1, blk, torch.where(in_resp, smap, big), reduce="amin")
+        last = torch.full((nrows, nblk), -1, device=sequences.device).scatter_reduce(
+            1, blk, torch.where(in_resp, smap, -1), reduce="amax")
+        before = torch.cat([torch.full((nrows, 1), -1, device=sequences.device), last.cummax(1).values[:, :-1]], 1)
+        checks.append(((first != big) & (first <= before), lambda i: f"row {i}: a block's tokens were unmasked before "
+                                                                     f"the previous block was complete (step_map "
+                                                                     f"{_runs(step_map[i].tolist())}); trace mode "
+                                                                     f"replays blocks decoded one after the other"))
+    for bad, message in checks:
+        i = _first_bad_row(bad)
+        if i >= 0:
+            raise ValueError(f"build_layout_batch: {message(i)}")
+
+
+def _runs(values: list, most: int = 12) -> str:
+    """A short text of a step-map row: runs of equal values as value x count, at most `most` runs."""
+    out: list[list] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    text = ", ".join(f"{v}" if c == 1 else f"{v} x{c}" for v, c in out[:most])
+    return f"[{text}{', ...' if len(out) > most else ''}]"
 
 
 @dataclass
@@ -209,6 +286,54 @@ def _best_fit(sizes: list[int], order: list[int], budget: int) -> list[list[int]
     return bins
 
 
+def check_layout_batch(lb: LayoutBatch) -> None:
+    """A LayoutBatch's fields agree (on the host, once per packing; build_layout_batch makes them so, a batch built
+    by hand is checked here): x0 [N, n] and rnd [N, n] integers with n = layout.n, layout.lengths [N] (or None),
+    the target tables [T] integers, each target read in a noisy copy where its position is masked (rnd >= copy) and
+    inside its row's valid length, and `targets` the clean tokens there. Raises ValueError / TypeError naming the
+    field."""
+    if not isinstance(lb, LayoutBatch):
+        raise TypeError(f"expected a LayoutBatch, got {type(lb).__name__}")
+    lay = lb.layout
+    if not isinstance(lay, MaskLayout):
+        raise TypeError(f"LayoutBatch.layout must be a MaskLayout, got {type(lay).__name__}")
+    check_tensor("LayoutBatch.x0", lb.x0, ndim=2, dtypes=_INT_DTYPES)
+    nrows, n = lb.x0.shape
+    if n != lay.n:
+        raise ValueError(f"LayoutBatch.x0 has {n} positions per row but its layout's copy length is {lay.n}")
+    check_tensor("LayoutBatch.rnd", lb.rnd, shape=(nrows, n), dtypes=(torch.int16,) + _INT_DTYPES, device=lb.x0.device)
+    if lay.lengths is not None:
+        check_tensor("LayoutBatch.layout.lengths", lay.lengths, shape=(nrows,))
+    check_int("LayoutBatch.mask_id", lb.mask_id, lo=0)
+    check_tensor("LayoutBatch.targets", lb.targets, ndim=1, dtypes=_INT_DTYPES, device=lb.x0.device)
+    t = lb.targets.shape[0]
+    for name in ("tgt_row", "tgt_col", "resp_pos"):
+        check_tensor(f"LayoutBatch.{name}", getattr(lb, name), shape=(t,), dtypes=_INT_DTYPES, device=lb.x0.device)
+    if t == 0:
+        return
+    row, col = lb.tgt_row, lb.tgt_col
+    if int(row.min()) < 0 or int(row.max()) >= nrows:
+        raise ValueError(f"LayoutBatch.tgt_row must lie in [0, {nrows}), got {int(row.min())}..{int(row.max())}")
+    noisy = (lay.num_copies - 1) * n  # targets are read in a noisy copy
+    if int(col.min()) < 0 or int(col.max()) >= noisy:
+        raise ValueError(f"LayoutBatch.tgt_col must lie in [0, {noisy}) (the {lay.num_copies - 1} noisy copies of "
+                         f"{n} positions), got {int(col.min())}..{int(col.max())}")
+    copy, pos = col // n, col % n
+    valid = lay.lengths.to(row.device).long()[row] if lay.lengths is not None else torch.full_like(row, n)
+    checks = (
+        (lb.rnd[row, pos].long() < copy, "is not masked in the copy it is read in (rnd < its copy): the input "
+                                         "would show the token it predicts"),
+        (pos >= valid, "lies past its row's valid length (layout.lengths)"),
+        (lb.targets != lb.x0[row, pos], "differs from the clean token x0 at its position"),
+    )
+    for bad, what in checks:
+        k = bad.nonzero()
+        if k.numel():
+            k = int(k[0])
+            raise ValueError(f"LayoutBatch target {k} (row {int(row[k])}, copy {int(copy[k])}, position "
+                             f"{int(pos[k])}) {what}")
+
+
 def pack_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_shapes: bool = False,
                        pad_id: int = 0) -> list[MicroBatch]:
     """`iter_micro_batches` as a list."""
@@ -228,9 +353,17 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
     out. Exact: every kept position sees what it sees in the LayoutBatch, and padding is never attended.
     The plan (which samples go where) is made, and input errors raised, at the call; each micro-batch is built
     when the iteration asks for it, so a training loop packs the next one while the GPU runs the current one."""
+    check_layout_batch(lb)
     n_all, ncopies, bs = lb.layout.n, lb.layout.num_copies, lb.layout.block_size
     nrows = lb.num_rows
-    rows_t = torch.as_tensor(list(rows), dtype=torch.int64)
+    if isinstance(rows, torch.Tensor) and rows.dim() == 1:
+        rows = rows.tolist()  # floats and bools stay what they are: check_int refuses them
+    try:
+        rows = list(rows)
+    except TypeError:
+        raise TypeError(f"rows must be a sequence of row indices, got {type(rows).__name__}") from None
+    rows_t = torch.tensor([check_int("rows[i]", r) for r in rows], dtype=torch.int64)
+    budget = check_int("micro-batch budget", budget)
     if rows_t.numel() == 0:
         return iter(())
     if budget < 1:
@@ -340,11 +473,22 @@ def micro_batch_logprobs(model: SDARForCausalLM, mb: MicroBatch, chunk: int = 40
 
 
 def check_targets(lb: LayoutBatch, vocab: int) -> None:
-    """The LayoutBatch's target ids are vocabulary ids: checked once per pass on the host, so that the passes' ops
-    need not read their device copies back (a sync per micro-batch)."""
+    """The LayoutBatch's target ids, and the token ids its forwards embed (x0 and the mask token), are vocabulary
+    ids, and no target is the mask token (the passes take it out of the softmax): checked once per pass on the host, so that the passes' ops need not read their device copies back (a sync
+    per micro-batch)."""
+    vocab = check_int("vocab", vocab, lo=1)
     t = lb.targets
     if t.numel() and not (0 <= int(t.min()) and int(t.max()) < vocab):
         raise ValueError(f"target token ids must lie in [0, {vocab}), got {int(t.min())}..{int(t.max())}")
+    x0 = lb.x0  # the context the forwards embed (an id outside the vocabulary is a device assert on CUDA)
+    if x0.numel() and not (0 <= int(x0.min()) and int(x0.max()) < vocab):
+        raise ValueError(f"LayoutBatch token ids (x0: prompts, responses and padding) must lie in [0, {vocab}), got "
+                         f"{int(x0.min())}..{int(x0.max())}")
+    if not 0 <= lb.mask_id < vocab:
+        raise ValueError(f"LayoutBatch.mask_id must lie in [0, {vocab}), got {lb.mask_id}")
+    hit = (t == lb.mask_id).nonzero()
+    if hit.numel():  # the passes leave the mask token out of the softmax: its log-prob would be -inf
+        raise ValueError(f"target {int(hit[0])} is the mask token {lb.mask_id} (out of the softmax: log-prob -inf)")
 
 
 @torch.no_grad()
@@ -358,6 +502,7 @@ def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, mbs: Iterable[Mic
     chunk, then the final norm and the LM head (copied once per call). Equals the per-micro-batch forward of the
     same weights on the device (tested)."""
     cfg = model.config
+    chunk_tokens = check_int("chunk_tokens", chunk_tokens, lo=1)
     check_targets(lb, cfg.vocab_size)
     out = torch.empty(lb.num_tokens)
     layers = list(model.model.layers)
