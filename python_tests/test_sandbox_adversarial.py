@@ -141,5 +141,145 @@ def test_runs_leave_no_zombie_of_the_sandbox_uid():
     of the sandbox uid until the machine's init reaped it, and such zombies count against RLIMIT_NPROC of
     the next runs on that uid (threads and forks of later, correct programs then failed)."""
     for code in ["def add(a, b):\n    return a + b\n", "while True:\n    pass\n"]:
+        before = set(_sandbox_uid_tasks_incl_zombies())  # another run on this machine may own some (not ours)
         run_program(CodeProgram(code, ADD_TESTS), SandboxConfig(timeout_s=0.5))
-        assert _sandbox_uid_tasks_incl_zombies() == []
+        # the kernel tears a dead PID namespace down asynchronously: allow it a moment, far less than the
+        # unbounded lifetime of the zombies this test is about
+        deadline = time.monotonic() + 3.0
+        while (left := set(_sandbox_uid_tasks_incl_zombies()) - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, sorted(left)
+
+
+# comparison hacks: a solution returning an object that fools the test's comparison ("AlwaysEqual"). The
+# tests see the program's callables wrapped: what they return (and the containers passed to them) must be
+# PLAIN (exact allowlisted types, recursively), else the test fails with NonPlainResult.
+
+AEQ = ("class A:\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
+       "    def __hash__(self): return 0\n")
+ORD = ("class O(float):\n    def __lt__(s, o): return True\n    __le__ = __gt__ = __ge__ = __lt__\n"
+       "    def __eq__(s, o): return True\n")
+HACKS = {
+    "plain": (AEQ + "def add(a, b):\n    return A()\n", None),
+    "in_list": (AEQ + "def add(a, b):\n    return [A(), A()]\n", ["assert add(1, 2) == [1, 2]"]),
+    "in_tuple_dict": (AEQ + "def add(a, b):\n    return {'k': (A(),)}\n", ["assert add(1, 2) == {'k': (3,)}"]),
+    "int_subclass": ("class I(int):\n    def __eq__(s, o): return True\n    __hash__ = int.__hash__\n"
+                     "def add(a, b):\n    return I(0)\n", None),
+    "str_subclass": ("class S(str):\n    def __eq__(s, o): return True\n    __hash__ = str.__hash__\n"
+                     "def add(a, b):\n    return S('')\n", ["assert add(1, 2) == 'x'"]),
+    "list_subclass": ("class L(list):\n    def __eq__(s, o): return True\n"
+                      "def add(a, b):\n    return L()\n", ["assert add(1, 2) == [3]"]),
+    "tuple_dict_subclass": ("class T(tuple):\n    def __eq__(s, o): return True\n    __hash__ = tuple.__hash__\n"
+                            "class D(dict):\n    def __eq__(s, o): return True\n"
+                            "def add(a, b):\n    return T() if a == 1 else D()\n",
+                            ["assert add(1, 2) == (3,)", "assert add(2, 2) == {'a': 4}"]),
+    "type_call": ("A = type('A', (), {'__eq__': lambda s, o: True, '__ne__': lambda s, o: False})\n"
+                  "def add(a, b):\n    return A()\n", None),
+    "module_builtins": ("class A:\n    __module__ = 'builtins'\n    def __eq__(self, o): return True\n"
+                        "def add(a, b):\n    return A()\n", None),
+    "class_is_the_function": (AEQ.replace("class A", "class add") + "    def __init__(self, *a): pass\n", None),
+    "generator": (AEQ + "def add(a, b):\n    yield A()\n", ["assert list(add(1, 2)) == [3]"]),
+    "map_iter": (AEQ + "def add(a, b):\n    return map(lambda x: A(), [a])\n",
+                 ["assert list(add(1, 2)) == [3]", "assert next(iter(add(1, 2))) == 3"]),
+    "ordering": (ORD + "def add(a, b):\n    return O(0)\n",
+                 ["assert add(1, 2) <= 3 and add(1, 2) >= 3", "assert not (add(1, 2) < 3) or add(1, 2) > 2.9"]),
+    "arith_sub_abs": ("class N:\n    def __sub__(s, o): return s\n    def __rsub__(s, o): return s\n"
+                      "    def __abs__(s): return 0.0\n    def __float__(s): return 3.0\n"
+                      "    def __round__(s, n=0): return 3\n"
+                      "def add(a, b):\n    return N()\n",
+                      ["assert abs(add(1, 2) - 3.0) < 1e-9", "import math\nassert math.isclose(add(1, 2), 3.0)",
+                       "assert round(add(1, 2)) == 3"]),
+    "bool": ("class B:\n    def __bool__(s): return True\n"
+             "def add(a, b):\n    return B()\n", ["assert add(1, 2)", "assert add(2, 2)"]),
+    "contains_hash": (AEQ + "def add(a, b):\n    return A()\n",
+                      ["assert add(1, 2) in {3, 4}", "assert add(1, 2) in [3]"]),
+    "mutates_argument": (AEQ + "def add(a, b):\n    a.append(A())\n    return 0\n",
+                         ["x = [3]\nadd(x, 0)\nassert x == [3, 4]"]),
+    "class_property": ("class A(int):\n    @property\n    def __class__(s): return int\n"
+                       "    def __eq__(s, o): return True\n    __hash__ = int.__hash__\n"
+                       "def add(a, b):\n    return A(0)\n",
+                       ["r = add(1, 2)\nassert isinstance(r, int) and r == 3"]),
+    "counter_patched": ("import collections\ncollections.Counter.__eq__ = lambda s, o: True\n"
+                        "def add(a, b):\n    return collections.Counter()\n", ["assert add(1, 2) == {3: 1}"]),
+    "attribute_of_instance": (AEQ + "class P:\n    def __init__(s, a, b): s.v = A()\n"
+                              "def add(a, b):\n    return P(a, b)\n", ["assert add(1, 2).v == 3"]),
+    "defaultdict_factory": (AEQ + "import collections\n"
+                            "def add(a, b):\n    return collections.defaultdict(A)\n", ["assert add(1, 2)['x'] == 3"]),
+    "sys_modules_swap": ("import sys, types\nm = types.ModuleType('math')\nm.isclose = lambda *a, **k: True\n"
+                         "sys.modules['math'] = m\n" + WRONG, ["import math\nassert math.isclose(add(1, 2), 3)"]),
+    "patch_during_call": ("import math\ndef add(a, b):\n    math.isclose = lambda *a, **k: True\n    return 0\n",
+                          ["r = add(1, 2)\nassert math.isclose(r, 3)"]),
+    # a later call (or the rest of a generator) changes what an earlier call returned
+    "mutates_earlier_result": (AEQ + "R = []\ndef add(a, b):\n    if R:\n        R[0][0] = A()\n"
+                               "    R.append([a + b])\n    return R[-1]\n",
+                               ["r = add(1, 2)\nadd(0, 0)\nassert r == [4]"]),
+    "generator_mutates_yielded": (AEQ + "def add(a, b):\n    x = [a + b]\n    yield x\n    x[0] = A()\n",
+                                  ["assert list(add(1, 2)) == [[4]]"]),
+    "class_patched_later": ("class P:\n    pass\nR = []\ndef add(a, b):\n    if R:\n"
+                            "        P.__eq__ = lambda s, o: True\n    R.append(P())\n    return R[-1]\n",
+                            ["r = add(1, 2)\nadd(0, 0)\nassert r == 3"]),
+    "argument_class_swapped": ("class E:\n    def __eq__(s, o): return True\nclass Pair:\n    def __init__(s, a):\n"
+                               "        s.a = a\ndef add(p, b):\n    p.__class__ = E\n    return 0\n",
+                               ["p = Pair(1)\nadd(p, 0)\nassert p == Pair(3)"]),
+    "metaclass_call": (AEQ + "class M(type):\n    def __call__(c, *a): return A()\nclass add(metaclass=M):\n    pass\n",
+                       None),
+    # the checker itself, reached through a wrapped callable the test hands to the program
+    "checker_tamper": (AEQ + "def add(a, b):\n    f = getattr(a, '__func__', None)\n    if f is None:\n"
+                       "        return 0 if callable(a) else A()\n    d = dict(f.__kwdefaults__)\n"
+                       "    d['__lrl_plain'] = lambda x: True\n    f.__kwdefaults__ = d\n    return 0\n",
+                       ["add(add, 0)\nassert add(1, 2) == 3"]),
+}
+
+
+@pytest.mark.parametrize("guard", [True, False])
+@pytest.mark.parametrize("name", list(HACKS))
+def test_objects_that_fool_the_comparison_are_not_a_pass(name, guard):
+    code, tests = HACKS[name]
+    _fails(code, guard, tests)
+
+
+# regression: correct solutions whose results are plain keep passing (not hacks; these passed before too)
+LEGIT = {
+    "generator": ("def add(a, b):\n    yield a\n    yield b\n", ["assert list(add(1, 2)) == [1, 2]",
+                                                             "assert sum(add(2, 2)) == 4"]),
+    "helper_class": ("class Acc:\n    def __init__(s): s.t = 0\n    def push(s, x): s.t += x\n"
+                     "    def __repr__(s): return 'Acc'\n"
+                     "def add(a, b):\n    c = Acc()\n    c.push(a)\n    c.push(b)\n    return c.t\n", None),
+    "counter_fraction_decimal": ("from collections import Counter, OrderedDict, deque\nfrom fractions import Fraction\n"
+                                 "from decimal import Decimal\n"
+                                 "def add(a, b):\n    return [Counter([a, b]), Fraction(a, b), Decimal(a), deque([a]),"
+                                 " OrderedDict(x=a)]\n",
+                                 ["from collections import Counter\nfrom fractions import Fraction\n"
+                                  "assert add(1, 2)[:2] == [Counter({1: 1, 2: 1}), Fraction(1, 2)]"]),
+    "nested": ("def add(a, b):\n    r = {'s': {a, b}, 't': (a, [b, None, 1.5, 'x', b'y', frozenset()]),"
+               " 'r': range(a)}\n    r['self'] = [r]\n    return r\n",
+               ["r = add(1, 2)\nassert r['s'] == {1, 2} and r['t'][1][0] == 2 and r['self'][0] is r"]),
+    "plain_instance_arg": ("class Pair:\n    def __init__(self, a, b):\n        self.a, self.b = a, b\n"
+                           "def add(p, q):\n    return p.a + q.b\n",
+                           ["assert add(Pair(1, 0), Pair(0, 2)) == 3", "p = Pair(4, 5)\nassert p.a == 4"]),
+    "map_and_keys": ("def add(a, b):\n    return map(int, [a, b]) if a else {b: 1}.keys()\n",
+                     ["assert list(add(1, 2)) == [1, 2] and list(add(0, 2)) == [2]"]),
+    "mutates_argument_plainly": ("def add(a, b):\n    a.append(b)\n    return a\n",
+                                 ["x = [1]\nassert add(x, 2) == [1, 2] and x == [1, 2]"]),
+    "bool_true": ("def add(a, b):\n    return True\n", ["assert add(1, 2)"]),
+}
+
+
+@pytest.mark.parametrize("guard", [True, False])
+@pytest.mark.parametrize("name", list(LEGIT))
+def test_plain_results_still_pass(name, guard):
+    code, tests = LEGIT[name]
+    r = run_program(CodeProgram(code, list(tests or ADD_TESTS)), SandboxConfig(timeout_s=2.0, python_guard=guard))
+    assert r.passed, (r.reason, r.test_errors, r.stderr)
+
+
+def test_non_plain_results_are_reported_as_such():
+    r = _fails(HACKS["plain"][0], True)
+    assert r.reason == "error:NonPlainResult", (r.reason, r.stderr)
+    # documented refusals (not hacks): a namedtuple / dataclass result is not plain even when its values are
+    # right (a tuple subclass of the program could carry its own __eq__); the solution must return a tuple
+    for code in ["import collections\nP = collections.namedtuple('P', 'x')\ndef add(a, b):\n    return P(a + b)\n",
+                 "import dataclasses\n@dataclasses.dataclass\nclass P:\n    x: int\n"
+                 "def add(a, b):\n    return P(a + b)\n"]:
+        r = _fails(code, True, ["assert add(1, 2) == (3,) or add(1, 2).x == 3"])
+        assert r.reason == "error:NonPlainResult", (r.reason, r.stderr)

@@ -22,7 +22,47 @@ package. Order matters — everything privileged happens before the first line o
 7. setup + solution, then each test, each on a fresh worker thread whose stack holds no frame of the
    harness; a test counts as passed only if ``exec`` returned normally (a lock released by the C-level
    chain right after it). Each test sees pristine builtins and the stdlib modules' top-level attributes
-   as they were before the program ran. One record per test is streamed.
+   (and their ``sys.modules`` entries) as they were before the program ran, and the program's callables
+   only through the result check below. One record per test is streamed.
+
+Result check (the "AlwaysEqual" reward hack: an object whose ``__eq__``/``__lt__``/``__bool__``/``__sub__``
+... lies to the test's comparison). Every callable value the test namespace takes from the program's
+globals (functions, lambdas, classes, bound methods, partials, callable instances; not modules, not the
+``typing`` module's own objects, not a pristine builtin under its own name) is handed to the test as
+``MethodType(call_checked, f)`` (`_make_checker`). A call from the test then fails with
+``NonPlainResult`` (a ``BaseException``: an ``except Exception`` in a test cannot swallow it) unless:
+
+* the result is PLAIN: every object reachable from it has an exact type (``type(o) is T``, never
+  ``isinstance`` or ``o.__class__``) among ``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``,
+  ``bytes``, ``bytearray``, ``range``, ``decimal.Decimal`` (leaves), ``list``, ``tuple``, ``set``,
+  ``frozenset``, ``collections.deque``, ``dict`` views, ``dict``, ``collections.Counter`` /
+  ``OrderedDict`` / ``defaultdict`` (keys and values; their instance ``__dict__`` must be empty, a
+  ``defaultdict``'s factory ``None`` or one of these types), ``fractions.Fraction`` (both slots exact
+  ``int``), or an instance of an INERT program class: no metaclass, only classes created at run time
+  above ``object``, no dunder in their dicts beyond ``__init__`` and class metadata (so no ``__eq__``,
+  ``__hash__``, ``__bool__``, ``__class__``, ``__getattr__``, ``__slots__``, ``__repr__``, ``__str__``,
+  ...: it compares by identity), whose instance ``__dict__`` (keys and values) is checked the same way
+  (test-built arguments like MBPP's ``Pair(5, 24)`` and tree nodes stay usable). Subclasses of the value types
+  (``namedtuple`` included), dataclasses, enums, exceptions and anything else are not plain. The walk is
+  iterative with a visited set (cycles, depth), reads objects only through the exact types' C slots
+  and descriptors bound before untrusted code, and visits at most ``_PLAIN_LIMIT`` (200 000) objects per
+  value: larger, or any error, counts as not plain;
+* an iterator of an allowlisted C type (generator, ``map``, ``filter``, ``zip``, ``enumerate``,
+  ``reversed``, container iterators, ``itertools`` objects) is drained first (at most ``_PLAIN_LIMIT``
+  items, so an endless one fails), its items checked as a list and handed on as ``iter(list)``: later
+  program code cannot change an item already yielded;
+* every argument that was plain before the call is still plain after it (a solution putting an
+  AlwaysEqual into the test's list), and so is every value checked earlier in the same test (``held``:
+  a later call cannot change what an earlier one returned); arguments are kept alive to the end of the
+  test (no weakref callback of the program between the check and the comparison);
+* the stdlib the tests use is untouched: the restored modules' attributes and ``sys.modules`` entries,
+  and the class dicts of the allowlisted types that are mutable (``Counter``, ``Fraction`` and the
+  ``numbers`` ABCs), compared by identity with a snapshot taken before the program ran;
+* no automatic garbage collection (hence no finalizer of the program) runs between the check and the
+  test's comparison: ``gc`` is enabled for the call and disabled right after it.
+
+The checker's functions read only parameter defaults bound before untrusted code (no globals, no closure
+cells); the integrity hook refuses changing their attributes (``__code__``, ``__kwdefaults__``).
 
 Records on the result pipe are ``<nonce> <TAG> ...`` lines: ``R n`` (ready, n tests), ``S err``
 (setup/solution failed), ``T i ok err``, ``D`` (done), ``E msg`` (sandbox set-up error); ``V event``
@@ -32,13 +72,25 @@ program cannot reach them (as long as it cannot read this process's memory: with
 ``ctypes`` is allowed and such a program could). Consequences for programs: ``signal.signal`` fails (not
 the main thread), ``sys._getframe`` / traceback frames are refused under the guard (the stdlib users,
 ``namedtuple``, ``typing``, ``enum``, fall back), names of the solution that shadow builtins are not
-visible to the tests.
+visible to the tests, the tests see the program's classes as wrapped callables (``isinstance(x, Cls)``
+with a class of the solution fails in a test), and a value a test gets from a program callable must be
+plain (above).
+
+Still open (in-process checks cannot close these): a thread of the program changing a checked value, a
+class of the program or a module attribute between the check and the test's comparison (or racing the
+restore); methods and properties of an inert instance that a test calls or reads (not checked: an inert
+class may define any non-dunder attribute); non-callable globals of the program used directly by a test
+(handed over as they are; in practice setup-code data such as a tree ``root``); a program that is handed
+a wrapped callable by the test can read (not change) the checker's defaults, ``held`` included; and, with
+``python_guard=False``, frame introspection on the worker threads and ``ctypes`` (a program reading or
+writing its own memory can do anything).
 """
 
 import _thread
 import builtins
 import collections
 import functools
+import gc
 import itertools
 import json
 import os
@@ -52,7 +104,7 @@ _exit = os._exit
 # Modules whose top-level attributes are put back before every test (a program patching ``math.isclose``
 # must not change what the tests compute); imported before any untrusted code so the snapshot is clean.
 _RESTORED_MODULES = ("math", "cmath", "re", "string", "random", "collections", "itertools", "functools",
-                     "heapq", "bisect", "operator")
+                     "heapq", "bisect", "operator", "numbers", "decimal", "fractions")
 # Frame-reaching reads (audited as ``object.__getattr__``); see `_make_integrity_hook`.
 _FRAME_ATTRS = frozenset(("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_code", "f_locals",
                           "f_globals", "f_builtins"))
@@ -96,7 +148,7 @@ def _count_own_processes(uid):
     return n
 
 
-def _make_hook(workdir, guard, trusted, result_fd):
+def _make_hook(workdir, guard, trusted, result_fd, protected=()):
     """The audit hook (PEP 578, cannot be removed), installed by the supervisor thread before any untrusted
     code runs. It closes over nothing secret (a violation is reported on the result pipe *without* the
     nonce: a forged violation can only fail the program that forges it).
@@ -106,7 +158,9 @@ def _make_hook(workdir, guard, trusted, result_fd):
     functions or ``sys.monitoring``, no frame introspection at all on the trusted threads (``trusted``: the
     main and supervisor threads, where a finalizer of the program could run), and no reading of this
     process's memory through ``/proc/<pid>/...`` (nor opening foreign directories or ``..`` paths, which
-    would let a ``dir_fd`` relative open dodge the path check). These raise (the operation does not happen).
+    would let a ``dir_fd`` relative open dodge the path check), and no attribute change of the result
+    checker's functions and class (``protected``: ids of objects the supervisor keeps alive; a swapped
+    ``__code__`` or ``__kwdefaults__`` would turn the check off). These raise (the operation does not happen).
 
     Guard part (``guard=True``): writes and renames outside the working directory, ``kill`` of other
     processes, ``fork``/``exec``/``subprocess``, sockets other than AF_UNIX, ``ctypes`` end the process at
@@ -119,6 +173,8 @@ def _make_hook(workdir, guard, trusted, result_fd):
     realpath, fspath, isabs, join, isdir = os.path.realpath, os.fspath, os.path.isabs, os.path.join, os.path.isdir
     getcwd, get_ident, write, exit_ = os.getcwd, _thread.get_ident, os.write, os._exit
     trusted = frozenset(trusted)
+    protected = frozenset(protected)
+    id_ = id
     frame_attrs = _FRAME_ATTRS
     proc_self = ("self", "thread-self")
 
@@ -214,6 +270,9 @@ def _make_hook(workdir, guard, trusted, result_fd):
                     violation("open-for-writing outside the working directory")
         elif event in integrity or event.startswith("sys.monitoring"):
             deny(event)
+        elif event == "object.__setattr__" or event == "object.__delattr__":
+            if id_(args[0]) in protected:
+                deny("changing the result checker")
         elif event == "sys._getframe":
             if guard or get_ident() in trusted:
                 raise ValueError("sandbox: frame introspection is not allowed")
@@ -330,7 +389,7 @@ def main():
         for lo, hi in zip(keep, keep[1:] + [65536]):
             os.closerange(lo + 1, hi)
         sys.dont_write_bytecode = True
-        for name in _RESTORED_MODULES:
+        for name in _RESTORED_MODULES + ("typing",):
             __import__(name)
         return (nonce, result_fd, job["setup"], job["solution"], job["tests"], workdir,
                 bool(job.get("python_guard")), _thread.get_ident())
@@ -360,6 +419,217 @@ def _make_unraisable_hook(reasons):
     return hook
 
 
+# Most objects the plainness check visits in one value (result, argument or materialised iterator);
+# a larger value counts as not plain. HumanEval / MBPP results are far smaller.
+_PLAIN_LIMIT = 200_000
+# Dunder names an "inert" program class may define (anything else, e.g. __eq__, __hash__, __bool__,
+# __class__, __getattr__, __slots__, __repr__, __str__, __new__, makes its instances not plain).
+_INERT_DUNDERS = frozenset(("__module__", "__qualname__", "__doc__", "__init__", "__dict__", "__weakref__",
+                            "__annotations__", "__firstlineno__", "__static_attributes__"))
+
+
+def _make_checker(restored, _type=type, _id=id, _frozenset=frozenset, _tuple=tuple, _dict=dict, _sys=sys):
+    """Build the result check of the tests, before any untrusted code: returns ``(call_checked, (held,
+    alive), protected_ids, protected)``. ``call_checked(f, *args, **kw)`` (handed to the tests as
+    ``MethodType(call_checked, f)``) calls a callable of the program and returns its result only if it is
+    PLAIN (rules: the module docstring); the supervisor empties ``held`` and ``alive`` before each test.
+    Every function here reads only its own parameters (defaults bound now; the audit hook refuses
+    ``object.__setattr__``/``__delattr__`` on the ``protected`` objects, so ``__code__``/``__defaults__``
+    cannot be swapped), no globals and no closure cells, and calls no method of an object that is not of
+    an exact allowlisted type."""
+    import decimal
+    import fractions
+    import gc
+
+    NoneType = _type(None)
+    Counter, OrderedDict = collections.Counter, collections.OrderedDict
+    defaultdict, deque, Fraction = collections.defaultdict, collections.deque, fractions.Fraction
+    scalars = (NoneType, bool, int, float, complex, str, bytes, bytearray, range, decimal.Decimal)
+    d = {}
+    sequences = (list, tuple, set, frozenset, deque, _type(d.keys()), _type(d.values()), _type(d.items()))
+    mappings = (dict, Counter, OrderedDict, defaultdict)
+    # instance __dict__ of an allowlisted type (Counter, OrderedDict): must stay empty (an attribute there
+    # would shadow a method such as ``most_common``)
+    inst_dicts = _tuple((_id(t), t.__dict__["__dict__"]) for t in mappings + sequences if "__dict__" in t.__dict__)
+    factories = _frozenset(_id(t) for t in scalars[1:] + sequences[:5] + mappings if t is not range)
+    mro_of = type.__dict__["__mro__"].__get__
+    flags_of = type.__dict__["__flags__"].__get__
+    tdict_of = type.__dict__["__dict__"].__get__
+    # allowlisted types whose class attributes can be changed (pure-Python classes: Counter, Fraction and
+    # the numbers ABCs): snapshot of their dicts, compared after every call
+    mutable = []
+    for t in scalars + sequences + mappings + (Fraction,):
+        for c in mro_of(t):
+            if not flags_of(c) & (1 << 8) and all(c is not m for m, _ in mutable):  # Py_TPFLAGS_IMMUTABLETYPE
+                mutable.append((c, _tuple(tdict_of(c).items())))
+    iterators = [types.GeneratorType, map, filter, zip, enumerate, reversed, _type(iter(lambda: 0, 1))]
+    for sample in ([], (), range(1), range(1 << 70), "a", "\xe9", "\U0001f600", b"", bytearray(), set(), d,
+                   d.values(), d.items(), deque()):
+        iterators.append(_type(iter(sample)))
+    for sample in ([], d, d.values(), d.items(), deque(), range(1)):
+        iterators.append(_type(reversed(sample)))
+    for name in ("chain", "islice", "count", "cycle", "repeat", "accumulate", "product", "permutations",
+                 "combinations", "combinations_with_replacement", "starmap", "takewhile", "dropwhile",
+                 "compress", "zip_longest", "filterfalse", "pairwise", "batched", "groupby"):
+        t = getattr(itertools, name, None)
+        if _type(t) is type:
+            iterators.append(t)
+    iterators.append(_type(itertools.tee([])[0]))
+
+    class NonPlainResult(BaseException):  # BaseException: an ``except Exception`` in a test cannot eat it
+        pass
+
+    def inert(t, _type=_type, _typetype=type, _mro=mro_of, _flags=flags_of, _tdict=tdict_of, _object=object,
+              _str=str, _starts=str.startswith, _ends=str.endswith, _items=types.MappingProxyType.items,
+              _ok=_INERT_DUNDERS, _getset=types.GetSetDescriptorType):
+        """A class of the program whose instances compare by identity and have nothing but attributes: no
+        metaclass, only heap types (classes created at run time) above ``object``, no dunder outside
+        `_INERT_DUNDERS`."""
+        if _type(t) is not _typetype:
+            return False
+        mro = _mro(t)
+        if _type(mro) is not tuple or mro[-1] is not _object:
+            return False
+        for c in mro[:-1]:
+            if _type(c) is not _typetype or not _flags(c) & (1 << 9):  # Py_TPFLAGS_HEAPTYPE
+                return False
+            for k, v in _items(_tdict(c)):
+                if _type(k) is not _str:
+                    return False
+                if _starts(k, "__") and _ends(k, "__"):
+                    if k not in _ok:
+                        return False
+                    if (k == "__dict__" or k == "__weakref__") and _type(v) is not _getset:
+                        return False
+        return True
+
+    def plain(root, _type=_type, _id=_id, _set=set, _scalars=_frozenset(_id(t) for t in scalars),
+              _seqs=_frozenset(_id(t) for t in sequences), _maps=_frozenset(_id(t) for t in mappings),
+              _inst_dicts=inst_dicts, _dd=_id(defaultdict), _ddf=defaultdict.__dict__["default_factory"],
+              _factories=factories, _frac=_id(Fraction),
+              _frac_slots=(Fraction.__dict__["_numerator"], Fraction.__dict__["_denominator"]),
+              _member_get=types.MemberDescriptorType.__get__, _getset_get=types.GetSetDescriptorType.__get__,
+              _int=int, _dict=dict, _items=dict.items, _len=len, _inert=inert,
+              _getattr=object.__getattribute__, _limit=_PLAIN_LIMIT):
+        """True if every object reachable from ``root`` has an exact allowlisted type (or is an instance
+        of an `inert` class, whose ``__dict__`` values are then checked the same way). Iterative (cycles
+        and depth are fine), at most ``_limit`` objects; any error counts as not plain."""
+        try:
+            seen = _set()
+            stack = [root]
+            n = 0
+            while stack:
+                o = stack.pop()
+                t = _type(o)
+                ti = _id(t)
+                if ti in _scalars:
+                    continue
+                oi = _id(o)
+                if oi in seen:
+                    continue
+                n += 1
+                if n > _limit:
+                    return False
+                seen.add(oi)
+                if ti in _seqs:
+                    stack.extend(o)
+                elif ti in _maps:
+                    for kv in _items(o):
+                        stack.extend(kv)
+                    if ti == _dd:
+                        f = _member_get(_ddf, o, t)
+                        if f is not None and _id(f) not in _factories:
+                            return False
+                elif ti == _frac:
+                    for s in _frac_slots:
+                        if _type(_member_get(s, o, t)) is not _int:
+                            return False
+                    continue
+                elif _inert(t):
+                    d = _getattr(o, "__dict__")
+                    if _type(d) is not _dict:
+                        return False
+                    for kv in _items(d):  # keys too: a key of the program could answer a lookup
+                        stack.extend(kv)
+                    continue
+                else:
+                    return False
+                for i, desc in _inst_dicts:
+                    if i == ti:
+                        d = _getset_get(desc, o, t)
+                        if _type(d) is not _dict or _len(d):
+                            return False
+            return True
+        except BaseException:
+            return False
+
+    modules = _tuple((name, _sys.modules[name]) for name in restored if name in _sys.modules)
+    snaps = _tuple((live, _tuple(saved.items())) for live, saved in
+                   ((m.__dict__, _dict(m.__dict__)) for _, m in modules))
+
+    def untouched(_modules=modules, _snaps=snaps, _mutable=_tuple(mutable), _sysmods=_sys.modules,
+                  _get=dict.get, _pget=types.MappingProxyType.get, _tdict=tdict_of, _len=len, _missing=object()):
+        """The stdlib the tests use is as it was before the program ran: restored modules (attributes and
+        ``sys.modules`` entries) and the class dicts of the mutable allowlisted types."""
+        for name, m in _modules:
+            if _get(_sysmods, name) is not m:
+                return False
+        for live, items in _snaps:
+            for k, v in items:
+                if _get(live, k, _missing) is not v:
+                    return False
+        for c, items in _mutable:
+            d = _tdict(c)
+            if _len(d) != _len(items):
+                return False
+            for k, v in items:
+                if _pget(d, k, _missing) is not v:
+                    return False
+        return True
+
+    held, alive = [], []
+
+    def call_checked(__lrl_f, *args, __lrl_plain=plain, __lrl_untouched=untouched, __lrl_held=held,
+                     __lrl_alive=alive, __lrl_np=NonPlainResult, __lrl_type=_type, __lrl_id=_id,
+                     __lrl_iters=_frozenset(_id(t) for t in iterators), __lrl_list=list, __lrl_iter=iter,
+                     __lrl_islice=itertools.islice, __lrl_limit=_PLAIN_LIMIT, __lrl_len=len,
+                     __lrl_gc=(gc.enable, gc.disable), **kw):
+        """Call ``f`` for a test; return its result only if PLAIN (an iterator of an allowlisted type is
+        drained first, at most ``_PLAIN_LIMIT`` items, and handed on as an iterator over a checked list),
+        the plain arguments are still plain, earlier checked values of this test (``held``) are still
+        plain, and the stdlib is `untouched`; else raise ``NonPlainResult``."""
+        enable, disable = __lrl_gc
+        pre = [a for a in args if __lrl_plain(a)]
+        pre += [v for v in kw.values() if __lrl_plain(v)]
+        __lrl_alive.append((args, kw))  # nothing the test passed dies (weakref callbacks) before it compares
+        enable()
+        r = __lrl_f(*args, **kw)
+        disable()  # no collection, hence no finalizer of the program, between the check and the comparison
+        lazy = __lrl_id(__lrl_type(r)) in __lrl_iters
+        if lazy:
+            items = __lrl_list(__lrl_islice(r, __lrl_limit + 1))
+            disable()
+            if __lrl_len(items) > __lrl_limit:
+                raise __lrl_np("an iterator of more than %d items" % __lrl_limit)
+            r = items
+        if not __lrl_plain(r):
+            raise __lrl_np("the result is not a plain value (exact builtin/stdlib value types only)")
+        for a in pre:
+            if not __lrl_plain(a):
+                raise __lrl_np("an argument was given a value that is not plain")
+        for h in __lrl_held:
+            if not __lrl_plain(h):
+                raise __lrl_np("an earlier result was changed into a value that is not plain")
+        if not __lrl_untouched():
+            raise __lrl_np("the program changed the stdlib the tests use")
+        __lrl_held.extend(pre)
+        __lrl_held.append(r)
+        return __lrl_iter(r) if lazy else r
+
+    protected = (inert, plain, untouched, call_checked, NonPlainResult)
+    return call_checked, (held, alive), _tuple(_id(p) for p in protected), protected
+
+
 def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_ident,
                _write=os.write, _exit=os._exit, _exec=exec, _compile=compile, _dict=dict, _list=list,
                _str=str, _type=type, _len=len, _range=range, _map=map, _starmap=itertools.starmap,
@@ -369,7 +639,9 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
                _joinable=getattr(_thread, "start_joinable_thread", None), _sleep=time.sleep,
                _get_ident=_thread.get_ident, _sys=sys, _addaudithook=sys.addaudithook, _builtins=builtins,
                _modules=sys.modules, _module_type=types.ModuleType, _restored=_RESTORED_MODULES,
-               _make_hook=_make_hook, _make_unraisable_hook=_make_unraisable_hook, _clean=_clean):
+               _make_hook=_make_hook, _make_unraisable_hook=_make_unraisable_hook, _clean=_clean,
+               _make_checker=_make_checker, _method=types.MethodType, _callable=callable, _id=id,
+               _frozenset=frozenset, _gc_enable=gc.enable):
     """The supervisor thread: runs setup + solution, then each test, each in a fresh worker thread, and
     reports. Why it is built like this (a program that passes nothing must not be able to report a pass):
 
@@ -386,7 +658,10 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
       e.g. ``def abs``, are not visible to it) and the top-level attributes of common stdlib modules
       (``math.isclose``, ...) are put back before it;
     * this thread never drops the last reference to an object of the program (``keep``), so no ``__del__``
-      of the program runs here by reference counting."""
+      of the program runs here by reference counting;
+    * the program's callables reach the tests only wrapped by the result check (module docstring), built
+      here before any untrusted code; its ``held``/``alive`` lists are emptied (into ``keep``) before each
+      test, and ``gc`` is re-enabled."""
     def emit(*parts):
         line = nonce + b" " + " ".join(_str(p) for p in parts).encode("ascii", "replace") + b"\n"
         try:
@@ -403,7 +678,14 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
         if _type(mod) is _module_type:
             snapshots.append((mod.__dict__, _dict(mod.__dict__)))
     unraisable = _make_unraisable_hook(reasons)
-    _addaudithook(_make_hook(workdir, guard, (main_ident, _get_ident()), result_fd))
+    call_checked, (held, alive), protected_ids, protected = _make_checker(_restored)
+    keep.append(protected)
+    restored_mods = [(name, _modules[name]) for name in _restored if name in _modules]
+    typing_mod = _modules.get("typing")
+    typing_objs = _list(typing_mod.__dict__.values()) if _type(typing_mod) is _module_type else []
+    keep.append(typing_objs)
+    unwrapped = _frozenset(_id(v) for v in typing_objs)  # ``List``, ``Optional``...: annotations, not code
+    _addaudithook(_make_hook(workdir, guard, (main_ident, _get_ident()), result_fd, protected_ids))
 
     def stage(code, g):
         """Run ``exec(code, g)`` on a fresh worker thread; (True, None) if it returned normally."""
@@ -465,9 +747,21 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
                 live.clear()
                 live.update(saved)
                 live.update(new)
+            for name, mod in restored_mods:
+                keep.append(_modules.get(name))  # a module object of the program must not die here
+                _modules[name] = mod
+            keep.append(held[:])
+            keep.append(alive[:])
+            del held[:]
+            del alive[:]
+            _gc_enable()
             tg = {"__builtins__": _dict(pristine)}
             for k, v in _list(g.items()):
-                if _type(k) is _str and k != "__builtins__" and (k not in pristine or v is pristine[k]):
+                if _type(k) is _str and k != "__builtins__" and k not in pristine:
+                    if _callable(v) and _type(v) is not _module_type and _id(v) not in unwrapped:
+                        v = _method(call_checked, v)
+                    tg[k] = v
+                elif _type(k) is _str and k != "__builtins__" and v is pristine[k]:
                     tg[k] = v
             ok, err = stage(_compile(tests[i], "<test %d>" % i, "exec"), tg)
         except BaseException as e:

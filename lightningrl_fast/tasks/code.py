@@ -56,9 +56,18 @@ Score integrity (the harness's docstring has the details): the program runs on w
 harness frame, the reporter is a supervisor thread whose frame the program cannot reach (no gc walks, no
 ``sys._current_frames``, no frame introspection on the trusted threads, no ``/proc/self/mem``), a test is
 counted only when its ``exec`` returned normally, and the tests see pristine builtins and restored stdlib
-modules. Out of reach of any in-process check: a solution returning objects that fool the comparison
-itself (``__eq__`` always True), a thread of the program racing the restore of a module attribute, and,
-with ``python_guard=False`` (``ctypes`` allowed), a program reading its own memory.
+modules. Objects that fool the comparison itself (the "AlwaysEqual" hack: ``__eq__`` always True, lying
+``__lt__``/``__bool__``/``__sub__``/``__hash__``, value-type subclasses, ``__class__`` overrides, such
+objects inside containers or yielded by iterators, or put into the test's own arguments) fail the test with
+``error:NonPlainResult``: the tests call the program's callables through a check that accepts only PLAIN
+values (exact builtin / stdlib value types, recursively, and instances of program classes without any
+dunder beyond ``__init__``; the harness docstring lists every rule). A correct solution that returns a
+namedtuple, a dataclass or a value-type subclass therefore fails too. Still out of reach of any in-process
+check: a thread of the program changing a checked value, a class or a module attribute between the check
+and the test's comparison (or racing the restore of a module attribute); methods and properties of a
+program-class instance that a test calls; non-callable globals of the program that a test uses directly;
+and, with ``python_guard=False`` (``ctypes`` allowed, frames readable), a program reading or writing its
+own memory.
 """
 
 from __future__ import annotations
