@@ -102,6 +102,19 @@ def test_shadowing_what_the_tests_use_is_not_a_pass(guard):
 
 
 @pytest.mark.parametrize("guard", [True, False])
+def test_a_builtin_named_function_under_test_is_visible(guard):
+    """MBPP task 126 names its function ``sum``: a test that calls no other function of the program sees it
+    (result checked); a test that also calls another one (``abs(add(...))``) keeps the pristine builtin."""
+    code = "def sum(a, b):\n    return a * b\n"
+    tests = ["assert sum(3, 4) == 12", "assert sum(2, 5) == 10"]
+    r = run_program(CodeProgram(code, tests), SandboxConfig(timeout_s=2.0, python_guard=guard))
+    assert r.passed, (r.reason, r.test_errors, r.stderr)
+    assert not run_program(CodeProgram(code.replace("a * b", "a + b"), tests),
+                           SandboxConfig(timeout_s=2.0, python_guard=guard)).passed
+    _fails("def sum(a, b):\n    return 3\n" + WRONG, guard, ["assert sum([add(1, 2)], 0) == 3"])
+
+
+@pytest.mark.parametrize("guard", [True, False])
 def test_reading_own_memory_through_proc_is_refused(guard):
     """/proc/self/mem would expose the nonce; a dir_fd-relative open or a symlink must not dodge the check."""
     for code in [

@@ -139,9 +139,19 @@ def test_mbpp_pass_fraction_per_assert():
     assert partial.reason == "assertion" and partial.test_errors == [None, "assertion", None]
 
 
-def test_mbpp_setup_code_runs_first():
+def test_mbpp_setup_code_runs_after_the_solution():
+    """The row's setup runs after the solution, before the tests: it may define what the tests use, and it may
+    build its fixtures from the solution's classes (MBPP tasks 367 and 927: ``root = Node(1)``)."""
     ex = _mbpp(["assert add(BASE, 1) == 101"], setup="BASE = 100")
     assert verify_code("def add(a, b):\n    return a + b\n", ex).passed
+    tree = _mbpp(["assert depth(root) == 3", "assert depth(leaf) == 1"],
+                 setup="root = Node(1)\nroot.left = Node(2)\nroot.left.left = Node(3)\nleaf = Node(4)",
+                 text="Write a function depth(node) returning the depth of a binary tree.")
+    solution = ("class Node:\n    def __init__(self, v):\n        self.v, self.left, self.right = v, None, None\n"
+                "def depth(n):\n    return 0 if n is None else 1 + max(depth(n.left), depth(n.right))\n")
+    r = verify_code(solution, tree)
+    assert r.passed, (r.reason, r.test_errors, r.stderr)
+    assert not verify_code(solution.replace("1 + max", "2 + max"), tree).passed
 
 
 def test_failure_reasons():
@@ -227,7 +237,11 @@ def _run_hostile(code: str, guard: bool, **kw) -> "CodeResult":  # noqa: F821
     assert time.monotonic() - t0 < 15
     assert not r.passed and r.pass_fraction == 0.0, (r.reason, r.stderr)
     if CAPS["uid_drop"]:
-        assert _sandbox_uid_processes() == [], "a sandbox process outlived its run"
+        # the kernel tears a killed PID namespace down asynchronously: a moment's grace, then none may be left
+        deadline = time.monotonic() + 3.0
+        while (left := _sandbox_uid_processes()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert left == [], f"a sandbox process outlived its run: {left}"
     return r
 
 
@@ -275,7 +289,9 @@ def test_fork_bomb_is_bounded(guard):
     else:
         assert r.reason == "timeout" and r2.reason in ("error:BlockingIOError", "timeout")
         if CAPS["uid_drop"]:
-            assert 1 < peak[0] <= 8, peak[0]
+            # RLIMIT_NPROC = max_procs + 2 tasks (the harness's supervisor and worker threads count): a sample of
+            # /proc may catch up to that many processes while the harness's threads come and go
+            assert 1 < peak[0] <= 8 + 2, peak[0]
 
 
 @pytest.mark.parametrize("guard", GUARDS)

@@ -19,7 +19,7 @@ package. Order matters — everything privileged happens before the first line o
    writes and renames outside the working directory, ``kill`` of other processes,
    ``fork``/``exec``/``subprocess``, sockets, ``ctypes`` and frame introspection; a forbidden event ends
    the process at once (no ``except`` can retry it) — defense in depth on top of the OS layers;
-7. setup + solution, then each test, each on a fresh worker thread whose stack holds no frame of the
+7. solution + setup, then each test, each on a fresh worker thread whose stack holds no frame of the
    harness; a test counts as passed only if ``exec`` returned normally (a lock released by the C-level
    chain right after it). Each test sees pristine builtins and the stdlib modules' top-level attributes
    (and their ``sys.modules`` entries) as they were before the program ran, and the program's callables
@@ -72,7 +72,8 @@ program cannot reach them (as long as it cannot read this process's memory: with
 ``ctypes`` is allowed and such a program could). Consequences for programs: ``signal.signal`` fails (not
 the main thread), ``sys._getframe`` / traceback frames are refused under the guard (the stdlib users,
 ``namedtuple``, ``typing``, ``enum``, fall back), names of the solution that shadow builtins are not
-visible to the tests, the tests see the program's classes as wrapped callables (``isinstance(x, Cls)``
+visible to a test that also calls another function of the program (one that calls only the builtin-named
+function, MBPP's ``def sum(a, b)``, sees it), the tests see the program's classes as wrapped callables (``isinstance(x, Cls)``
 with a class of the solution fails in a test), and a value a test gets from a program callable must be
 plain (above).
 
@@ -641,8 +642,8 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
                _modules=sys.modules, _module_type=types.ModuleType, _restored=_RESTORED_MODULES,
                _make_hook=_make_hook, _make_unraisable_hook=_make_unraisable_hook, _clean=_clean,
                _make_checker=_make_checker, _method=types.MethodType, _callable=callable, _id=id,
-               _frozenset=frozenset, _gc_enable=gc.enable):
-    """The supervisor thread: runs setup + solution, then each test, each in a fresh worker thread, and
+               _frozenset=frozenset, _gc_enable=gc.enable, _set=set, _code_type=types.CodeType, _tuple=tuple):
+    """The supervisor thread: runs the solution + setup, then each test, each in a fresh worker thread, and
     reports. Why it is built like this (a program that passes nothing must not be able to report a pass):
 
     * untrusted code never runs on this thread's stack: a worker is started on a C-only chain
@@ -655,13 +656,24 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
     * everything used here is bound as a default argument before any untrusted code: patching
       ``builtins.exec``/``str`` or this module's globals changes nothing here;
     * each test sees a fresh copy of the pristine builtins (names of the solution that shadow a builtin,
-      e.g. ``def abs``, are not visible to it) and the top-level attributes of common stdlib modules
+      e.g. ``def abs``, are not visible to it unless it calls no other function of the program: then the
+      builtin-named function is the one under test) and the top-level attributes of common stdlib modules
       (``math.isclose``, ...) are put back before it;
     * this thread never drops the last reference to an object of the program (``keep``), so no ``__del__``
       of the program runs here by reference counting;
     * the program's callables reach the tests only wrapped by the result check (module docstring), built
       here before any untrusted code; its ``held``/``alive`` lists are emptied (into ``keep``) before each
       test, and ``gc`` is re-enabled."""
+    def names_of(code, _set=_set, _type=_type, _code_type=_code_type, _tuple=_tuple):
+        """The global and attribute names a compiled test mentions, nested code objects included (runs on the
+        test's code object only; a local function: the program cannot reach it to swap its code)."""
+        names, stack = _set(), [code]
+        while stack:
+            c = stack.pop()
+            names.update(_tuple(c.co_names))
+            stack.extend([x for x in c.co_consts if _type(x) is _code_type])
+        return names
+
     def emit(*parts):
         line = nonce + b" " + " ".join(_str(p) for p in parts).encode("ascii", "replace") + b"\n"
         try:
@@ -722,12 +734,11 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
     g = {"__name__": "__sandbox__", "__builtins__": _builtins}
     keep.append(g)
     try:
-        if setup:
+        # the solution, then the row's setup: MBPP's setup code builds its fixtures from classes the solution
+        # defines (``root = Node(1)``); a setup of imports only is indifferent to the order
+        done, err = stage(_compile(solution, "<solution>", "exec"), g)
+        if done and setup:
             done, err = stage(_compile(setup, "<setup>", "exec"), g)
-        else:
-            done, err = True, None
-        if done:
-            done, err = stage(_compile(solution, "<solution>", "exec"), g)
     except BaseException as e:  # compile(): a syntax error
         keep.append(e)
         done, err = False, _clean(_type(e).__name__)
@@ -755,15 +766,28 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
             del held[:]
             del alive[:]
             _gc_enable()
+            code = _compile(tests[i], "<test %d>" % i, "exec")
+            used = names_of(code)  # global and attribute names the test's code mentions
             tg = {"__builtins__": _dict(pristine)}
+            own_used = False  # does the test call a callable of the program under a non-builtin name?
             for k, v in _list(g.items()):
                 if _type(k) is _str and k != "__builtins__" and k not in pristine:
                     if _callable(v) and _type(v) is not _module_type and _id(v) not in unwrapped:
                         v = _method(call_checked, v)
+                        own_used = own_used or k in used
                     tg[k] = v
                 elif _type(k) is _str and k != "__builtins__" and v is pristine[k]:
                     tg[k] = v
-            ok, err = stage(_compile(tests[i], "<test %d>" % i, "exec"), tg)
+            if not own_used:
+                # a function of the solution named like a builtin (MBPP's ``def sum(a, b)``) is the function
+                # under test when the test calls no other function of the program: then it is visible (result
+                # checked). Otherwise it stays hidden: ``def abs(x): return 0`` must not decide
+                # ``assert abs(add(1, 2) - 3) < 1e-9``.
+                for k, v in _list(g.items()):
+                    if (_type(k) is _str and k != "__builtins__" and k in pristine and v is not pristine[k]
+                            and k in used and _callable(v) and _type(v) is not _module_type):
+                        tg[k] = _method(call_checked, v)
+            ok, err = stage(code, tg)
         except BaseException as e:
             keep.append(e)
         emit("T", i, 1 if ok else 0, "-" if ok else err)

@@ -6,7 +6,8 @@ A completion is turned into a `CodeProgram` (setup, solution, list of tests) by 
   ``prompt + "\\n" + completion`` when it already contains ``def <entry_point>(`` (the prompt's stub is a
   valid function, so the completion's definition replaces it while the prompt's imports and helpers
   stay); one test: the benchmark's ``test`` source followed by ``check(<entry_point>)``.
-* MBPP: setup = ``test_setup_code``, solution = the completion, one test per assert of ``test_list``.
+* MBPP: setup = ``test_setup_code`` (run after the solution: it may build fixtures from the solution's
+  classes), solution = the completion, one test per assert of ``test_list``.
 * plain code rows (tasks/data.py): the completion alone is the solution, tested as above by their
   ``test`` + ``entry_point`` (no stub is prepended: the prompt is prose) or their ``test_list``.
 
@@ -118,7 +119,7 @@ class SandboxConfig:
     timeout_s: float = 5.0          # wall clock for the untrusted part, from the child's "ready"
     startup_timeout_s: float = 20.0  # interpreter start + jail set-up
     memory_mb: int = 1024           # RLIMIT_AS per process
-    max_procs: int = 8              # RLIMIT_NPROC (processes/threads of the sandbox uid)
+    max_procs: int = 8              # RLIMIT_NPROC - 2 (processes/threads of the sandbox uid; +2: the harness threads)
     file_mb: int = 10               # RLIMIT_FSIZE: largest file, stdout/stderr included
     tmpfs_mb: int = 64              # size of each private tmpfs (namespaced runs)
     max_output_bytes: int = 8192    # stdout/stderr bytes read back into the result
@@ -132,7 +133,7 @@ class SandboxConfig:
 
 @dataclass
 class CodeProgram:
-    """What runs in the sandbox: setup and solution once, then each test separately."""
+    """What runs in the sandbox: solution and setup once (in that order), then each test separately."""
 
     solution: str
     tests: list[str]

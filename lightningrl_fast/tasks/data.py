@@ -80,7 +80,7 @@ class Example:
     ``prompt`` is the raw question / problem statement (for HumanEval: the function stub), not yet templated.
     ``answer`` is the reference final answer for math (GSM8K: the number after ``####``) and the reference
     program for code. ``solution`` keeps a worked solution when the file has one. Code fields:
-    ``test_list`` (MBPP asserts, one per entry), ``test_setup_code`` (run before the solution),
+    ``test_list`` (MBPP asserts, one per entry), ``test_setup_code`` (run after the solution, before the tests),
     ``test`` (HumanEval source defining ``check``) and ``entry_point`` (HumanEval function name).
     """
 
