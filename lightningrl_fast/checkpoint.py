@@ -43,6 +43,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ._jsonfile import read_json_file
 from .model import SDARConfig, SDARForCausalLM
 
 CONFIG_NAME = "config.json"
@@ -83,19 +84,6 @@ def _backup_hint(folder: Path) -> str:
     return f" (an interrupted save left the previous checkpoint at {olds[-1]})" if olds else ""
 
 
-def _read_json_object(file: Path) -> dict:
-    """The JSON object in `file`; CheckpointError naming the file when it is not UTF-8, not JSON or not an object."""
-    try:
-        d = json.loads(file.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, and the int-digits limit / nesting depth
-        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{file} must hold a JSON object, got {type(d).__name__}")
-    return d
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -127,7 +115,7 @@ def read_config(path: str | Path) -> SDARConfig:
     file = path if path.suffix == ".json" else path / CONFIG_NAME
     if not file.is_file():
         raise FileNotFoundError(f"no {CONFIG_NAME} at {file}" + _backup_hint(file.parent))
-    d = _read_json_object(file)
+    d = read_json_file(file, error=CheckpointError)
     missing = [k for k in REQUIRED_CONFIG_KEYS if k not in d]
     if missing:
         raise CheckpointError(f"{file} is missing required key(s): {', '.join(repr(k) for k in missing)}")
@@ -165,7 +153,7 @@ def checkpoint_files(folder: str | Path) -> dict[str, Path]:
     folder = Path(folder)
     index = folder / INDEX_NAME
     if index.is_file():
-        wmap = _read_json_object(index).get("weight_map")
+        wmap = read_json_file(index, error=CheckpointError).get("weight_map")
         if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
             raise CheckpointError(f"{index} has no valid 'weight_map' (an object of tensor name -> shard file)")
         bad = sorted({v for v in wmap.values() if Path(v).name != v})

@@ -222,10 +222,10 @@ def _validate(model: SDARForCausalLM, prompts, cfg: SamplerConfig, bs: int) -> i
             raise TypeError(f"prompt {i} must be a list of int token ids, got {type(p).__name__}")
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty")
-        not_int = [t for t in p if isinstance(t, bool) or not isinstance(t, int)]
+        bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]  # one pass
+        not_int = [t for t in bad if isinstance(t, bool) or not isinstance(t, int)]
         if not_int:
             raise TypeError(f"prompt {i} has token id(s) that are not ints: {not_int[:5]}")
-        bad = [t for t in p if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt {i} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
         if mask_id in p:

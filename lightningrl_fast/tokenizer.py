@@ -44,6 +44,8 @@ from typing import Any, Iterable, Sequence
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from ._jsonfile import read_json_file
+
 # The Qwen2 pre-tokenization regex (transformers' tokenization_qwen2.PRETOKENIZE_REGEX; the Split pattern of
 # every Qwen2/Qwen2.5/Qwen3 tokenizer.json). Single digits (\p{N} without a repeat), GPT-4-like otherwise.
 QWEN2_PRETOKENIZE_PATTERN = (
@@ -63,20 +65,6 @@ def chat_prompt(user_text: str, system: str | None = None) -> str:
     """The ChatML prompt: optional system turn, the user turn, then the opened assistant turn."""
     head = f"{IM_START}system\n{system}{IM_END}\n" if system is not None else ""
     return f"{head}{IM_START}user\n{user_text}{IM_END}\n{IM_START}assistant\n"
-
-
-def _read_json(path: Path, expect: type | None = dict) -> Any:
-    """The JSON document in `path` (a JSON object unless `expect` says otherwise); ValueError naming the file."""
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, and the int-digits limit / nesting depth
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if expect is not None and not isinstance(doc, expect):
-        raise ValueError(f"{path} must hold a JSON {'object' if expect is dict else expect.__name__}, "
-                         f"got {type(doc).__name__}")
-    return doc
 
 
 def _is_id(v: Any) -> bool:
@@ -267,7 +255,7 @@ def _added_tokens(folder: Path, config: dict) -> list[tuple[int, AddedToken]]:
     legacy = folder / "added_tokens.json"
     if legacy.is_file():
         contents = {t.content for t in out.values()}
-        for content, i in _read_json(legacy).items():
+        for content, i in read_json_file(legacy).items():
             if not _is_id(i):
                 raise ValueError(f"{legacy}: the id of {content!r} must be a non-negative integer, got {i!r}")
             if i not in out and content not in contents:
@@ -282,8 +270,8 @@ def build_qwen2_bpe(folder: str | Path, config: dict | None = None) -> tokenizer
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder} has neither tokenizer.json nor {name}")
     if config is None:
-        config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-    vocab: dict[str, int] = _read_json(folder / "vocab.json")
+        config = read_json_file(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    vocab: dict[str, int] = read_json_file(folder / "vocab.json")
     bad = [(t, i) for t, i in vocab.items() if not _is_id(i)]
     if bad:
         raise ValueError(f"{folder / 'vocab.json'}: token ids must be non-negative integers; "
@@ -389,13 +377,13 @@ class CharTokenizer(Tokenizer):
     def load(cls, folder: str | Path) -> "CharTokenizer":
         """Read a folder written by `save` (the alphabet is taken from tokenizer_config.json)."""
         folder = Path(folder)
-        cfg = _read_json(folder / "tokenizer_config.json")
+        cfg = read_json_file(folder / "tokenizer_config.json")
         if cfg.get("lightningrl_tokenizer") != _CHAR_KIND or not isinstance(cfg.get("alphabet"), str):
             raise ValueError(f"{folder} does not hold a CharTokenizer (tokenizer_config.json lacks its alphabet)")
         tok = cls(cfg["alphabet"])
         saved = folder / "tokenizer.json"
         if saved.is_file():  # the saved vocabulary must agree with the alphabet
-            model = _read_json(saved).get("model")
+            model = read_json_file(saved).get("model")
             vocab = model.get("vocab") if isinstance(model, dict) else None
             if vocab != tok.backend.get_vocab(with_added_tokens=False):
                 raise ValueError(f"{saved} does not match the alphabet of {folder / 'tokenizer_config.json'}")
@@ -415,7 +403,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         folder, tokenizer_file = path, path / "tokenizer.json"
     else:
         raise FileNotFoundError(f"no tokenizer folder or tokenizer.json at {path}")
-    config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    config = read_json_file(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
     if config.get("lightningrl_tokenizer") == _CHAR_KIND:
         return CharTokenizer.load(folder)
     if tokenizer_file.is_file():
@@ -430,7 +418,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     eos_ids: list[int] = []
     gen = folder / "generation_config.json"
     if gen.is_file():
-        e = _read_json(gen).get("eos_token_id")
+        e = read_json_file(gen).get("eos_token_id")
         eos_ids = [] if e is None else _token_ids(e, f"{gen}: eos_token_id")
     pad = _token_content(config.get("pad_token"))
     if pad is None and backend.token_to_id(ENDOFTEXT) is not None:
@@ -440,7 +428,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if mask is None:
         model_cfg = folder / "config.json"
         if model_cfg.is_file():
-            mask_id = _read_json(model_cfg).get("mask_token_id")
+            mask_id = read_json_file(model_cfg).get("mask_token_id")
             if mask_id is not None and not _is_id(mask_id):
                 raise ValueError(f"{model_cfg}: mask_token_id must be a non-negative integer, got {mask_id!r}")
         if mask_id is None:

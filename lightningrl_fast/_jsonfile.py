@@ -1,0 +1,27 @@
+"""Reading one JSON file of a checkpoint or tokenizer folder, with errors that name the file.
+
+Shared by checkpoint.py (config.json, the weight index) and tokenizer.py (tokenizer_config.json, vocab.json,
+generation_config.json, ...): the error class differs (CheckpointError / ValueError), the checks do not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def read_json_file(path: Path, expect: type | None = dict, error: type[Exception] = ValueError) -> Any:
+    """The JSON document in `path` (a JSON object unless `expect` says otherwise); `error` naming the file when
+    it is not UTF-8 text, not JSON (including integers past Python's digit limit and nesting too deep) or not
+    of the expected type."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise error(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, and the int-digits limit / nesting depth
+        raise error(f"{path} is not valid JSON: {e}") from None
+    if expect is not None and not isinstance(doc, expect):
+        raise error(f"{path} must hold a JSON {'object' if expect is dict else expect.__name__}, "
+                    f"got {type(doc).__name__}")
+    return doc
