@@ -274,6 +274,26 @@ def test_iter_micro_batches_refuses_an_inconsistent_layout_batch():
         pack_micro_batches(None, [0], 100)
 
 
+def test_a_checked_layout_batch_is_checked_again_after_any_change():
+    """The layout check runs once per batch (the trainer packs one batch per pass and mini-batch), but a field
+    changed in place or replaced after a passing check is checked again: a stale pass would pack wrong targets."""
+    lb = batch()
+    assert len(pack_micro_batches(lb, [0, 1], 100)) >= 1  # checked, passes
+    lb.targets[2] = (lb.targets[2] + 1) % MASK  # in place: the version counter moves
+    with pytest.raises(ValueError, match="differs from the clean token x0"):
+        pack_micro_batches(lb, [0, 1], 100)
+    lb = batch()
+    pack_micro_batches(lb, [0, 1], 100)
+    lb.tgt_row = lb.tgt_row + 5  # a new object in the field
+    with pytest.raises(ValueError, match="LayoutBatch.tgt_row must lie in"):
+        pack_micro_batches(lb, [0, 1], 100)
+    lb = batch()
+    pack_micro_batches(lb, [0, 1], 100)
+    lb.layout.lengths[0] = 4  # inside the (frozen) layout, in place
+    with pytest.raises(ValueError, match="lies past its row's valid length"):
+        pack_micro_batches(lb, [0, 1], 100)
+
+
 def test_check_targets_checks_every_token_the_forward_embeds():
     """Was: only the targets were checked, so a prompt or padding id outside the vocabulary reached the embedding
     (a device-side assert on CUDA, where the passes skip the model's id check), and a target equal to the mask

@@ -291,9 +291,41 @@ def check_layout_batch(lb: LayoutBatch) -> None:
     by hand is checked here): x0 [N, n] and rnd [N, n] integers with n = layout.n, layout.lengths [N] (or None),
     the target tables [T] integers, each target read in a noisy copy where its position is masked (rnd >= copy) and
     inside its row's valid length, and `targets` the clean tokens there. Raises ValueError / TypeError naming the
-    field."""
+    field. A batch that passed is not checked again while its fields are the same objects, unchanged in place
+    (each tensor's version counter): the trainer packs one batch once per pass and mini-batch."""
     if not isinstance(lb, LayoutBatch):
         raise TypeError(f"expected a LayoutBatch, got {type(lb).__name__}")
+    key = _check_key(lb)
+    if _same_key(getattr(lb, "_checked", None), key):
+        return
+    _check_layout_fields(lb)
+    lb._checked = key
+
+
+def _check_key(lb: LayoutBatch) -> tuple:
+    """What a passed check depends on: every field object (kept, so a freed object's id is never reused as a
+    match) with its in-place version for tensors."""
+    lay = lb.layout
+    objs = (lb.x0, lb.rnd, lb.mask_id, lay, getattr(lay, "lengths", None), lb.targets, lb.tgt_row, lb.tgt_col,
+            lb.resp_pos)
+    return tuple((o, _version(o)) for o in objs)
+
+
+def _version(o: object) -> int | None:
+    if not isinstance(o, torch.Tensor):
+        return None
+    try:
+        return o._version
+    except RuntimeError:  # an inference-mode tensor has no version counter: -1 never matches, always checked
+        return -1
+
+
+def _same_key(a: tuple | None, b: tuple) -> bool:
+    return (a is not None and len(a) == len(b)
+            and all(x[0] is y[0] and x[1] == y[1] and y[1] != -1 for x, y in zip(a, b)))
+
+
+def _check_layout_fields(lb: LayoutBatch) -> None:
     lay = lb.layout
     if not isinstance(lay, MaskLayout):
         raise TypeError(f"LayoutBatch.layout must be a MaskLayout, got {type(lay).__name__}")
@@ -374,9 +406,14 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
         raise ValueError(f"rows must be distinct rows of the LayoutBatch (0..{nrows - 1})")
     nblk = n_all // bs
     valid = lb.layout.lengths.long() if lb.layout.lengths is not None else torch.full((nrows,), n_all)
-    t_copy, t_pos = lb.tgt_col // n_all, lb.tgt_col % n_all  # [T]
+    # only the targets of `rows` take part (a mini-batch's plan costs its own targets, not the whole batch's)
+    member = torch.zeros(nrows, dtype=torch.bool)
+    member[rows_t] = True
+    t_idx = member[lb.tgt_row].nonzero().squeeze(1)  # [T'] indices into lb's targets, ascending
+    t_row, t_col_in = lb.tgt_row[t_idx], lb.tgt_col[t_idx]  # [T']
+    t_copy, t_pos = t_col_in // n_all, t_col_in % n_all  # [T']
     # the noisy pieces: distinct (sample, copy, block) of the targets, sorted by sample then copy then block
-    pieces, t_piece = torch.unique((lb.tgt_row * ncopies + t_copy) * nblk + t_pos // bs, return_inverse=True)
+    pieces, t_piece = torch.unique((t_row * ncopies + t_copy) * nblk + t_pos // bs, return_inverse=True)
     p_sample, p_copy, p_blk = pieces // (ncopies * nblk), (pieces // nblk) % ncopies, pieces % nblk
     n_noisy = torch.bincount(p_sample, minlength=nrows)  # [N]
     n_clean = -(-valid // bs)  # [N] clean blocks: the decoded length in whole blocks
@@ -395,9 +432,9 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
         local_of[m] = torch.arange(len(members))
     first_piece = torch.cumsum(n_noisy, 0) - n_noisy  # [N] index of each sample's first noisy piece
     p_dst = off_of[p_sample] + (torch.arange(pieces.numel()) - first_piece[p_sample]) * bs  # [pieces]
-    t_bin = bin_of[lb.tgt_row]  # [T] -1 outside `rows`
-    t_col = p_dst[t_piece] + t_pos % bs
-    t_split = torch.split(torch.argsort(t_bin, stable=True), torch.bincount(t_bin + 1, minlength=len(bins) + 1).tolist())[1:]
+    t_bin = bin_of[t_row]  # [T'] (every target of `rows` has a bin: its sample has a noisy piece)
+    t_col = p_dst[t_piece] + t_pos % bs  # [T'] read column in its bin's row
+    t_split = torch.split(torch.argsort(t_bin, stable=True), torch.bincount(t_bin, minlength=len(bins)).tolist())
     p_bin = bin_of[p_sample]
     p_split = torch.split(torch.argsort(p_bin, stable=True), torch.bincount(p_bin + 1, minlength=len(bins) + 1).tolist())[1:]
     j = torch.arange(bs)
@@ -431,8 +468,8 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
             cpy[0, col] = torch.where(copy == ncopies - 1, -1, copy)[:, None].expand(-1, bs).reshape(-1).int()
             bl[0, col] = blk[:, None].expand(-1, bs).reshape(-1).int()
             ok[0, col] = ((blk * bs)[:, None] + j < valid[sample][:, None]).reshape(-1)
-            sel = t_split[b]
-            yield MicroBatch(ids, pos, PackedLayout(bs, seg, cpy, bl, ok), sel, t_col[sel], lb.targets[sel], m)
+            sel = t_idx[t_split[b]]
+            yield MicroBatch(ids, pos, PackedLayout(bs, seg, cpy, bl, ok), sel, t_col[t_split[b]], lb.targets[sel], m)
 
     return rows_of_plan()
 
