@@ -16,6 +16,7 @@ import torch
 
 import lightningrl_fast
 from lightningrl_fast import config as C
+from lightningrl_fast import config_schema
 from lightningrl_fast import train as T
 from lightningrl_fast.checkpoint import load_model
 from lightningrl_fast.rl import logging as L
@@ -51,7 +52,7 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def test_every_rlconfig_and_sampler_field_has_a_flag_with_help():
     help_text = C.build_parser().format_help()
-    for cls, section, skip in ((RLConfig, "rl", ()), (SamplerConfig, "sampler", C.SAMPLER_EXCLUDED)):
+    for cls, section, skip in ((RLConfig, "rl", ()), (SamplerConfig, "sampler", config_schema.SAMPLER_EXCLUDED)):
         for f in dataclasses.fields(cls):
             if f.name in skip:
                 continue
@@ -61,7 +62,7 @@ def test_every_rlconfig_and_sampler_field_has_a_flag_with_help():
             assert opt.help != f"{cls.__name__}.{f.name}", f"no help text for {f.name}"
     # defaults come from RLConfig itself (not duplicated)
     for f in dataclasses.fields(RLConfig):
-        assert C.OPTIONS[f.name].default == C._default_of(f)
+        assert C.OPTIONS[f.name].default == config_schema._default_of(f)
     cfg = C.parse_config(["--preset", "none"], check_paths=False)
     assert cfg.rl == RLConfig()
 
