@@ -255,6 +255,7 @@ def test_rollout_in_chunks_of_rollout_batch_size():
                                     seed=1, group_base=0)
     assert len(parts) == len(whole) == 12 and parts.group_ids == whole.group_ids
     assert parts.texts == whole.texts and parts.resp_lens == whole.resp_lens and parts.tpf == whole.tpf
+    assert parts.accuracy == whole.accuracy
     for a, b in zip(parts.sequences, whole.sequences):
         n = min(len(a), len(b))
         assert torch.equal(a[:n], b[:n])
@@ -266,6 +267,40 @@ def test_rollout_in_chunks_of_rollout_batch_size():
     assert not torch.equal(ro.tokens[0], ro.tokens[2]) or not torch.equal(ro.tokens[1], ro.tokens[3])
     with pytest.raises(ValueError, match="rollout_batch_size must be >= 1"):
         RLConfig(rollout_batch_size=0).validate()
+
+
+def test_rollout_chunks_are_verified_beside_the_decode():
+    """Each decoded chunk goes to the verifier on a background thread (while the next chunk decodes), in chunk
+    order, with its own examples; the verdicts land on the right samples; a verifier error reaches the caller."""
+    import threading
+
+    class Recording(HalfRightTask):
+        def __init__(self, fail=False):
+            super().__init__(max_operand=4)
+            self.calls, self.fail, self.right = [], fail, None
+
+        def is_correct_batch(self, responses, examples):
+            self.calls.append((threading.current_thread() is threading.main_thread(), len(responses),
+                               [e.id for e in examples]))
+            if self.fail:
+                raise RuntimeError("verifier broke")
+            return [e.id == self.right for e in examples]
+
+    task = Recording()
+    tok = task.tokenizer
+    model = build_model(half_right_config(tok), dtype=torch.float64, seed=3).eval()
+    scfg = SamplerConfig(threshold=0.9, temperature=0.0, max_new_tokens=20, eos_ids=tuple(sorted(tok.eos_token_ids)))
+    exs = task.train[:3]
+    task.right = exs[1].id  # the second prompt's samples are right: rows 4..7, split across chunks 0 and 1
+    g, _ = rollout_stage(model, tok, task, exs, RLConfig(group_size=4, rollout_batch_size=5), scfg, seed=1,
+                         group_base=0)
+    assert [c[1] for c in task.calls] == [5, 5, 2] and not any(c[0] for c in task.calls)  # off the main thread
+    want_ids = [exs[i // 4].id for i in range(12)]
+    assert [i for c in task.calls for i in c[2]] == want_ids
+    assert g.accuracy == [0.0] * 4 + [1.0] * 4 + [0.0] * 4
+    with pytest.raises(RuntimeError, match="verifier broke"):
+        rollout_stage(model, tok, Recording(fail=True), exs, RLConfig(group_size=4, rollout_batch_size=5), scfg,
+                      seed=1, group_base=0)
 
 
 def test_cat_rollouts_pads_to_the_widest_chunk():
@@ -393,10 +428,15 @@ def test_packed_micro_batches_equal_the_padded_batch(mode):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
             if not pad:
                 assert sum(mb.positions for mb in mbs) < padded_positions
-    # a subset of rows: only their targets
-    mbs = pack_micro_batches(lb, [3, 7, 8], 10**6)
-    assert sorted(torch.cat([mb.sel for mb in mbs]).tolist()) == (
-        (lb.tgt_row == 3) | (lb.tgt_row == 7) | (lb.tgt_row == 8)).nonzero().squeeze(1).tolist()
+    # a subset of rows (a mini-batch, in any order): exactly their targets, with the padded forward's log-probs
+    for rows, budget in (([3, 7, 8], 10**6), ([11, 0, 5, 6], 40), ([9], 1)):
+        mbs = pack_micro_batches(lb, rows, budget, pad_id=MASK)
+        sel = torch.cat([mb.sel for mb in mbs])
+        assert sorted(sel.tolist()) == torch.isin(lb.tgt_row, torch.tensor(rows)).nonzero().squeeze(1).tolist()
+        for mb in mbs:
+            assert set(mb.samples.tolist()) <= set(rows) and torch.equal(mb.targets, lb.targets[mb.sel])
+            with torch.no_grad():
+                torch.testing.assert_close(micro_batch_logprobs(model, mb), want[mb.sel], rtol=0, atol=1e-12)
     assert pack_micro_batches(lb, [], 100) == []
     with pytest.raises(ValueError, match="budget"):
         pack_micro_batches(lb, range(12), 0)

@@ -23,6 +23,7 @@ from lightningrl_fast.tasks.math import (
     normalize_answer,
     parse_number,
     verify_math,
+    verify_math_batch,
 )
 
 HAS_MV = importlib.util.find_spec("math_verify") is not None
@@ -231,3 +232,42 @@ def test_math_task_registry():
         task.score_batch(["x"], [ex, ex])
     with pytest.raises(KeyError, match="unknown task 'nope'"):
         get_task("nope")
+
+
+@needs_mv
+def test_verify_math_batch_gives_verify_math_verdicts_in_parallel(monkeypatch):
+    """The batch verifier: the same verdict as verify_math for every pair (rows, symbolic rows, repeats, both
+    strictness settings), each distinct undecided (answer, reference) sent to math-verify once, from several
+    threads at a time."""
+    rows = [(r, ref) for r, ref, _ in ROWS + SYMBOLIC] * 3 + [("no box, 7", "7"), ("", "7"), (r"\boxed{7}", " ")]
+    responses, refs = [r for r, _ in rows], [ref for _, ref in rows]
+    want = [verify_math(r, g) for r, g in rows]
+    assert verify_math_batch(responses, refs) == want
+    assert verify_math_batch(responses, refs, strict=False) == [verify_math(r, g, strict=False) for r, g in rows]
+    seen, lock, active, peak = [], threading.Lock(), [0], [0]
+    real = lm._symbolic_equal
+
+    def counting(answer, reference, timeout_s, mode):
+        with lock:
+            seen.append((answer, reference))
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            time.sleep(0.05)  # long enough for the other threads to start theirs
+            return real(answer, reference, timeout_s, mode)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(lm, "_symbolic_equal", counting)
+    assert verify_math_batch(responses, refs, workers=4) == want
+    assert len(seen) == len(set(seen)) and 0 < len(seen) <= len(SYMBOLIC)  # each distinct pair once
+    assert peak[0] > 1  # several requests in flight
+    with pytest.raises(ValueError, match="2 responses for 1 references"):
+        verify_math_batch(["a", "b"], ["1"])
+    with pytest.raises(ValueError, match="workers must be a positive integer"):
+        verify_math_batch(["a"], ["1"], workers=0)
+    with pytest.raises(ValueError, match="mode must be"):
+        verify_math_batch(["a"], ["1"], mode="fast")
+    ex = Example("m/1", "x?", "(x+1)^2", "math", "math500")
+    assert MathTask().is_correct_batch([r"\boxed{x^2+2x+1}", r"\boxed{x^2+1}"], [ex, ex]) == [True, False]

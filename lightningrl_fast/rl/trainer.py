@@ -15,6 +15,7 @@ loss totals, gradients summed into their owner rank, ZeRO-1 optimizer shards). W
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import math
@@ -170,17 +171,23 @@ def rollout_stage(model, tokenizer, task: Task, examples: list, cfg: RLConfig, s
 
     The examples x G sequences are decoded in chunks of `cfg.rollout_batch_size` on one `Decoder` (captured
     steps reused from chunk to chunk); chunk c > 0 draws from Philox seed `seed + c * 2**40`, so the samples of
-    a group split across chunks stay independent."""
+    a group split across chunks stay independent. A chunk's responses are detokenized and verified on a
+    background thread while the next chunk decodes (as eval.evaluate does): the verifiers' helper processes
+    and sandboxes run beside the decode instead of after it. A verifier error is raised here."""
     prompts = [tokenizer.encode(task.build_prompt(ex)) for ex in examples]
     flat = [p for p in prompts for _ in range(cfg.group_size)]
+    exs = [examples[i // cfg.group_size] for i in range(len(flat))]
     decoder = decoder if decoder is not None else Decoder(model)
     rb = cfg.rollout_batch_size
-    parts = [decoder.generate(flat[r0:r0 + rb], dataclasses.replace(scfg, seed=seed + (r0 // rb) * 2**40))
-             for r0 in range(0, len(flat), rb)]
+    parts, scoring = [], []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-score") as scorer:
+        for r0 in range(0, len(flat), rb):
+            parts.append(decoder.generate(flat[r0:r0 + rb], dataclasses.replace(scfg, seed=seed + (r0 // rb) * 2**40)))
+            scoring.append(scorer.submit(_verify_chunk, task, tokenizer, parts[-1], exs[r0:r0 + rb]))
+        done = [f.result() for f in scoring]  # in chunk order
     ro = cat_rollouts(parts, model.config.mask_token_id)
-    texts = [tokenizer.decode(ro.response_ids(i), skip_special=True) for i in range(len(ro))]
-    exs = [examples[i // cfg.group_size] for i in range(len(texts))]
-    correct = [bool(c) for c in is_correct_batch(task, texts, exs)]  # parallel verifiers where the task has them
+    texts = [t for chunk_texts, _ in done for t in chunk_texts]
+    correct = [c for _, chunk_ok in done for c in chunk_ok]
     gids = torch.arange(len(examples)).repeat_interleave(cfg.group_size) + group_base
     sc = score_rollout(correct, ro.tpf, ro.eos_found, gids)
     g = Groups(
@@ -189,6 +196,12 @@ def rollout_stage(model, tokenizer, task: Task, examples: list, cfg: RLConfig, s
         group_ids=gids.tolist(), texts=texts,
     )
     return g, ro
+
+
+def _verify_chunk(task: Task, tokenizer, ro: Rollout, examples: list) -> tuple[list[str], list[bool]]:
+    """(response texts, verifier verdicts) of one decoded chunk (runs on the rollout's scoring thread)."""
+    texts = [tokenizer.decode(ro.response_ids(i), skip_special=True) for i in range(len(ro))]
+    return texts, [bool(c) for c in is_correct_batch(task, texts, examples)]  # parallel where the task has it
 
 
 def collect_groups(state: TrainState, tokenizer, task: Task, train_examples: list, cfg: RLConfig,

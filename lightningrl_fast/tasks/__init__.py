@@ -118,6 +118,17 @@ class MathTask(Task):
     def score(self, response: str, example: Example) -> float:
         return 1.0 if self.is_correct(response, example) else 0.0
 
+    def is_correct_batch(self, responses: Sequence[str], examples: Sequence[Example]) -> list[bool]:
+        """`is_correct` of each pair; the symbolic checks de-duplicated and run in parallel (verify_math_batch)."""
+        from .math import verify_math_batch
+
+        _check_pairs(responses, examples)
+        return verify_math_batch(list(responses), [e.answer for e in examples], strict=self.strict,
+                                 timeout_s=self.timeout_s, mode=self.mode)
+
+    def score_batch(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
+        return [1.0 if ok else 0.0 for ok in self.is_correct_batch(responses, examples)]
+
 
 class CodeTask(Task):
     """MBPP / HumanEval: the code prompt and the sandboxed verifier; score = fraction of tests passed."""
