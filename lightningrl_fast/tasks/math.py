@@ -509,6 +509,18 @@ def _cheap_verdict(response: str, reference: str, strict: bool) -> tuple[bool | 
     return answers_match(answer, reference), answer, reference
 
 
+def _default_workers() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return max(1, min(8, cpus // ranks))
+
+
 def verify_math_batch(
     responses: list[str],
     references: list[str],
@@ -521,7 +533,9 @@ def verify_math_batch(
     """`verify_math` of each (response, reference) pair, the same verdicts, faster for a rollout batch: the
     string/number steps run here, and the pairs only math-verify can decide are de-duplicated (a group's samples
     often give the same answer) and, in "process" mode, sent to the helper processes from up to `workers`
-    threads at once (default: the CPU count), instead of one request at a time."""
+    threads at once, instead of one request at a time. Default `workers`: this process's share of the usable
+    CPUs (divided by torchrun's LOCAL_WORLD_SIZE), at most 8: each helper process holds math-verify and sympy
+    (~100 MB), and every rank of a node has its own."""
     if mode not in ("process", "inline", "off"):
         raise ValueError(f"mode must be 'process', 'inline' or 'off', got {mode!r}")
     if len(responses) != len(references):
@@ -536,7 +550,7 @@ def verify_math_batch(
         if verdict is None:
             symbolic.setdefault((answer, reference), []).append(i)
     keys = list(symbolic)
-    n_threads = min(workers or os.cpu_count() or 1, len(keys))
+    n_threads = min(workers or _default_workers(), len(keys))
     if mode == "process" and n_threads > 1 and math_verify_available():
         import concurrent.futures
 
