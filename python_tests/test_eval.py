@@ -117,6 +117,30 @@ def test_evaluate_synthetic_numbers_in_range(synth_ckpt):
         # serve all its rows at once
         assert p["tokens"] / 6 / p["mean_tpf"] <= p["forwards_per_answer"] + 1e-9
         assert p["forwards_per_answer"] <= p["forwards"]
+    # the bookkeeping, value by value, against the sampler and the verifier called here on the same batches of 4
+    # (greedy: the batches' seeds do not matter)
+    from lightningrl_fast.sampler import generate
+
+    tok = task.tokenizer
+    for p in res["points"]:
+        tpf, row_fwd, tokens, fwd, trunc, correct = [], [], 0, 0, 0, 0
+        for b0 in (0, 4):
+            batch = exs[b0:b0 + 4]
+            ro = generate(model, [tok.encode(task.build_prompt(e)) for e in batch],
+                          _cfg(tok, threshold=p["threshold"]))
+            tpf += ro.tpf.tolist()
+            row_fwd += ro.forwards.tolist()
+            tokens, fwd = tokens + int(ro.lengths.sum()), fwd + ro.total_forwards
+            trunc += sum(r == "length" for r in ro.finish_reason)
+            for j, e in enumerate(batch):
+                ids = ro.response_ids(j)
+                ids = ids[:-1] if bool(ro.eos_found[j]) else ids
+                correct += bool(ro.eos_found[j]) and task.is_correct(tok.decode(ids), e)
+        assert (p["tokens"], p["forwards"], p["truncated"], p["correct"]) == (tokens, fwd, trunc, correct)
+        assert p["mean_tpf"] == pytest.approx(sum(tpf) / 6, rel=1e-12)
+        assert p["forwards_per_answer"] == pytest.approx(sum(row_fwd) / 6, rel=1e-12)
+        assert p["finished"] == pytest.approx(1 - trunc / 6, rel=1e-12)
+    assert res["aup"] == pytest.approx(ev.aup([(p["mean_tpf"], 100 * p["accuracy"]) for p in res["points"]]))
     assert res["aup"] >= 0 and math.isfinite(res["aup"])
     assert res["n_examples"] == 6 and res["sampler"]["block_size"] == BLOCK and "threshold" not in res["sampler"]
     assert all(0 <= p["well_formed"] <= p["finished"] <= 1 and p["accuracy"] <= p["verifier_accuracy"]

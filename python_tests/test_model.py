@@ -330,3 +330,82 @@ def test_forward_weight_bytes_counts_what_a_decode_forward_reads(tied):
     assert model.forward_weight_bytes() == 2 * expected
     model.pack_decode_weights()  # packed q/k/v and gate/up views: still each byte once
     assert model.forward_weight_bytes() == 2 * expected
+
+
+def qwen3_oracle(params: dict, cfg: SDARConfig, ids: torch.Tensor, block_size: int,
+                 dt: torch.dtype = torch.float64) -> torch.Tensor:
+    """REFERENCE §1 written out from scratch, every step in `dt` (float64: the oracle): embedding, per layer pre-RMSNorm (eps), q/k/v projections,
+    per-head RMSNorm of q and k BEFORE half-split rotate_half RoPE (theta), GQA (q head h reads kv head
+    h // (Hq / Hkv)), scale head_dim^-0.5, block-causal mask (a query sees every key of its block and earlier
+    blocks), o_proj, residual, post-attention RMSNorm, SwiGLU MLP, residual; final norm; lm_head (no logit shift)."""
+    p = {k: v.detach().to(dt) for k, v in params.items()}
+    eps, d, hq, hkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    bsz, n = ids.shape
+
+    def rms(x, w):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+    pos = torch.arange(n, dtype=dt)
+    inv = torch.tensor([cfg.rope_theta ** (-2.0 * i / d) for i in range(d // 2)], dtype=dt)
+    ang = pos[:, None] * inv[None]  # [n, d/2]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)  # [n, d]
+
+    def rope(x):  # [b, n, h, d]; rotate_half(x) = (-x2, x1)
+        rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+        return x * cos[None, :, None] + rot * sin[None, :, None]
+
+    blk = torch.arange(n) // block_size
+    allowed = blk[None, :] <= blk[:, None]  # [q, k]
+    x = p["model.embed_tokens.weight"][ids]
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        h = rms(x, p[pre + "input_layernorm.weight"])
+        q = (h @ p[pre + "self_attn.q_proj.weight"].T).view(bsz, n, hq, d)
+        k = (h @ p[pre + "self_attn.k_proj.weight"].T).view(bsz, n, hkv, d)
+        v = (h @ p[pre + "self_attn.v_proj.weight"].T).view(bsz, n, hkv, d)
+        q, k = rope(rms(q, p[pre + "self_attn.q_norm.weight"])), rope(rms(k, p[pre + "self_attn.k_norm.weight"]))
+        o = torch.empty(bsz, n, hq, d, dtype=dt)
+        for head in range(hq):
+            kv = head // (hq // hkv)
+            s = torch.einsum("bqd,bkd->bqk", q[:, :, head], k[:, :, kv]) * d ** -0.5
+            s = s.masked_fill(~allowed, float("-inf"))
+            o[:, :, head] = torch.softmax(s, -1) @ v[:, :, kv]
+        x = x + o.reshape(bsz, n, hq * d) @ p[pre + "self_attn.o_proj.weight"].T
+        h = rms(x, p[pre + "post_attention_layernorm.weight"])
+        g, u = h @ p[pre + "mlp.gate_proj.weight"].T, h @ p[pre + "mlp.up_proj.weight"].T
+        x = x + (g * torch.sigmoid(g) * u) @ p[pre + "mlp.down_proj.weight"].T
+    x = rms(x, p["model.norm.weight"])
+    head_w = p["model.embed_tokens.weight"] if cfg.tie_word_embeddings else p["lm_head.weight"]
+    return x @ head_w.T
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_forward_matches_an_independent_float64_oracle(tied):
+    """The model against the architecture itself (every other test here compares the model with itself: a wrong
+    RoPE, norm or head mapping shared by the full and the cached forward would pass them). Random norm weights
+    (init sets them to 1, which hides a swapped q_norm / k_norm), theta 1e4 so that every RoPE frequency turns,
+    GQA 4/2, 23 positions, vocab 111. float32 model vs the float64 oracle: within 2x the error of the oracle run
+    in float32; the cached (decode) forward too."""
+    cfg = tiny_config(tie_word_embeddings=tied, rope_theta=1e4, rms_norm_eps=1e-5)
+    model = build_model(cfg, dtype=torch.float64, seed=3).eval()
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if name.endswith("norm.weight"):
+                prm.copy_(0.5 + torch.rand(prm.shape, generator=g, dtype=torch.float64))
+            else:
+                prm.mul_(10.0)  # std 0.2: attention and MLP far from linear
+    ids = torch.randint(0, 111, (3, 23), generator=g)
+    params = dict(model.named_parameters())
+    if tied:
+        params.pop("lm_head.weight", None)
+    want = qwen3_oracle(params, cfg, ids, 4)
+    err_ref = (qwen3_oracle(params, cfg, ids, 4, torch.float32).double() - want).abs().max().item()
+    m32 = model.float()
+    with torch.no_grad():
+        got = m32(ids).double()
+        cached, _ = incremental_logits(m32, ids, [0, 12, 16, 20, 23], capacity=24, dtype=torch.float32)
+    assert want.abs().max() > 1.0 and err_ref > 0
+    for out in (got, cached.double()):
+        err = (out - want).abs().max().item()
+        assert err <= 2 * err_ref, (err, err_ref)

@@ -21,6 +21,7 @@ from lightningrl_fast.rl.trainer import (
     reference_stage,
     rollout_stage,
     train_step,
+    update_stage,
 )
 from lightningrl_fast.sampler import SamplerConfig, cat_rollouts, generate
 from lightningrl_fast.tasks.synthetic import SyntheticArithmetic
@@ -607,3 +608,165 @@ def test_gpu_training_passes_do_not_sync_per_micro_batch():
                         syncs(lambda: loss_backward_stage(model, lb, range(12), adv, None, None, correct, cfg)))
     (few, a), (many, b) = sorted(counts.items())
     assert many > few and a == b, counts
+
+
+# ---------------------------------------------------------------------- REFERENCE §4 written out by hand (float64)
+
+def hand_advantages(acc, tpf, gids, w, mode, dt=torch.float64):
+    """z-score per group (population std, 0 where the std is 0) of each reward then r = z_acc + w z_tpf
+    (decoupled), or of a + w s (sum); then (r - mean) / max(std, 1e-8) over the batch. Loops over the groups, every
+    step in `dt` (float64: the oracle; float32: the error a float32 computation makes)."""
+    acc, tpf, w = torch.tensor(acc, dtype=dt), torch.tensor(tpf, dtype=dt), torch.tensor(w, dtype=dt)
+
+    def zs(vals):
+        m = vals.mean()
+        sd = ((vals - m) ** 2).mean().sqrt()
+        return (vals - m) / sd if sd > 0 else torch.zeros_like(vals)
+
+    r = torch.zeros(len(gids), dtype=dt)
+    for g in set(gids):
+        idx = torch.tensor([i for i, x in enumerate(gids) if x == g])
+        if mode == "decoupled":
+            r[idx] = zs(acc[idx]) + w * zs(tpf[idx])
+        else:
+            r[idx] = zs(acc[idx] + w * tpf[idx])
+    m = r.mean()
+    sd = ((r - m) ** 2).mean().sqrt()
+    return (r - m) / torch.clamp(sd, min=1e-8)
+
+
+def hand_keep(acc, tpf, gids, min_range):
+    """A group is kept unless all its samples are wrong or its TPF spread max - min is below min_range."""
+    keep = []
+    for g in gids:
+        idx = [i for i, x in enumerate(gids) if x == g]
+        t = [tpf[i] for i in idx]
+        keep.append(any(acc[i] > 0 for i in idx) and max(t) - min(t) >= min_range)
+    return keep
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "sum"])
+def test_advantages_and_filter_match_a_hand_written_oracle(mode):
+    """Random rewards in 11 groups of 1..7 samples (97 in all), arbitrary unsorted group ids, some groups all
+    right / all wrong / of one TPF (std 0), TPF spreads exactly at the filter's bound (kept: max - min >= bound)."""
+    rng = torch.Generator().manual_seed(5)
+    sizes = [7, 1, 5, 3, 6, 2, 7, 4, 5, 2, 55]
+    assert sum(sizes) == 97
+    ids = [-40, 3, 17, 9, 1000, 2, 5, 6, 7, 8, -1]
+    gids, acc, tpf = [], [], []
+    for k, (n, gid) in enumerate(zip(sizes, ids)):
+        gids += [gid] * n
+        a = (torch.rand(n, generator=rng) < 0.5).double().tolist()
+        t = (1.0 + 7.0 * torch.rand(n, generator=rng, dtype=torch.float64)).tolist()
+        if k == 3:
+            a = [1.0] * n  # all right
+        if k == 4:
+            a = [0.0] * n  # all wrong
+        if k == 5:
+            t = [2.5] * n  # one TPF: z_tpf 0
+        if k in (7, 8):
+            a[0] = 1.0
+            t = [1.25 + 0.25 * (i % 2) for i in range(n)]  # spread exactly 0.25 (binary-exact)
+        acc += a
+        tpf += t
+    perm = torch.randperm(97, generator=rng).tolist()  # members of a group scattered over the batch
+    acc, tpf, gids = [acc[i] for i in perm], [tpf[i] for i in perm], [gids[i] for i in perm]
+    sc = Scored(torch.tensor(acc, dtype=torch.float64), torch.tensor(tpf, dtype=torch.float64), torch.tensor(gids))
+    got = compute_advantages(sc, tpf_weight=0.7, mode=mode)
+    want = hand_advantages(acc, tpf, gids, 0.7, mode)
+    # float64 rewards: float64 advantages to float64 accuracy; float32 rewards: within 2x the error of the oracle
+    # computed in float32 (both against the oracle on the float32-rounded rewards)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    acc32, tpf32 = sc.accuracy.float(), sc.tpf.float()
+    want32 = hand_advantages(acc32.tolist(), tpf32.tolist(), gids, 0.7, mode)
+    err_ref = (hand_advantages(acc32.tolist(), tpf32.tolist(), gids, 0.7, mode, torch.float32).double()
+               - want32).abs().max().item()
+    got32 = compute_advantages(Scored(acc32, tpf32, sc.group_ids), tpf_weight=0.7, mode=mode)
+    assert got32.dtype == torch.float32 and (got32.double() - want32).abs().max().item() <= 2 * err_ref + 1e-7
+    # integer / bool rewards (check_scored accepts them) count as float32: they were refused as "rewards must have
+    # dtype in (float...)", naming a tensor the caller never passed
+    ints = Scored(torch.tensor(acc).bool(), torch.tensor(tpf).round().long(), sc.group_ids)
+    want_int = hand_advantages(acc, torch.tensor(tpf).round().tolist(), gids, 0.7, mode)
+    assert (compute_advantages(ints, tpf_weight=0.7, mode=mode).double() - want_int).abs().max() < 1e-5
+    for bound in (0.25, 0.2500001, 0.01, 0.0):
+        assert keep_groups(sc, min_tpf_range=bound).tolist() == hand_keep(acc, tpf, gids, bound), bound
+    kept = keep_groups(sc, min_tpf_range=0.25)
+    assert 0 < int(kept.sum()) < 97
+    assert keep_groups(sc, 0.25, drop_all_wrong=False).tolist() == hand_keep([1.0] * 97, tpf, gids, 0.25)
+
+
+def hand_objective(logp, ref, adv, row, correct, beta, mu):
+    """Seq-Tok-Tok on-policy (rho = exp(logp - logp.detach()) = 1, its gradient that of logp), eps 0.2:
+    policy = - mean over sequences of the mean over their tokens of min(rho A, clip(rho) A); KL = beta * mean over
+    every token of exp(-d) - 1 + d, d = logp - ref; NLL = - mu * mean of logp over the tokens of verifier-correct
+    sequences. Loops over sequences, float64. Returns (loss, the mean k3 without beta)."""
+    rho = torch.exp(logp - logp.detach())
+    pg = -torch.minimum(rho * adv, rho.clamp(0.8, 1.2) * adv)
+    seqs = sorted(set(row.tolist()))
+    policy = sum(pg[row == s].mean() for s in seqs) / len(seqs)
+    d = logp - ref
+    kl = (torch.exp(-d) - 1 + d).mean()  # reported as it is; the loss adds beta times it
+    ok = correct[row]
+    nll = -mu * logp[ok].mean() if bool(ok.any()) else logp.sum() * 0
+    return policy + beta * kl + nll, kl
+
+
+@pytest.mark.parametrize("adv_mode", ["decoupled", "sum"])
+def test_update_stage_equals_a_hand_written_lightningrl_objective(monkeypatch, adv_mode):
+    """update_stage (advantages from the groups' rewards, broadcast to each sample's tokens, "correct" = the
+    verifier said so, frozen-reference KL, packed micro-batches) against REFERENCE §4 written out here from the
+    padded forward's log-softmax (mask token left out, as the sampler never draws it): same loss, same KL, same
+    gradients (captured just before the optimizer step)."""
+    import lightningrl_fast.rl.trainer as trainer_mod
+
+    model = tiny_model(dtype=torch.float64, peaky=20.0)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(10, 100, (n,), generator=g).tolist() for n in [1, 6, 13, 3]]
+    ro = generate(model, [p for p in prompts for _ in range(3)],
+                  SamplerConfig(threshold=0.3, temperature=1.0, max_new_tokens=15, eos_ids=(3, 7), seed=4))
+    acc = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]  # the last group: all wrong
+    tpf = (ro.tpf + torch.rand(12, generator=g)).tolist()  # float32 values: Groups.scored() keeps them exactly
+    groups = Groups(sequences=list(ro.sequences), step_maps=list(ro.seq_step_map),
+                    prompt_lens=ro.prompt_lens.tolist(), resp_lens=ro.lengths.tolist(), accuracy=acc, tpf=tpf,
+                    group_ids=[7, 7, 7, 2, 2, 2, 11, 11, 11, 4, 4, 4], texts=[""] * 12)
+    rc = RLConfig(kl_beta=0.05, nll_weight=0.1, tpf_weight=0.7, adv_mode=adv_mode, group_size=3, prompts_per_step=4,
+                  micro_batch_tokens=64, lr=1e-3, grad_clip=1e9)
+    state = make_state(model, rc)
+    with torch.no_grad():  # a reference away from the policy: the KL term and its gradient are not zero
+        for p in state.ref_model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    lb = layout_stage(groups, 4, MASK, rc.logprob_mode)
+    adv = hand_advantages(acc, tpf, groups.group_ids, 0.7, adv_mode)
+    # the trainer's advantages are float32 (Groups hold Python floats): the hand values within 2x the error of the
+    # same formulas in float32, then the loss is checked to float64 accuracy on the trainer's own float32 values
+    err_ref = (hand_advantages(acc, tpf, groups.group_ids, 0.7, adv_mode, torch.float32).double() - adv).abs().max()
+    adv32 = trainer_mod.advantage_stage(groups, rc)
+    assert adv32.dtype == torch.float32 and (adv32.double() - adv).abs().max() <= 2 * err_ref + 1e-7
+    adv = adv32.double()
+
+    def logp_of(m):
+        logits = m(lb.input_ids, lb.position_ids, lb.layout)[lb.tgt_row, lb.tgt_col].double()
+        logits[:, MASK] = float("-inf")
+        return torch.log_softmax(logits, -1).gather(1, lb.targets[:, None])[:, 0]
+
+    with torch.no_grad():
+        ref = logp_of(state.ref_model).float().double()  # the trainer keeps reference log-probs in float32
+    correct = torch.tensor([a == 1.0 for a in acc])
+    want, want_kl = hand_objective(logp_of(model), ref, adv[lb.tgt_row], lb.tgt_row, correct, 0.05, 0.1)
+    want_grads = torch.autograd.grad(want, list(model.parameters()))
+    grads = []
+    real = trainer_mod.optimizer_stage
+
+    def spy(st, cfg):
+        grads.append([p.grad.clone() for p in st.model.parameters()])
+        return real(st, cfg)
+
+    monkeypatch.setattr(trainer_mod, "optimizer_stage", spy)
+    m = update_stage(state, groups, rc, 4)
+    assert m["updates"] == 1 and len(grads) == 1 and m["train_positions"] < lb.input_ids.numel()
+    assert m["loss"] == pytest.approx(float(want.detach()), rel=1e-9)
+    assert m["kl"] == pytest.approx(float(want_kl.detach()), rel=1e-9)
+    assert float(want_kl.detach()) > 1e-4
+    for a, b in zip(grads[0], want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

@@ -34,6 +34,7 @@ def nocache_decode(model, prompt, cfg: SamplerConfig):
     seq[0, : len(prompt)] = torch.tensor(prompt)
     step_map = torch.full((1, seq.shape[1]), -1, dtype=torch.int32)
     masked = torch.arange(seq.shape[1])[None] >= len(prompt)
+    logp_map = torch.full((seq.shape[1],), float("nan"), dtype=torch.float64)
     blk, step = len(prompt) // bs, 0
     while True:
         sl = slice(blk * bs, blk * bs + bs)
@@ -50,6 +51,11 @@ def nocache_decode(model, prompt, cfg: SamplerConfig):
                                      torch.tensor([step], dtype=torch.int32), torch.tensor([quota], dtype=torch.int32),
                                      torch.tensor(cfg.eos_ids), torch.tensor([0]), torch.tensor([0]),
                                      threshold=cfg.threshold, greedy=True)
+        # the log-prob of each token at the step that unmasked it: log-softmax of the full forward's float64 logits
+        # (the mask token left out), computed here rather than read back from the op
+        new = (masked[0, sl] & ~msk[0]).nonzero().squeeze(1)
+        lsm = torch.log_softmax(logits[0].double(), -1)
+        logp_map[blk * bs + new] = lsm[new, tok[0, new]]
         seq[:, sl], masked[:, sl], step_map[:, sl] = tok, msk, sm
         step += 1
         nocache_decode.blk_steps += 1
@@ -59,7 +65,7 @@ def nocache_decode(model, prompt, cfg: SamplerConfig):
                 break
             blk += 1
     resp = seq[0, len(prompt) : total]
-    return resp, step_map[0, len(prompt) : total]
+    return resp, step_map[0, len(prompt) : total], logp_map[len(prompt) : total]
 
 
 nocache_decode.blk_steps = 0
@@ -83,10 +89,18 @@ def test_cache_decoding_equals_nocache_decoding(model, rule, threshold):
     ro = generate(model, prompts, cfg)
     for i, p in enumerate(prompts):
         nocache_decode.blk_steps = 0
-        resp, smap = nocache_decode(model, p, cfg)
+        resp, smap, lp = nocache_decode(model, p, cfg)
         want = truncate_at_eos(resp.tolist())
         assert ro.response_ids(i) == want, i
         assert ro.step_map[i, : len(want)].tolist() == smap[: len(want)].tolist()
+        # the recorded log-prob and confidence (float32) of every token: within float32 rounding of the oracle's
+        n = len(want)
+        torch.testing.assert_close(ro.logp[i, :n].double(), lp[:n], rtol=2.4e-7, atol=1e-9)
+        torch.testing.assert_close(ro.conf[i, :n].double(), lp[:n].exp(), rtol=2.4e-7, atol=1e-9)
+        assert not torch.isnan(lp[:n]).any()
+        # TPF (REFERENCE §2): tokens up to and including the first EOS / distinct steps that unmasked them
+        assert int(ro.lengths[i]) == n and bool(ro.eos_found[i]) == (want[-1] == EOS)
+        assert float(ro.tpf[i]) == pytest.approx(n / len(set(smap[:n].tolist())), rel=1e-6)
 
 
 def test_folded_commit_equals_separate_commit(model):
@@ -113,9 +127,20 @@ def test_threshold_extremes_and_quota(model):
         assert torch.equal(sm, (pos // 4 - len(p) // 4).int())
     q = generate(model, prompts, SamplerConfig(rule="quota", steps_per_block=2, threshold=1.01, temperature=0,
                                                max_new_tokens=12, eos_ids=(0,)))
-    for i in range(2):  # quota 2 per step with B = 4, S = 2 (threshold unreachable)
-        counts = torch.bincount(q.step_map[i][q.response_mask[i]].long())
-        assert counts.max() <= 2
+    for i, p in enumerate(prompts):  # quota 2 per step with B = 4, S = 2 (threshold unreachable): in each decoded
+        # block of m masked positions, step s unmasks min(2, m), step s + 1 (the last scheduled) the rest
+        smap = q.seq_step_map[i].tolist()
+        step, blocks = 0, 0
+        for b in range(len(p) // 4, len(smap) // 4):
+            got = [smap[x] for x in range(max(b * 4, len(p)), b * 4 + 4)]
+            if all(x == -2 for x in got):  # not decoded (after the EOS block)
+                break
+            m = len(got)
+            want = [step] * min(2, m) + [step + 1] * (m - 2)
+            assert sorted(got) == want, (i, b, got, want)
+            step += 1 + (m > 2)
+            blocks += 1
+        assert blocks >= 2
 
 
 def test_eos_stops_after_its_block_and_pads(model):
@@ -132,8 +157,20 @@ def test_eos_stops_after_its_block_and_pads(model):
     # the sequence stopped at the block holding EOS: no later block was decoded
     eos_pos = 5 + n - 1
     assert (ro.sequences[i, (eos_pos // 4 + 1) * 4 :] == MASK).all()
-    no_eos = generate(model, prompts, SamplerConfig(threshold=0.9, temperature=0, max_new_tokens=16, eos_ids=(1,)))
-    assert all(r == "length" for r in no_eos.finish_reason) or not no_eos.eos_found.all()
+    for i in range(4):  # every row, not only the first: EOS rows stop at their EOS's block, the others run to the cap
+        n = int(ro.lengths[i])
+        if bool(ro.eos_found[i]):
+            assert ro.finish_reason[i] == "eos" and ro.tokens[i, n - 1] == eos
+            assert eos not in ro.tokens[i, : n - 1].tolist() and (ro.tokens[i, n:] == eos).all()
+            assert (ro.sequences[i, ((5 + n - 1) // 4 + 1) * 4 :] == MASK).all()
+        else:
+            assert ro.finish_reason[i] == "length" and n == 16 and eos not in ro.tokens[i].tolist()
+    assert not ro.eos_found.all()  # the rows differ: both branches above ran
+    # an id the model never produces: no row finds it, every row runs to max_new_tokens and says so
+    never = next(t for t in range(V) if t != MASK and t not in first.tokens.tolist() and t not in ro.tokens.tolist())
+    no_eos = generate(model, prompts, SamplerConfig(threshold=0.9, temperature=0, max_new_tokens=16, eos_ids=(never,)))
+    assert not no_eos.eos_found.any() and all(r == "length" for r in no_eos.finish_reason)
+    assert no_eos.lengths.tolist() == [16] * 4 and bool(no_eos.response_mask.all())
 
 
 def test_tpf_consistent_with_step_map_and_forwards(model):

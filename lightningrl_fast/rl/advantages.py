@@ -88,7 +88,12 @@ def keep_groups(sc: Scored, min_tpf_range: float = 0.01, drop_all_wrong: bool = 
 
 
 def compute_advantages(sc: Scored, tpf_weight: float = 1.0, mode: str = "decoupled") -> torch.Tensor:
-    """[S] float32 advantages (one per sample, broadcast to its tokens by the caller)."""
+    """[S] advantages (one per sample, broadcast to its tokens by the caller): float64 for float64 rewards,
+    float32 otherwise. The weights take the rewards' dtype and device (a float32 w_tpf would round float64 rewards'
+    advantages to float32 accuracy); integer or bool rewards count as float32."""
     check_scored(sc)
-    weights = torch.tensor([1.0, check_float("tpf_weight", tpf_weight)])
-    return group_normalize(sc.rewards(), sc.group_ids, weights, mode)
+    rewards = sc.rewards()
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    weights = torch.tensor([1.0, check_float("tpf_weight", tpf_weight)], dtype=rewards.dtype, device=rewards.device)
+    return group_normalize(rewards, sc.group_ids, weights, mode)
