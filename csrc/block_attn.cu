@@ -131,6 +131,9 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   CHECK_NO_INTERNAL_OVERLAP(k_cache);
   CHECK_NO_INTERNAL_OVERLAP(v_cache);
   CHECK_NO_OVERLAP(k_cache, v_cache);
+  // the launch writes the chunk's cache rows while other CTAs read q / k / v and the lengths
+  check_no_overlaps({{"k_cache", k_cache}, {"v_cache", v_cache}},
+                    {{"q", q}, {"k", k}, {"v", v}, {"cache_lens", cache_lens}, {"chunk_lens", chunk_lens}});
 
   LRF_CHECK(D == 64 || D == 128, "block_attention: head_dim must be 64 or 128, got ", D);
   LRF_CHECK(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, "block_attention: q heads (", Hq,

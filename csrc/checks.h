@@ -130,3 +130,33 @@ inline bool dtype_in(const at::Tensor& t, std::initializer_list<at::ScalarType> 
   LRF_CHECK(at::get_overlap_status(x, y) != at::MemOverlapStatus::Full &&                                     \
                 at::get_overlap_status(x, y) != at::MemOverlapStatus::Partial,                                \
             #x " and " #y " are both written in place and must not share memory")
+
+namespace lrf {
+
+// A tensor and its name, for check_no_overlaps.
+struct Named {
+  const char* name;
+  const at::Tensor& t;
+};
+
+// The launcher-side twin of ops/_common.py check_no_overlap: the tensors a kernel writes in place (`written`)
+// must not share memory with each other, nor with a tensor the same launch reads (`read`): other CTAs of the
+// grid read those while it writes, in no fixed order. Certain overlaps only (at::get_overlap_status: dense
+// layouts); layouts too complex to decide are let through, as CHECK_NO_OVERLAP does. Empty tensors never overlap.
+inline void check_no_overlaps(std::initializer_list<Named> written, std::initializer_list<Named> read) {
+  auto overlap = [](const at::Tensor& a, const at::Tensor& b) {
+    const at::MemOverlapStatus s = at::get_overlap_status(a, b);
+    return s == at::MemOverlapStatus::Full || s == at::MemOverlapStatus::Partial;
+  };
+  for (auto w = written.begin(); w != written.end(); ++w) {
+    for (auto o = w + 1; o != written.end(); ++o) {
+      LRF_CHECK(!overlap(w->t, o->t), w->name, " and ", o->name, " are both written in place and must not share memory");
+    }
+    for (const Named& r : read) {
+      LRF_CHECK(!overlap(w->t, r.t), w->name, " is written in place and must not share memory with ", r.name,
+                " (also read by this op)");
+    }
+  }
+}
+
+}  // namespace lrf

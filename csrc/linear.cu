@@ -10,7 +10,8 @@
 // can hold at once per cluster size (occupancy API, read once); the kernel goes through cudaLaunchKernelEx with
 // the cluster dimension (sm_90+; 1 before) and, when asked (`pdl`), programmatic stream serialization. If the
 // driver refuses the attributes the launch falls back to one CTA per cluster and no PDL (the same sum in another
-// order: equal up to fp32 rounding, not bit for bit).
+// order: equal up to fp32 rounding, not bit for bit); not while the stream is captured, where the failed launch has
+// already invalidated the capture and its error is the one raised.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -103,6 +104,11 @@ void launch(kernels::LinearParams p, const kernels::LinearPlan& plan, bool pdl, 
   cfg.attrs = attrs;
   cfg.numAttrs = n;
   cudaError_t err = cudaLaunchKernelEx(&cfg, kernels::linear_kernel<T, NT>, p);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (err != cudaSuccess && n > 0 &&
+      (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone)) {
+    C10_CUDA_CHECK(err);  // a failed launch has invalidated the capture: report it, not the retry's error (launch.h)
+  }
   if (err != cudaSuccess && n > 0) {
     (void)cudaGetLastError();  // clear it; the plain launch below reports its own errors
     const int64_t tiles = plan.ctas / plan.cluster;

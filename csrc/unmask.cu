@@ -159,6 +159,11 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
   CHECK_NO_INTERNAL_OVERLAP(step_map);
   CHECK_NO_INTERNAL_OVERLAP(logp);
   CHECK_NO_INTERNAL_OVERLAP(conf);
+  // the CTA that finishes a sequence writes its positions while other CTAs still read logits, the mask (their
+  // own rows) and the per-sequence inputs
+  check_no_overlaps({{"tokens", tokens}, {"masked", masked}, {"step_map", step_map}, {"logp", logp}, {"conf", conf}},
+                    {{"logits", logits}, {"step", step}, {"quota", quota}, {"eos_ids", eos_ids}, {"seed", seed},
+                     {"offset", offset}});
   LRF_CHECK(S >= 1 && V >= 1, "logits must have at least one position and one token, got shape ", logits.sizes());
   LRF_CHECK(S <= kernels::kUnmaskMaxPositions, "threshold_unmask kernel: at most ",
               kernels::kUnmaskMaxPositions, " positions per row (logits.size(1)), got ", S,

@@ -409,6 +409,9 @@ def test_gpu_launcher_checks_inputs(cuda_kernels):
         (dict(q=q[:, :, :0]), "must be a positive multiple of the cache's kv heads"),
         (dict(k_cache=kc[:1].expand(kc.shape)), "k_cache is written in place and must not"),
         (dict(v_cache=kc), "k_cache and v_cache are both written in place"),
+        # the launch writes the chunk's cache rows while other CTAs read q / k / v: none may live in a cache
+        (dict(k=kc.view(-1)[: k.numel()].view(k.shape)), "k_cache is written in place and must not share memory with k "),
+        (dict(q=vc.view(-1)[: q.numel()].view(q.shape)), "v_cache is written in place and must not share memory with q "),
     ]:
         with pytest.raises(RuntimeError, match=match):
             kernel(**(a | change))

@@ -206,6 +206,8 @@ def test_launcher_checks_inputs(cuda_ext_with):
     device check comes last, so every other check runs here without a GPU)."""
     mod = cuda_ext_with("kv_cache_write")
     a = _good_args()
+    shared = torch.zeros(2 * 10 * 2 * 4)  # one buffer: a cache [2, 10, 2, 4] and a dense k / v inside its rows
+    cache_in, inside = shared.view(2, 10, 2, 4), shared[16:64].view(2, 3, 2, 4)
     cases = [
         (dict(k_cache=a["k_cache"][0]), "k_cache must have 4 dimensions"),
         (dict(v_cache=a["v_cache"][:, :5]), r"v_cache must have shape \[B, L, H, D\] = \[2, 10, 2, 4\], got \[2, 5, 2, 4\]"),
@@ -224,6 +226,13 @@ def test_launcher_checks_inputs(cuda_ext_with):
         (dict(k_cache=torch.zeros(1, 10, 2, 4).expand(2, 10, 2, 4)), "k_cache is written in place and must not"),
         (dict(v_cache=torch.zeros(2, 10, 1, 4).expand(2, 10, 2, 4)), "v_cache is written in place and must not"),
         (dict(v_cache=a["k_cache"]), "k_cache and v_cache are both written in place"),
+        # ... nor with what the launch reads (other blocks read k / v / the lengths while one writes its rows)
+        (dict(k_cache=cache_in, k=inside), "k_cache is written in place and must not share memory with k "),
+        (dict(v_cache=cache_in, v=inside), "v_cache is written in place and must not share memory with v "),
+        (dict(k_cache=cache_in, cache_lens=shared[:2].view(torch.int32)),
+         "k_cache is written in place and must not share memory with cache_lens"),
+        (dict(error_flag=a["k_cache"].view(torch.int32)), "k_cache and error_flag are both written in place"),
+        (dict(error_flag=a["chunk_lens"]), "error_flag is written in place and must not share memory with chunk_lens"),
         ({}, "k_cache must be a CUDA tensor, got device cpu"),
     ]
     for change, match in cases:

@@ -831,6 +831,11 @@ def test_gpu_launcher_checks_inputs(cuda_kernels):
         kernel(*big, *big_extra, *opts)
     with pytest.raises(RuntimeError, match="tokens is written in place and must not"):
         call(1, state[1][:1].expand(2, 4))
+    # outputs written by the CTA that finishes a sequence while others still read: no memory shared
+    with pytest.raises(RuntimeError, match="logp and conf are both written in place"):
+        call(4, state[5])
+    with pytest.raises(RuntimeError, match="tokens is written in place and must not share memory with logits"):
+        call(1, state[0].view(-1)[:16].view(torch.int64).view(2, 4))
 
 
 @pytest.mark.gpu

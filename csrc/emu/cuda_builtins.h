@@ -91,7 +91,10 @@ inline uint32_t vote(const char* kind, unsigned mask, uint32_t v, bool as_bits) 
   });
 }
 
+// A 16-byte global load (unmask.cuh's load_stream16): the device faults on an address that is not 16-byte aligned,
+// so the emulator refuses one too (a host memcpy would read it silently).
 inline uint4 load16(const void* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) fail("16-byte global load not aligned");
   uint4 v;
   std::memcpy(&v, p, 16);
   return v;

@@ -1,6 +1,6 @@
 // Self-check of the CPU emulator (csrc/emu/emu_core.h through its CUDA-builtins front-end): tiny kernels
-// that are right, and kernels with the control-flow bugs the emulator must refuse (divergent collectives,
-// a thread leaving a barrier's other threads waiting). Used by python_tests/test_emu.py; not part of the
+// that are right, and kernels with the bugs the emulator must refuse (divergent collectives, a thread leaving
+// a barrier's other threads waiting, a misaligned 16-byte load). Used by python_tests/test_emu.py; not part of the
 // extension. Run: selfcheck_emu CASE SEED -> exit 0 (and a checksum line) or an abort with the error.
 #include "emu/cuda_builtins.h"
 
@@ -25,6 +25,9 @@ void kernel() {
   if (g_case == "divergent_shfl" && lane < 16) {
     __syncwarp();  // half a warp at __syncwarp, the other half at a shuffle
   }
+  alignas(16) static const uint32_t words[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const uint4 w = lrf::emu::load16(g_case == "misaligned_load16" ? words + 1 : words + 4);  // +4 bytes: misaligned
+  v += float(w.x);
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   if (lane == 0) partial[warp] = v;
   if (g_case == "exit_early" && warp == 1) return;  // warp 1 never reaches the barrier warp 0 waits at
