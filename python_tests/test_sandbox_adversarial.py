@@ -296,3 +296,174 @@ def test_non_plain_results_are_reported_as_such():
                  "def add(a, b):\n    return P(a + b)\n"]:
         r = _fails(code, True, ["assert add(1, 2) == (3,) or add(1, 2).x == 3"])
         assert r.reason == "error:NonPlainResult", (r.reason, r.stderr)
+
+
+# races: a thread of the program changing what the check saw, between the check and the test's comparison.
+# The tests below leave the thread time to act (``time.sleep`` in the test) so that the race is won every
+# time without the fix; a real test (``assert add(1, 2) == 3``) gives it a window of microseconds.
+
+THREAD_RACES = {
+    # a module-level thread that turns every returned list into an AlwaysEqual list after the check
+    "module_thread_mutates_result": (
+        AEQ + "import threading, time\nR = []\ndef add(a, b):\n    R.append([a - b])\n    return R[-1]\n"
+        "def racer():\n    while True:\n        for r in list(R):\n            if r and type(r[0]) is int:\n"
+        "                time.sleep(0.02)\n                r[0] = A()\n        time.sleep(0.001)\n"
+        "threading.Thread(target=racer, daemon=True).start()\n",
+        ["r = add(1, 2)\nimport time\ntime.sleep(0.3)\nassert r == [3]"]),
+    # a thread started by the call itself, still running when the call returns
+    "call_thread_mutates_result": (
+        AEQ + "import threading, time\ndef add(a, b):\n    r = [a - b]\n"
+        "    def later():\n        time.sleep(0.05)\n        r[0] = A()\n"
+        "    threading.Thread(target=later).start()\n    return r\n",
+        ["r = add(1, 2)\nimport time\ntime.sleep(0.3)\nassert r == [3]"]),
+    # ... that patches the stdlib the test compares with
+    "call_thread_patches_stdlib": (
+        "import threading, time, math\ndef add(a, b):\n"
+        "    def later():\n        time.sleep(0.05)\n        math.isclose = lambda *a, **k: True\n"
+        "    threading.Thread(target=later).start()\n    return 0\n",
+        ["import math, time\nr = add(1, 2)\ntime.sleep(0.3)\nassert math.isclose(r, 3)"]),
+    # ... that gives the (inert, identity-compared) class of the result an __eq__
+    "call_thread_patches_class": (
+        "import threading, time\nclass P:\n    pass\ndef add(a, b):\n"
+        "    def later():\n        time.sleep(0.05)\n        P.__eq__ = lambda s, o: True\n"
+        "    threading.Thread(target=later).start()\n    return P()\n",
+        ["r = add(1, 2)\nimport time\ntime.sleep(0.3)\nassert r == 3"]),
+    # a plain function, its thread started through _thread directly (no threading bookkeeping at all)
+    "raw_thread": (
+        AEQ + "import _thread, time\ndef add(a, b):\n    r = [a - b]\n"
+        "    def later():\n        time.sleep(0.05)\n        r[0] = A()\n"
+        "    _thread.start_new_thread(later, ())\n    return r\n",
+        ["r = add(1, 2)\nimport time\ntime.sleep(0.3)\nassert r == [3]"]),
+}
+
+
+@pytest.mark.parametrize("guard", [True, False])
+@pytest.mark.parametrize("name", list(THREAD_RACES))
+def test_threads_racing_the_check_are_not_a_pass(name, guard):
+    code, tests = THREAD_RACES[name]
+    _fails(code, guard, tests)
+
+
+# methods: a test calling a method (or reading a property / class attribute) of an instance of a program
+# class. The instance itself is plain (an inert class: identity comparison), but what its methods return
+# was not checked.
+
+METHOD_HACKS = {
+    "method_returns_always_equal": (
+        AEQ + "class Stack:\n    def __init__(self):\n        self.items = []\n"
+        "    def push(self, x):\n        self.items.append(x)\n    def pop(self):\n        return A()\n",
+        ["s = Stack()\ns.push(3)\nassert s.pop() == 3", "s = Stack()\nassert s.pop() == 'x'"]),
+    "method_of_returned_object": (
+        AEQ + "class LinkedList:\n    def __init__(self, xs):\n        self.xs = xs\n"
+        "    def to_list(self):\n        return [A() for _ in self.xs]\n"
+        "def build(xs):\n    return LinkedList(xs)\n",
+        ["assert build([1, 2]).to_list() == [1, 2]"]),
+    "method_stored_then_called": (
+        AEQ + "class C:\n    def get(self):\n        return A()\ndef make():\n    return C()\n",
+        ["g = make().get\nassert g() == 3", "assert getattr(make(), 'get')() == 3"]),
+    "property": (
+        AEQ + "class P:\n    @property\n    def v(self):\n        return A()\ndef add(a, b):\n    return P()\n",
+        ["assert add(1, 2).v == 3"]),
+    "class_attribute": (
+        AEQ + "class P:\n    v = A()\ndef add(a, b):\n    return P()\n", ["assert add(1, 2).v == 3"]),
+    "static_and_class_method": (
+        AEQ + "class Calc:\n    @staticmethod\n    def add(a, b):\n        return A()\n"
+        "    @classmethod\n    def sub(cls, a, b):\n        return A()\ndef make():\n    return Calc()\n",
+        ["assert make().add(1, 2) == 3", "assert make().sub(1, 2) == -1"]),
+    "method_mutates_earlier_result": (
+        AEQ + "class S:\n    def __init__(self):\n        self.r = [0]\n    def get(self):\n        return self.r\n"
+        "    def poke(self):\n        self.r[0] = A()\n        return 0\n",
+        ["s = S()\nr = s.get()\ns.poke()\nassert r == [3]"]),
+    "method_on_setup_fixture": (
+        AEQ + "class Node:\n    def __init__(self, v):\n        self.v = v\n    def value(self):\n        return A()\n",
+        ["assert root.value() == 5"]),
+}
+
+
+@pytest.mark.parametrize("guard", [True, False])
+@pytest.mark.parametrize("name", list(METHOD_HACKS))
+def test_methods_of_program_instances_are_checked(name, guard):
+    code, tests = METHOD_HACKS[name]
+    t0 = time.monotonic()
+    r = run_program(CodeProgram(code, list(tests), setup="root = Node(1)" if "fixture" in name else ""),
+                    SandboxConfig(timeout_s=1.0, python_guard=guard))
+    assert time.monotonic() - t0 < 15
+    assert not r.passed and r.n_passed == 0, (r.reason, r.test_errors, r.stderr)
+
+
+# regression: honest programs with classes whose methods return plain values, and with threads that end within
+# the call (or the solution stage) that started them
+STACK = ("class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
+         "        self.items.append(x)\n    def pop(self):\n        return self.items.pop()\n"
+         "    def size(self):\n        return len(self.items)\n    def is_empty(self):\n        return not self.items\n")
+LINKED = ("class Node:\n    def __init__(self, val, next=None):\n        self.val, self.next = val, next\n"
+          "class LinkedList:\n    Node = Node\n    def __init__(self):\n        self.head = None\n"
+          "    @classmethod\n    def from_list(cls, xs):\n        ll = cls()\n        for x in reversed(xs):\n"
+          "            ll.head = Node(x, ll.head)\n        return ll\n"
+          "    def to_list(self):\n        out, n = [], self.head\n        while n:\n            out.append(n.val)\n"
+          "            n = n.next\n        return out\n    @property\n    def length(self):\n        return len(self.to_list())\n"
+          "def reverse(ll):\n    prev, n = None, ll.head\n    while n:\n        n.next, prev, n = prev, n, n.next\n"
+          "    ll.head = prev\n    return ll\n")
+LEGIT_CLASSES_AND_THREADS = {
+    "stack_methods": (STACK, ["s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2 and s.size() == 1",
+                              "s = Stack()\nassert s.is_empty() and s.items == []\ns.push(5)\nassert s.items == [5]",
+                              "s = Stack()\nassert getattr(s, 'items') == [] and hasattr(s, 'push') and not hasattr(s, 'x')\n"
+                              "assert getattr(s, 'x', 7) == 7"]),
+    "linked_list": (LINKED, ["ll = LinkedList.from_list([1, 2, 3])\nassert ll.to_list() == [1, 2, 3] and ll.length == 3",
+                             "assert reverse(LinkedList.from_list([1, 2])).to_list() == [2, 1]",
+                             "ll = LinkedList.from_list([4, 5])\nassert ll.head.val == 4 and ll.head.next.next is None",
+                             "n = LinkedList.Node(1)\nassert n.val == 1 and n.next is None",
+                             # a test walking a long list node by node
+                             "ll = LinkedList.from_list(list(range(2000)))\nn, k = ll.head, 0\nwhile n:\n"
+                             "    k += n.val\n    n = n.next\nassert k == sum(range(2000))"]),
+    "setup_fixture_methods": ("class Node:\n    def __init__(self, v):\n        self.v, self.left, self.right = v, None, None\n"
+                              "    def insert(self, v):\n        side = 'left' if v < self.v else 'right'\n"
+                              "        if getattr(self, side) is None:\n            setattr(self, side, Node(v))\n"
+                              "        else:\n            getattr(self, side).insert(v)\n"
+                              "def depth(n):\n    return 0 if n is None else 1 + max(depth(n.left), depth(n.right))\n",
+                              ["root.insert(1)\nroot.insert(9)\nassert root.left.left.v == 1 and depth(root) == 3",
+                               "assert root.right.v == 8 and root.value_of_nothing is None if hasattr(root, 'value_of_nothing') "
+                               "else root.left.v == 2"]),
+    "test_defines_a_class": ("def add(a, b):\n    return a + b\n",
+                             ["class Box:\n    def __init__(self, v):\n        self.__v = v\n    def get(self):\n"
+                              "        return self.__v\nassert add(Box(1).get(), Box(2).get()) == 3",
+                              "import math\nmatch add(1, 2):\n    case math.pi:\n        assert False\n"
+                              "    case 3:\n        assert f'{add(1, 2).real}' == '3'"]),
+    "thread_joined_in_call": ("import threading\ndef add(a, b):\n    out = []\n"
+                              "    t = threading.Thread(target=lambda: out.append(a + b))\n    t.start()\n    t.join()\n"
+                              "    return out[0]\n", None),
+    "thread_pool_in_call": ("from concurrent.futures import ThreadPoolExecutor\ndef add(a, b):\n"
+                            "    with ThreadPoolExecutor(2) as ex:\n        return sum(ex.map(int, [a, b]))\n", None),
+    "thread_at_module_level": ("import threading\nT = {}\nt = threading.Thread(target=lambda: T.update(k=1))\nt.start()\n"
+                               "t.join()\ndef add(a, b):\n    return a + b + T['k'] - 1\n", None),
+    "queue_bfs": ("from queue import Queue\nimport threading\ndef add(a, b):\n    q = Queue()\n    q.put(a)\n    q.put(b)\n"
+                  "    return q.get() + q.get()\n", None),
+}
+
+
+@pytest.mark.parametrize("guard", [True, False])
+@pytest.mark.parametrize("name", list(LEGIT_CLASSES_AND_THREADS))
+def test_honest_classes_and_threads_pass(name, guard):
+    code, tests = LEGIT_CLASSES_AND_THREADS[name]
+    setup = "root = Node(5)\nroot.left = Node(2)\nroot.right = Node(8)" if name == "setup_fixture_methods" else ""
+    r = run_program(CodeProgram(code, list(tests or ADD_TESTS), setup), SandboxConfig(timeout_s=3.0, python_guard=guard))
+    assert r.passed, (r.reason, r.test_errors, r.stderr)
+    assert r.duration_s < 3.0
+
+
+def test_attribute_lookups_that_may_run_program_code_are_checked():
+    """A program object whose lookup itself could run program code (a key of its own in an instance dict, a
+    descriptor class of the program, a class with a metaclass) is read through the full check."""
+    weird_key = (AEQ + "class K:\n    def __hash__(s): return hash('v')\n    def __eq__(s, o): return True\n"
+                 "class P:\n    def __init__(s):\n        s.__dict__[K()] = A()\n"
+                 "def add(a, b):\n    return 0\n")
+    # ``p`` built by the row's setup code (like MBPP's ``root = Node(1)``): never went through a check
+    r = run_program(CodeProgram(weird_key, ["assert add(1, 2) == 0 and p.v == 3"], setup="p = P()"),
+                    SandboxConfig(timeout_s=1.0))
+    assert not r.passed and r.n_passed == 0, (r.reason, r.stderr)
+    descriptor = (AEQ + "class D:\n    def __get__(s, o, t=None): return A()\nclass P:\n    v = D()\n"
+                  "def add(a, b):\n    return P()\n")
+    _fails(descriptor, True, ["assert add(1, 2).v == 3"])
+    meta = (AEQ + "class M(type):\n    def __getattr__(c, n): return A()\nclass C(metaclass=M):\n    pass\n")
+    _fails(meta, True, ["assert C.anything == 3"])
+    assert r.reason == "error:NonPlainResult", r.reason

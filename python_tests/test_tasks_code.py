@@ -191,6 +191,25 @@ def test_a_sandbox_that_cannot_start_is_an_error_not_a_pass(monkeypatch, tmp_pat
     assert not r.passed and r.reason == "sandbox_error" and r.pass_fraction == 0.0
 
 
+def test_the_harness_loads_its_sibling_checks_module_by_path(monkeypatch, tmp_path):
+    """The harness runs as a script under ``python -I`` (its folder is not on sys.path) and loads
+    ``_sandbox_checks.py`` from next to itself, by path, before the privilege drop. Without it the sandbox does
+    not start (an error, never a pass); copied together anywhere, they work (uid drop included)."""
+    import shutil
+
+    import lightningrl_fast.tasks.code as code_mod
+
+    here = Path(code_mod._HARNESS)
+    shutil.copy(here, tmp_path / here.name)
+    monkeypatch.setattr(code_mod, "_HARNESS", str(tmp_path / here.name))
+    prog = CodeProgram("class S:\n    def get(self):\n        return 3\n", ["assert S().get() == 3"])
+    r = run_program(prog)
+    assert not r.passed and r.reason == "sandbox_error" and r.pass_fraction == 0.0
+    shutil.copy(here.with_name("_sandbox_checks.py"), tmp_path / "_sandbox_checks.py")
+    r = run_program(prog)
+    assert r.passed, (r.reason, r.stderr)
+
+
 def test_timeout_keeps_credit_of_earlier_asserts():
     tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 0) == 0"]
     code = "def add(a, b):\n    while a == 0:\n        pass\n    return a + b\n"

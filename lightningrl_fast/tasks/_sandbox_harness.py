@@ -2,7 +2,8 @@
 
 Started by `lightningrl_fast.tasks.code` as ``python -I -S _sandbox_harness.py JOB_FILE RESULT_FD`` (inside
 ``unshare`` namespaces when the machine allows them). Standard library only; it imports nothing from the
-package. Order matters — everything privileged happens before the first line of untrusted code:
+package but its sibling `_sandbox_checks` (the result checks, loaded by path at start: ``-I`` keeps this
+directory off ``sys.path``). Order matters — everything privileged happens before the first line of untrusted code:
 
 1. read the job (JSON) and delete its file;
 2. private mounts (only when the parent put us in a fresh mount namespace): size-capped tmpfs over
@@ -21,48 +22,12 @@ package. Order matters — everything privileged happens before the first line o
    the process at once (no ``except`` can retry it) — defense in depth on top of the OS layers;
 7. solution + setup, then each test, each on a fresh worker thread whose stack holds no frame of the
    harness; a test counts as passed only if ``exec`` returned normally (a lock released by the C-level
-   chain right after it). Each test sees pristine builtins and the stdlib modules' top-level attributes
-   (and their ``sys.modules`` entries) as they were before the program ran, and the program's callables
-   only through the result check below. One record per test is streamed.
-
-Result check (the "AlwaysEqual" reward hack: an object whose ``__eq__``/``__lt__``/``__bool__``/``__sub__``
-... lies to the test's comparison). Every callable value the test namespace takes from the program's
-globals (functions, lambdas, classes, bound methods, partials, callable instances; not modules, not the
-``typing`` module's own objects, not a pristine builtin under its own name) is handed to the test as
-``MethodType(call_checked, f)`` (`_make_checker`). A call from the test then fails with
-``NonPlainResult`` (a ``BaseException``: an ``except Exception`` in a test cannot swallow it) unless:
-
-* the result is PLAIN: every object reachable from it has an exact type (``type(o) is T``, never
-  ``isinstance`` or ``o.__class__``) among ``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``,
-  ``bytes``, ``bytearray``, ``range``, ``decimal.Decimal`` (leaves), ``list``, ``tuple``, ``set``,
-  ``frozenset``, ``collections.deque``, ``dict`` views, ``dict``, ``collections.Counter`` /
-  ``OrderedDict`` / ``defaultdict`` (keys and values; their instance ``__dict__`` must be empty, a
-  ``defaultdict``'s factory ``None`` or one of these types), ``fractions.Fraction`` (both slots exact
-  ``int``), or an instance of an INERT program class: no metaclass, only classes created at run time
-  above ``object``, no dunder in their dicts beyond ``__init__`` and class metadata (so no ``__eq__``,
-  ``__hash__``, ``__bool__``, ``__class__``, ``__getattr__``, ``__slots__``, ``__repr__``, ``__str__``,
-  ...: it compares by identity), whose instance ``__dict__`` (keys and values) is checked the same way
-  (test-built arguments like MBPP's ``Pair(5, 24)`` and tree nodes stay usable). Subclasses of the value types
-  (``namedtuple`` included), dataclasses, enums, exceptions and anything else are not plain. The walk is
-  iterative with a visited set (cycles, depth), reads objects only through the exact types' C slots
-  and descriptors bound before untrusted code, and visits at most ``_PLAIN_LIMIT`` (200 000) objects per
-  value: larger, or any error, counts as not plain;
-* an iterator of an allowlisted C type (generator, ``map``, ``filter``, ``zip``, ``enumerate``,
-  ``reversed``, container iterators, ``itertools`` objects) is drained first (at most ``_PLAIN_LIMIT``
-  items, so an endless one fails), its items checked as a list and handed on as ``iter(list)``: later
-  program code cannot change an item already yielded;
-* every argument that was plain before the call is still plain after it (a solution putting an
-  AlwaysEqual into the test's list), and so is every value checked earlier in the same test (``held``:
-  a later call cannot change what an earlier one returned); arguments are kept alive to the end of the
-  test (no weakref callback of the program between the check and the comparison);
-* the stdlib the tests use is untouched: the restored modules' attributes and ``sys.modules`` entries,
-  and the class dicts of the allowlisted types that are mutable (``Counter``, ``Fraction`` and the
-  ``numbers`` ABCs), compared by identity with a snapshot taken before the program ran;
-* no automatic garbage collection (hence no finalizer of the program) runs between the check and the
-  test's comparison: ``gc`` is enabled for the call and disabled right after it.
-
-The checker's functions read only parameter defaults bound before untrusted code (no globals, no closure
-cells); the integrity hook refuses changing their attributes (``__code__``, ``__kwdefaults__``).
+   chain right after it) and no thread of the program is left when it ends. Each test sees pristine builtins
+   and the stdlib modules' top-level attributes (and their ``sys.modules`` entries) as they were before the
+   program ran, and the program's objects only through the result checks of `_sandbox_checks` (the sibling
+   module, loaded by path at start: PLAIN values from the program's callables, attribute loads of program
+   objects checked the same way, no program thread alive while a check is made or a test runs). One record
+   per test is streamed.
 
 Records on the result pipe are ``<nonce> <TAG> ...`` lines: ``R n`` (ready, n tests), ``S err``
 (setup/solution failed), ``T i ok err``, ``D`` (done), ``E msg`` (sandbox set-up error); ``V event``
@@ -73,17 +38,22 @@ program cannot reach them (as long as it cannot read this process's memory: with
 the main thread), ``sys._getframe`` / traceback frames are refused under the guard (the stdlib users,
 ``namedtuple``, ``typing``, ``enum``, fall back), names of the solution that shadow builtins are not
 visible to a test that also calls another function of the program (one that calls only the builtin-named
-function, MBPP's ``def sum(a, b)``, sees it), the tests see the program's classes as wrapped callables (``isinstance(x, Cls)``
-with a class of the solution fails in a test), and a value a test gets from a program callable must be
-plain (above).
+function, MBPP's ``def sum(a, b)``, sees it), the tests see the program's classes as wrapped callables
+(``isinstance(x, Cls)`` with a class of the solution fails in a test), a value a test gets from the program
+must be plain, and a thread the program starts must have ended when the call (or the solution) that started
+it returns (`_sandbox_checks` has the rules).
 
-Still open (in-process checks cannot close these): a thread of the program changing a checked value, a
-class of the program or a module attribute between the check and the test's comparison (or racing the
-restore); methods and properties of an inert instance that a test calls or reads (not checked: an inert
-class may define any non-dunder attribute); non-callable globals of the program used directly by a test
-(handed over as they are; in practice setup-code data such as a tree ``root``); a program that is handed
-a wrapped callable by the test can read (not change) the checker's defaults, ``held`` included; and, with
-``python_guard=False``, frame introspection on the worker threads and ``ctypes`` (a program reading or
+Still open (in-process checks cannot close these): program code that runs outside a checked call while a
+test runs (a weakref callback or finalizer fired when the test drops the last reference to an object, a
+program class the test obtains with the builtin ``type()`` and calls directly, stdlib helpers such as
+``operator.methodcaller`` that read attributes of a program object without the test's rewritten lookup),
+which may change a checked value or start a thread that ends before the test does; non-callable globals of
+the program used directly by a test (handed over as they are; in practice setup-code data such as a tree
+``root``, whose attributes and methods are checked); a program that is handed a wrapped callable by the
+test can read the checker's defaults, ``held`` included; when the harness runs as root of its own user
+namespace (non-root caller, no uid drop) a program thread could ``chroot`` to fake ``/proc/self/task`` while
+also hiding from ``_thread._count()`` (running in a finalizer after its thread function returned); and,
+with ``python_guard=False``, frame introspection on the worker threads and ``ctypes`` (a program reading or
 writing its own memory can do anything).
 """
 
@@ -109,6 +79,21 @@ _RESTORED_MODULES = ("math", "cmath", "re", "string", "random", "collections", "
 # Frame-reaching reads (audited as ``object.__getattr__``); see `_make_integrity_hook`.
 _FRAME_ATTRS = frozenset(("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_code", "f_locals",
                           "f_globals", "f_builtins"))
+
+
+def _load_checks():
+    """The sibling module `_sandbox_checks` (result checks), loaded by path: ``python -I`` keeps this
+    directory off ``sys.path``, and it must be read now, before the privilege drop (the sandbox uid may not
+    be able to read the package) and before any untrusted code. Not put in ``sys.modules``."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_checks.py")
+    mod = types.ModuleType("_sandbox_checks")
+    mod.__file__ = path
+    with open(path, "rb") as f:
+        exec(compile(f.read(), path, "exec", dont_inherit=True), mod.__dict__)
+    return mod
+
+
+_checks = _load_checks()
 
 
 def _clean(name):
@@ -390,7 +375,9 @@ def main():
         for lo, hi in zip(keep, keep[1:] + [65536]):
             os.closerange(lo + 1, hi)
         sys.dont_write_bytecode = True
-        for name in _RESTORED_MODULES + ("typing",):
+        # ``threading`` too: imported first on a worker thread (``import queue`` does it), its ``_MainThread``
+        # would take that worker's join sentinel (``_thread._set_sentinel``) and the stage would never end
+        for name in _RESTORED_MODULES + ("typing", "threading"):
             __import__(name)
         return (nonce, result_fd, job["setup"], job["solution"], job["tests"], workdir,
                 bool(job.get("python_guard")), _thread.get_ident())
@@ -420,217 +407,6 @@ def _make_unraisable_hook(reasons):
     return hook
 
 
-# Most objects the plainness check visits in one value (result, argument or materialised iterator);
-# a larger value counts as not plain. HumanEval / MBPP results are far smaller.
-_PLAIN_LIMIT = 200_000
-# Dunder names an "inert" program class may define (anything else, e.g. __eq__, __hash__, __bool__,
-# __class__, __getattr__, __slots__, __repr__, __str__, __new__, makes its instances not plain).
-_INERT_DUNDERS = frozenset(("__module__", "__qualname__", "__doc__", "__init__", "__dict__", "__weakref__",
-                            "__annotations__", "__firstlineno__", "__static_attributes__"))
-
-
-def _make_checker(restored, _type=type, _id=id, _frozenset=frozenset, _tuple=tuple, _dict=dict, _sys=sys):
-    """Build the result check of the tests, before any untrusted code: returns ``(call_checked, (held,
-    alive), protected_ids, protected)``. ``call_checked(f, *args, **kw)`` (handed to the tests as
-    ``MethodType(call_checked, f)``) calls a callable of the program and returns its result only if it is
-    PLAIN (rules: the module docstring); the supervisor empties ``held`` and ``alive`` before each test.
-    Every function here reads only its own parameters (defaults bound now; the audit hook refuses
-    ``object.__setattr__``/``__delattr__`` on the ``protected`` objects, so ``__code__``/``__defaults__``
-    cannot be swapped), no globals and no closure cells, and calls no method of an object that is not of
-    an exact allowlisted type."""
-    import decimal
-    import fractions
-    import gc
-
-    NoneType = _type(None)
-    Counter, OrderedDict = collections.Counter, collections.OrderedDict
-    defaultdict, deque, Fraction = collections.defaultdict, collections.deque, fractions.Fraction
-    scalars = (NoneType, bool, int, float, complex, str, bytes, bytearray, range, decimal.Decimal)
-    d = {}
-    sequences = (list, tuple, set, frozenset, deque, _type(d.keys()), _type(d.values()), _type(d.items()))
-    mappings = (dict, Counter, OrderedDict, defaultdict)
-    # instance __dict__ of an allowlisted type (Counter, OrderedDict): must stay empty (an attribute there
-    # would shadow a method such as ``most_common``)
-    inst_dicts = _tuple((_id(t), t.__dict__["__dict__"]) for t in mappings + sequences if "__dict__" in t.__dict__)
-    factories = _frozenset(_id(t) for t in scalars[1:] + sequences[:5] + mappings if t is not range)
-    mro_of = type.__dict__["__mro__"].__get__
-    flags_of = type.__dict__["__flags__"].__get__
-    tdict_of = type.__dict__["__dict__"].__get__
-    # allowlisted types whose class attributes can be changed (pure-Python classes: Counter, Fraction and
-    # the numbers ABCs): snapshot of their dicts, compared after every call
-    mutable = []
-    for t in scalars + sequences + mappings + (Fraction,):
-        for c in mro_of(t):
-            if not flags_of(c) & (1 << 8) and all(c is not m for m, _ in mutable):  # Py_TPFLAGS_IMMUTABLETYPE
-                mutable.append((c, _tuple(tdict_of(c).items())))
-    iterators = [types.GeneratorType, map, filter, zip, enumerate, reversed, _type(iter(lambda: 0, 1))]
-    for sample in ([], (), range(1), range(1 << 70), "a", "\xe9", "\U0001f600", b"", bytearray(), set(), d,
-                   d.values(), d.items(), deque()):
-        iterators.append(_type(iter(sample)))
-    for sample in ([], d, d.values(), d.items(), deque(), range(1)):
-        iterators.append(_type(reversed(sample)))
-    for name in ("chain", "islice", "count", "cycle", "repeat", "accumulate", "product", "permutations",
-                 "combinations", "combinations_with_replacement", "starmap", "takewhile", "dropwhile",
-                 "compress", "zip_longest", "filterfalse", "pairwise", "batched", "groupby"):
-        t = getattr(itertools, name, None)
-        if _type(t) is type:
-            iterators.append(t)
-    iterators.append(_type(itertools.tee([])[0]))
-
-    class NonPlainResult(BaseException):  # BaseException: an ``except Exception`` in a test cannot eat it
-        pass
-
-    def inert(t, _type=_type, _typetype=type, _mro=mro_of, _flags=flags_of, _tdict=tdict_of, _object=object,
-              _str=str, _starts=str.startswith, _ends=str.endswith, _items=types.MappingProxyType.items,
-              _ok=_INERT_DUNDERS, _getset=types.GetSetDescriptorType):
-        """A class of the program whose instances compare by identity and have nothing but attributes: no
-        metaclass, only heap types (classes created at run time) above ``object``, no dunder outside
-        `_INERT_DUNDERS`."""
-        if _type(t) is not _typetype:
-            return False
-        mro = _mro(t)
-        if _type(mro) is not tuple or mro[-1] is not _object:
-            return False
-        for c in mro[:-1]:
-            if _type(c) is not _typetype or not _flags(c) & (1 << 9):  # Py_TPFLAGS_HEAPTYPE
-                return False
-            for k, v in _items(_tdict(c)):
-                if _type(k) is not _str:
-                    return False
-                if _starts(k, "__") and _ends(k, "__"):
-                    if k not in _ok:
-                        return False
-                    if (k == "__dict__" or k == "__weakref__") and _type(v) is not _getset:
-                        return False
-        return True
-
-    def plain(root, _type=_type, _id=_id, _set=set, _scalars=_frozenset(_id(t) for t in scalars),
-              _seqs=_frozenset(_id(t) for t in sequences), _maps=_frozenset(_id(t) for t in mappings),
-              _inst_dicts=inst_dicts, _dd=_id(defaultdict), _ddf=defaultdict.__dict__["default_factory"],
-              _factories=factories, _frac=_id(Fraction),
-              _frac_slots=(Fraction.__dict__["_numerator"], Fraction.__dict__["_denominator"]),
-              _member_get=types.MemberDescriptorType.__get__, _getset_get=types.GetSetDescriptorType.__get__,
-              _int=int, _dict=dict, _items=dict.items, _len=len, _inert=inert,
-              _getattr=object.__getattribute__, _limit=_PLAIN_LIMIT):
-        """True if every object reachable from ``root`` has an exact allowlisted type (or is an instance
-        of an `inert` class, whose ``__dict__`` values are then checked the same way). Iterative (cycles
-        and depth are fine), at most ``_limit`` objects; any error counts as not plain."""
-        try:
-            seen = _set()
-            stack = [root]
-            n = 0
-            while stack:
-                o = stack.pop()
-                t = _type(o)
-                ti = _id(t)
-                if ti in _scalars:
-                    continue
-                oi = _id(o)
-                if oi in seen:
-                    continue
-                n += 1
-                if n > _limit:
-                    return False
-                seen.add(oi)
-                if ti in _seqs:
-                    stack.extend(o)
-                elif ti in _maps:
-                    for kv in _items(o):
-                        stack.extend(kv)
-                    if ti == _dd:
-                        f = _member_get(_ddf, o, t)
-                        if f is not None and _id(f) not in _factories:
-                            return False
-                elif ti == _frac:
-                    for s in _frac_slots:
-                        if _type(_member_get(s, o, t)) is not _int:
-                            return False
-                    continue
-                elif _inert(t):
-                    d = _getattr(o, "__dict__")
-                    if _type(d) is not _dict:
-                        return False
-                    for kv in _items(d):  # keys too: a key of the program could answer a lookup
-                        stack.extend(kv)
-                    continue
-                else:
-                    return False
-                for i, desc in _inst_dicts:
-                    if i == ti:
-                        d = _getset_get(desc, o, t)
-                        if _type(d) is not _dict or _len(d):
-                            return False
-            return True
-        except BaseException:
-            return False
-
-    modules = _tuple((name, _sys.modules[name]) for name in restored if name in _sys.modules)
-    snaps = _tuple((live, _tuple(saved.items())) for live, saved in
-                   ((m.__dict__, _dict(m.__dict__)) for _, m in modules))
-
-    def untouched(_modules=modules, _snaps=snaps, _mutable=_tuple(mutable), _sysmods=_sys.modules,
-                  _get=dict.get, _pget=types.MappingProxyType.get, _tdict=tdict_of, _len=len, _missing=object()):
-        """The stdlib the tests use is as it was before the program ran: restored modules (attributes and
-        ``sys.modules`` entries) and the class dicts of the mutable allowlisted types."""
-        for name, m in _modules:
-            if _get(_sysmods, name) is not m:
-                return False
-        for live, items in _snaps:
-            for k, v in items:
-                if _get(live, k, _missing) is not v:
-                    return False
-        for c, items in _mutable:
-            d = _tdict(c)
-            if _len(d) != _len(items):
-                return False
-            for k, v in items:
-                if _pget(d, k, _missing) is not v:
-                    return False
-        return True
-
-    held, alive = [], []
-
-    def call_checked(__lrl_f, *args, __lrl_plain=plain, __lrl_untouched=untouched, __lrl_held=held,
-                     __lrl_alive=alive, __lrl_np=NonPlainResult, __lrl_type=_type, __lrl_id=_id,
-                     __lrl_iters=_frozenset(_id(t) for t in iterators), __lrl_list=list, __lrl_iter=iter,
-                     __lrl_islice=itertools.islice, __lrl_limit=_PLAIN_LIMIT, __lrl_len=len,
-                     __lrl_gc=(gc.enable, gc.disable), **kw):
-        """Call ``f`` for a test; return its result only if PLAIN (an iterator of an allowlisted type is
-        drained first, at most ``_PLAIN_LIMIT`` items, and handed on as an iterator over a checked list),
-        the plain arguments are still plain, earlier checked values of this test (``held``) are still
-        plain, and the stdlib is `untouched`; else raise ``NonPlainResult``."""
-        enable, disable = __lrl_gc
-        pre = [a for a in args if __lrl_plain(a)]
-        pre += [v for v in kw.values() if __lrl_plain(v)]
-        __lrl_alive.append((args, kw))  # nothing the test passed dies (weakref callbacks) before it compares
-        enable()
-        r = __lrl_f(*args, **kw)
-        disable()  # no collection, hence no finalizer of the program, between the check and the comparison
-        lazy = __lrl_id(__lrl_type(r)) in __lrl_iters
-        if lazy:
-            items = __lrl_list(__lrl_islice(r, __lrl_limit + 1))
-            disable()
-            if __lrl_len(items) > __lrl_limit:
-                raise __lrl_np("an iterator of more than %d items" % __lrl_limit)
-            r = items
-        if not __lrl_plain(r):
-            raise __lrl_np("the result is not a plain value (exact builtin/stdlib value types only)")
-        for a in pre:
-            if not __lrl_plain(a):
-                raise __lrl_np("an argument was given a value that is not plain")
-        for h in __lrl_held:
-            if not __lrl_plain(h):
-                raise __lrl_np("an earlier result was changed into a value that is not plain")
-        if not __lrl_untouched():
-            raise __lrl_np("the program changed the stdlib the tests use")
-        __lrl_held.extend(pre)
-        __lrl_held.append(r)
-        return __lrl_iter(r) if lazy else r
-
-    protected = (inert, plain, untouched, call_checked, NonPlainResult)
-    return call_checked, (held, alive), _tuple(_id(p) for p in protected), protected
-
-
 def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_ident,
                _write=os.write, _exit=os._exit, _exec=exec, _compile=compile, _dict=dict, _list=list,
                _str=str, _type=type, _len=len, _range=range, _map=map, _starmap=itertools.starmap,
@@ -641,8 +417,10 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
                _get_ident=_thread.get_ident, _sys=sys, _addaudithook=sys.addaudithook, _builtins=builtins,
                _modules=sys.modules, _module_type=types.ModuleType, _restored=_RESTORED_MODULES,
                _make_hook=_make_hook, _make_unraisable_hook=_make_unraisable_hook, _clean=_clean,
-               _make_checker=_make_checker, _method=types.MethodType, _callable=callable, _id=id,
-               _frozenset=frozenset, _gc_enable=gc.enable, _set=set, _code_type=types.CodeType, _tuple=tuple):
+               _make_checker=_checks.make_checker, _make_thread_check=_checks.make_thread_check,
+               _compile_test=_checks.compile_test, _getattr_name=_checks.GETATTR, _method=types.MethodType,
+               _callable=callable, _id=id, _frozenset=frozenset, _gc_enable=gc.enable, _set=set,
+               _code_type=types.CodeType, _tuple=tuple):
     """The supervisor thread: runs the solution + setup, then each test, each in a fresh worker thread, and
     reports. Why it is built like this (a program that passes nothing must not be able to report a pass):
 
@@ -661,9 +439,12 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
       (``math.isclose``, ...) are put back before it;
     * this thread never drops the last reference to an object of the program (``keep``), so no ``__del__``
       of the program runs here by reference counting;
-    * the program's callables reach the tests only wrapped by the result check (module docstring), built
-      here before any untrusted code; its ``held``/``alive`` lists are emptied (into ``keep``) before each
-      test, and ``gc`` is re-enabled."""
+    * the program's callables reach the tests only wrapped by the result check (`_sandbox_checks`), built
+      here before any untrusted code, as are the tests' code objects (attribute loads rewritten to the
+      checked lookup); its ``held``/``alive``/``verified`` are emptied (into ``keep``) before each test, and
+      ``gc`` is re-enabled;
+    * no thread of the program may outlive the solution, the setup or a test (``quiet``): a test runs, and
+      its checks are made, with no other thread of the program alive."""
     def names_of(code, _set=_set, _type=_type, _code_type=_code_type, _tuple=_tuple):
         """The global and attribute names a compiled test mentions, nested code objects included (runs on the
         test's code object only; a local function: the program cannot reach it to swap its code)."""
@@ -690,8 +471,18 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
         if _type(mod) is _module_type:
             snapshots.append((mod.__dict__, _dict(mod.__dict__)))
     unraisable = _make_unraisable_hook(reasons)
-    call_checked, (held, alive), protected_ids, protected = _make_checker(_restored)
+    quiet = _make_thread_check()  # main + this thread alive now; see `_sandbox_checks` (THREADS)
+    call_checked, getattr_checked, test_builtins, (held, alive, verified), protected_ids, protected = (
+        _make_checker(_restored, quiet))
     keep.append(protected)
+    compiled = []  # each test compiled now, attribute loads rewritten: the program cannot patch ``ast`` first
+    for i in _range(_len(tests)):
+        try:
+            code = _compile_test(tests[i], "<test %d>" % i)
+            compiled.append((code, names_of(code)))  # global names the test's code mentions
+        except BaseException as e:  # a test that does not compile fails (it is counted, not run)
+            keep.append(e)
+            compiled.append((None, None))
     restored_mods = [(name, _modules[name]) for name in _restored if name in _modules]
     typing_mod = _modules.get("typing")
     typing_objs = _list(typing_mod.__dict__.values()) if _type(typing_mod) is _module_type else []
@@ -737,8 +528,12 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
         # the solution, then the row's setup: MBPP's setup code builds its fixtures from classes the solution
         # defines (``root = Node(1)``); a setup of imports only is indifferent to the order
         done, err = stage(_compile(solution, "<solution>", "exec"), g)
+        if done and not quiet(0):  # a thread of the program would race the checks of the tests
+            done, err = False, "ProgramThreadAlive"
         if done and setup:
             done, err = stage(_compile(setup, "<setup>", "exec"), g)
+            if done and not quiet(0):
+                done, err = False, "ProgramThreadAlive"
     except BaseException as e:  # compile(): a syntax error
         keep.append(e)
         done, err = False, _clean(_type(e).__name__)
@@ -748,6 +543,13 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
         _exit(0)
     for i in _range(_len(tests)):
         ok, err = False, "Error"
+        code, used = compiled[i]
+        if code is None:
+            emit("T", i, 0, err)
+            continue
+        if not quiet(0):  # a thread of the program, left by the previous test, is still running
+            emit("T", i, 0, "ProgramThreadAlive")
+            continue
         try:
             for live, saved in snapshots:
                 new = {}
@@ -763,12 +565,14 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
                 _modules[name] = mod
             keep.append(held[:])
             keep.append(alive[:])
+            keep.append(verified.copy())
             del held[:]
             del alive[:]
+            verified.clear()
             _gc_enable()
-            code = _compile(tests[i], "<test %d>" % i, "exec")
-            used = names_of(code)  # global and attribute names the test's code mentions
-            tg = {"__builtins__": _dict(pristine)}
+            tb = _dict(pristine)
+            tb.update(test_builtins)  # getattr / hasattr: checked for program objects
+            tg = {"__builtins__": tb, _getattr_name: getattr_checked}
             own_used = False  # does the test call a callable of the program under a non-builtin name?
             for k, v in _list(g.items()):
                 if _type(k) is _str and k != "__builtins__" and k not in pristine:
@@ -788,6 +592,8 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
                             and k in used and _callable(v) and _type(v) is not _module_type):
                         tg[k] = _method(call_checked, v)
             ok, err = stage(code, tg)
+            if ok and not quiet(0):  # started by program code outside a checked call (a finalizer...)
+                ok, err = False, "ProgramThreadAlive"
         except BaseException as e:
             keep.append(e)
         emit("T", i, 1 if ok else 0, "-" if ok else err)

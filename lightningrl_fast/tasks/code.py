@@ -53,22 +53,37 @@ and an escaped daemon outlives the run (its CPU time stays capped). The memory b
 ``max_procs`` x ``memory_mb`` (8 GiB by default, per concurrent run) is the worst case for a fork bomb
 that also allocates; use a cgroup if that matters.
 
-Score integrity (the harness's docstring has the details): the program runs on worker threads that hold no
-harness frame, the reporter is a supervisor thread whose frame the program cannot reach (no gc walks, no
-``sys._current_frames``, no frame introspection on the trusted threads, no ``/proc/self/mem``), a test is
-counted only when its ``exec`` returned normally, and the tests see pristine builtins and restored stdlib
-modules. Objects that fool the comparison itself (the "AlwaysEqual" hack: ``__eq__`` always True, lying
-``__lt__``/``__bool__``/``__sub__``/``__hash__``, value-type subclasses, ``__class__`` overrides, such
-objects inside containers or yielded by iterators, or put into the test's own arguments) fail the test with
-``error:NonPlainResult``: the tests call the program's callables through a check that accepts only PLAIN
-values (exact builtin / stdlib value types, recursively, and instances of program classes without any
-dunder beyond ``__init__``; the harness docstring lists every rule). A correct solution that returns a
-namedtuple, a dataclass or a value-type subclass therefore fails too. Still out of reach of any in-process
-check: a thread of the program changing a checked value, a class or a module attribute between the check
-and the test's comparison (or racing the restore of a module attribute); methods and properties of a
-program-class instance that a test calls; non-callable globals of the program that a test uses directly;
-and, with ``python_guard=False`` (``ctypes`` allowed, frames readable), a program reading or writing its
-own memory.
+Score integrity (the harness's and ``_sandbox_checks``' docstrings have the details): the program runs on
+worker threads that hold no harness frame, the reporter is a supervisor thread whose frame the program cannot
+reach (no gc walks, no ``sys._current_frames``, no frame introspection on the trusted threads, no
+``/proc/self/mem``), a test is counted only when its ``exec`` returned normally, and the tests see pristine
+builtins and restored stdlib modules. Objects that fool the comparison itself (the "AlwaysEqual" hack:
+``__eq__`` always True, lying ``__lt__``/``__bool__``/``__sub__``/``__hash__``, value-type subclasses,
+``__class__`` overrides, such objects inside containers or yielded by iterators, or put into the test's own
+arguments) fail the test with ``error:NonPlainResult``: the tests call the program's callables through a
+check that accepts only PLAIN values (exact builtin / stdlib value types, recursively, and instances of
+program classes without any dunder beyond ``__init__``). A correct solution that returns a namedtuple, a
+dataclass or a value-type subclass therefore fails too. Closed since (each with adversarial tests):
+
+* methods, properties and class attributes of program-class instances that a test uses (``Stack().pop()``,
+  ``build(xs).to_list()``, a setup fixture's ``root.value()``, ``getattr``/``hasattr``): the tests are
+  compiled with every attribute load routed through a checked lookup; for a program object it hands over a
+  plain value, a callable wrapped by the same result check, or fails (``error:NonPlainResult``);
+* threads of the program racing the check (changing a checked value, a class or a stdlib attribute between
+  the check and the comparison): no program thread may be alive when a check is made or a test runs; one
+  left by the solution, a call or a test fails it with ``error:ProgramThreadAlive`` (after a 0.5 s grace).
+  Threads started and joined within a call (``Thread.join``, ``with ThreadPoolExecutor()``) are fine; a
+  pool left open is not. (``import threading`` / ``queue`` on the worker thread used to hang every run: the
+  harness now imports ``threading`` first.)
+
+Still out of reach of any in-process check: program code that runs outside a checked call while a test runs
+(a weakref callback or finalizer fired when the test drops an object, a program class the test gets with the
+builtin ``type()`` and calls, ``operator.methodcaller``-style stdlib helpers that read a program object's
+attributes themselves); non-callable globals of the program that a test uses directly (their attributes are
+checked, the objects themselves handed over as they are); as root of its own user namespace (non-root
+caller without uid drop) a thread that both ``chroot``s to fake ``/proc/self/task`` and hides from the
+interpreter's thread count; and, with ``python_guard=False`` (``ctypes`` allowed, frames readable), a
+program reading or writing its own memory.
 """
 
 from __future__ import annotations
