@@ -101,7 +101,7 @@ class EmbeddedConfig:
     head_dim: int = _f(32, "embedded model: head dimension")
     model_block_size: int = _f(8, "embedded model: diffusion block size (config.json block_size)")
     num_operands: int = _f(3, "synthetic task: operands per prompt")
-    max_operand: int = _f(9, "synthetic task: operands are drawn from [0, max_operand]")
+    max_operand: int = _f(9, "synthetic task: operands are drawn from [1, max_operand]")
     test_fraction: float = _f(0.2, "synthetic task: fraction of the operand tuples held out as the test split")
     sft_steps: int = _f(3000, "SFT warm-up: AdamW steps (block-diffusion objective, rl/sft.py)")
     sft_batch_size: int = _f(64, "SFT warm-up: pairs per step")
@@ -123,7 +123,8 @@ class EvalConfig:
     eval_every: int = _f(0, "evaluate (greedy, at --threshold) every N RL steps; 0 = only before and after")
     eval_limit: int | None = _f(None, "evaluate on at most this many held-out examples")
     eval_batch_size: int = _f(256, "prompts per generate() call during evaluation")
-    eval_max_new_tokens: int | None = _f(None, "max new tokens at evaluation (default: --max-new-tokens)")
+    eval_max_new_tokens: int | None = _f(None, "max new tokens at evaluation (default: --max-new-tokens; the "
+                                                "eval CLI's own default for math/code is 512)")
 
 
 @dataclass
@@ -167,7 +168,8 @@ EXTERNAL_HELP: dict[str, str] = {
     "kl_beta": "weight of the k3 KL to the frozen initial policy (0 disables it and the reference model)",
     "reference_offload": "keep the frozen reference (kl_beta > 0) in host memory and stream it to the GPU one "
                          "layer at a time for the reference log-probs: frees its whole size on the GPU (SDAR-8B "
-                         "bf16: 15.3 GiB) for ~2 x its size of host-to-device copies per step",
+                         "bf16: 15.3 GiB) for one copy of its size to the GPU per chunk of 16 x "
+                         "--micro-batch-tokens positions of the step's batch",
     "nll_weight": "mu: weight of the NLL on verifier-correct samples",
     "tpf_weight": "w_tpf in r = z_acc + w_tpf * z_tpf (speed reward weight)",
     "adv_mode": "advantage normalization: 'decoupled' (per reward, LightningRL) or 'sum' (the ablation)",
@@ -272,7 +274,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
     config_file: str | None = None  # the --config file the values came from (informational)
-    sources: dict[str, str] = field(default_factory=dict)  # key -> "default" | "preset:<name>" | "file" | "flag"
+    # key -> "default" | "preset:<name>" | "resumed run" | "file" | "flag"
+    sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def embedded_default(self) -> bool:

@@ -11,8 +11,8 @@ wrong unless --truncated-ok, as in the RL reward); per threshold it reports accu
 `--task synthetic` without `--data` uses the embedded task's held-out test split (`tasks.synthetic`);
 with `--data`, a JSONL of {"operands": [a, b, c]} or {"prompt": "a+b+c?"} rows. Math/code read the benchmark
 files of `tasks.data.load_examples` (GSM8K, MATH500, MBPP, HumanEval, plain). Code completions run in the
-sandboxed verifier, many at a time (`--workers`), and every batch is scored in a background thread while the
-next batch decodes.
+sandboxed verifier, many at a time (`--workers`), math answers through `verify_math_batch` (math-verify helpers
+in parallel), and every batch is scored in a background thread while the next batch decodes.
 
 Outputs: a table on stdout; `<out>/<label>.<task>.json` (the points, AUP, sampler settings, device);
 `<out>/<label>.<task>.png`, the accuracy-vs-TPF curve of this run with every `--overlay` results file drawn on
@@ -525,7 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--truncated-ok", action="store_true",
                     help="score responses cut at --max-new-tokens by the verifier alone (default: they are wrong)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_decoding_args(ap, temperature=0.0, max_new_tokens=None, batch_size=32)
+    add_decoding_args(ap, temperature=0.0, max_new_tokens=None, batch_size=32,
+                      max_new_tokens_help="response length cap (default: the synthetic task's longest answer and its "
+                                          "EOS; math and code: 512)")
     return ap
 
 

@@ -1,4 +1,4 @@
-"""[cli] Decode prompts from a file with an SDAR checkpoint and write JSONL results.
+r"""[cli] Decode prompts from a file with an SDAR checkpoint and write JSONL results.
 
     python -m lightningrl_fast.generate --model DIR --prompts FILE [--out FILE.jsonl]   (DIR: an SDAR checkpoint
         folder, or a training run's folder for its latest checkpoint)
@@ -330,7 +330,7 @@ def sampler_config_from_args(args, eos_ids: tuple[int, ...]):
 
 
 def add_decoding_args(ap: argparse.ArgumentParser, temperature: float = 0.0, max_new_tokens: int | None = 256,
-                      batch_size: int = 16) -> None:
+                      batch_size: int = 16, max_new_tokens_help: str | None = None) -> None:
     """Sampler / device options shared by the generate and eval command lines."""
     g = ap.add_argument_group("decoding")
     g.add_argument("--block-size", type=int, default=None, help="block size (default: the checkpoint's)")
@@ -345,7 +345,8 @@ def add_decoding_args(ap: argparse.ArgumentParser, temperature: float = 0.0, max
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--noise", choices=("two_level", "per_token"), default="two_level",
                    help="sampling noise: two_level (default; one pass over the logits) or per_token; both exact")
-    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help=max_new_tokens_help or f"response length cap (default {max_new_tokens})")
     g.add_argument("--batch-size", type=int, default=batch_size, help="prompts per sampler call")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")

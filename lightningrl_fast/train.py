@@ -27,7 +27,8 @@ evaluation split by example); rank 0 prints, logs and writes, every rank compute
 process only.
 
 Exit status: 0 done; 2 bad configuration (reported before any model loads); 3 training stopped on
-non-finite updates (nothing non-finite is saved; the last checkpoint stays valid); 1 other errors.
+non-finite updates (nothing non-finite is saved; the last checkpoint stays valid); 130 interrupted (Ctrl-C);
+1 other errors.
 """
 
 from __future__ import annotations

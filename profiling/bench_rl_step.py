@@ -12,9 +12,9 @@ Two ways to cut the batch into forwards of at most --budget positions:
   padded    the LayoutBatch as built: every sample padded to the longest one (and, in trace mode, to the most
             rounds), consecutive rows per forward. What the trainer ran before packing, and how peer pipelines
             batch their training forward. Written out here as the baseline.
-  packed    rl/logprobs.pack_micro_batches (what the trainer runs): each sample cut to its own length and to the
-            noisy blocks its targets need, samples packed back to back (best-fit decreasing), rows rounded to a
-            few fixed lengths on CUDA.
+  packed    rl/trainer.micro_batches (logprobs.iter_micro_batches: what the trainer runs): each sample cut to its
+            own length and to the noisy blocks its targets need, samples packed back to back (best-fit
+            decreasing), rows rounded to a few fixed lengths on CUDA.
 The samples are synthetic with the shape of real rollouts: prompts uniform in --prompt, responses log-uniform in
 --response (a --truncated fraction at the maximum), random token ids, a step map of about --tpf tokens per step.
 Both paths are checked to give the same loss before anything is timed.

@@ -1,15 +1,16 @@
 """Shared helpers for the benchmark scripts in profiling/ (scripts, not tests).
 
-* `time_fn(fn)`: median milliseconds per call: CUDA events on the GPU, perf_counter on the CPU, after warmup.
+* `time_fn(fn, device=d)`: median milliseconds per call: CUDA events on the GPU, perf_counter on the CPU, after warmup.
   Events around ONE eager call also count the host's launch overhead (argument checks, allocation, launch)
   whenever the GPU waits for it: fine for big kernels, not for ones of a few microseconds.
-* `graph_time_us(fns)`: device microseconds per call of short kernels: the calls captured back to back in
-  one CUDA graph, the replay timed (no host gaps); `rotation(bytes)` says how many distinct input sets to
-  cycle through so that a call does not find the previous call's inputs in L2.
+* `graph_time_us(fns, device)`: device microseconds per call of short kernels: the calls captured back to back
+  in one CUDA graph, the replay timed (no host gaps; None when the capture fails, `device_time_us` then times
+  eagerly); `rotation(bytes, device)` says how many distinct input sets to cycle through so that a call does
+  not find the previous call's inputs in L2.
 * `copy_bandwidth_gbs(device)`: measured device-to-device copy bandwidth (read + write bytes / s), the
   roofline for memory-bound kernels.
 * `ints("1,8,64")`: an argparse type for comma-separated positive integers (a clear usage error otherwise).
-* `print_table(rows)`: one aligned table; `emit_json(name, **fields)`: the ONE final JSON line a script ends
+* `print_table(rows)`: one aligned table; `emit_json(bench, **fields)`: the ONE final JSON line a script ends
   with (`python profiling/bench_x.py | tail -n 1` is machine-readable).
 
 Run a script as `python profiling/bench_<op>.py` from the repository root (the package must be installed

@@ -1,7 +1,8 @@
 """Input validation shared by the ops: every check raises an error that names the argument and the problem.
 
 The Python side checks what a user can get wrong (shape, dtype, device, value ranges); the C++ launchers
-check again with TORCH_CHECK so the extension is safe when called directly.
+check again with TORCH_CHECK so the extension is safe when called directly. Also the dispatch helpers:
+`cuda_kernel` (the `_C` entry point or None = the reference; LRF_DISABLE_KERNELS=1), `pdl_allowed` (LRF_PDL).
 """
 
 from __future__ import annotations

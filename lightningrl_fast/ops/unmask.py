@@ -24,8 +24,9 @@ positions with step_map < 0 are prompt tokens and never count).
 
 CUDA: `_C.threshold_unmask` (csrc/unmask.cu, csrc/kernels/unmask.cuh) does the whole step in one launch and
 one pass over the logits, without host synchronization (graph-capturable; bump `offset` between replays)
-and without allocating anything per call but the two [B] bool outputs (a persistent per-device workspace
-holds its cross-CTA partials; it must not grow during a graph capture, so run the op once eagerly first).
+and without allocating anything per call but the two [B] bool outputs (persistent workspaces hold its cross-CTA
+partials: one per stream for eager launches, one per device for captured ones, grown by eager calls; it must not
+grow during a graph capture, so run the op once eagerly first).
 Its picks equal the reference's: greedy exactly; sampling uses the same Philox stream and the same fp32
 arithmetic (x * (1/T) then + Gumbel, torch's logf), so a pick can only differ where two tokens' perturbed
 scores are within an ulp and the two sides' logf differ (the reference on the CPU), and, two-level, where two

@@ -1,1 +1,1 @@
-"""The LightningRL training stages: advantages, log-probs, loss, SFT warm-up and the train step."""
+"""The LightningRL training loop: train step, advantages, log-probs, SFT, optimizer, checkpoints, data parallel, logs."""

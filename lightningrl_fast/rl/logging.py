@@ -1,10 +1,10 @@
 """[logging] Per-step progress, metrics.jsonl, the end-of-run summary table and PNG plots.
 
-* `RunLogger(out_dir, total_steps)`: `log_step(metrics)` appends one JSON object per step to
-  `out_dir/metrics.jsonl` (flushed at once; NaN/inf written as null) and shows progress: a tqdm bar on a
-  terminal when tqdm is installed, else one plain line per step:
+* `RunLogger(out_dir, total_steps, progress="auto")`: `log_step(metrics)` appends one JSON object per step to
+  `out_dir/metrics.jsonl` (flushed at once; NaN/inf written as null) and shows progress (`progress`): a tqdm bar
+  on a terminal when tqdm is installed, else one plain line per step (`step_line`):
 
-      step 12/200 | acc 0.938 tpf 3.41 reward 4.35 | loss 0.0312 kl 0.0009 clip 0.04 | 5321 tok/s |
+      step 12/200 | acc 0.938 tpf 3.41 reward 4.350 | loss 0.0312 kl 0.0009 clip 0.040 groups 16 | 5321 tok/s |
       rollout 2.10s logprob 0.05s train 0.31s (2.5s)
 
   On resume, `RunLogger(..., truncate_to=n)` keeps the first n lines (those covered by the checkpoint); a
@@ -12,8 +12,8 @@
   a reason to drop the records after it.
 * `format_table(headers, rows)`: a plain-text table; `sweep_table` and `before_after_table` format
   evaluation results (`{threshold: {"acc", "tpf", ...}}`).
-* `plot_training(history, path)` (accuracy and TPF over RL steps) and `plot_sweep(before, after, path)`
-  (the accuracy-TPF curve over the threshold sweep, before vs after RL): matplotlib with the Agg backend;
+* `plot_training(history, path)` (accuracy and TPF over RL steps) and `plot_sweep(sweeps, path)` (the
+  accuracy-TPF curve over the threshold sweep, one per label: before vs after RL): matplotlib with the Agg backend;
   when matplotlib is missing they print one line and return None.
 """
 

@@ -533,7 +533,7 @@ def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, mbs: Iterable[Mic
                       device: torch.device, chunk_tokens: int) -> torch.Tensor:
     """Per-target log-probs [T] (float32, CPU) of a host-resident `model`, computed on `device` layer by layer.
 
-    `mbs`: the micro-batches (`pack_micro_batches` of lb). They are taken in chunks of at most `chunk_tokens`
+    `mbs`: the micro-batches (`iter_micro_batches` of lb). They are taken in chunks of at most `chunk_tokens`
     positions (their hidden states stay on the device meanwhile, chunk_tokens x hidden x 2 bytes in bf16); per
     chunk, each decoder layer is copied into one device-resident layer and applied to every micro-batch of the
     chunk, then the final norm and the LM head (copied once per call). Equals the per-micro-batch forward of the

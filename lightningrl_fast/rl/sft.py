@@ -9,8 +9,9 @@ mask token included, as SDAR trains.
 The forward runs packed, as the RL passes do (rl/logprobs.iter_micro_batches): each pair keeps only its own
 length and the x_t blocks that hold masked tokens (a prompt-only block of x_t is never read), pairs go back to
 back into rows of at most `micro_batch_tokens` positions, and each row's loss is back-propagated as soon as it
-is computed, so memory is bounded by the budget rather than by the batch. Equal to the padded [N, 2n] forward
-(tested in float64 against a pair-by-pair computation).
+is computed (train_sft), so memory is bounded by the budget rather than by the batch. Equal to the padded
+[N, 2n] forward (tested in float64 against a pair-by-pair computation), which runs instead (consecutive rows)
+when packing would save under 1/8 of its positions (pairs of about one length, as in the embedded default).
 """
 
 from __future__ import annotations
@@ -125,8 +126,8 @@ def train_sft(model: SDARForCausalLM, sample_pair, steps: int, batch_size: int, 
               micro_batch_tokens: int = 16384) -> list[float]:
     """Run SFT for `steps` AdamW steps on pairs drawn by `sample_pair(rng) -> (prompt ids, response ids)`.
 
-    Cosine decay after `warmup`; stops early at `time_budget_s`. Each step's batch runs as packed forwards of at
-    most `micro_batch_tokens` positions. Returns the loss curve.
+    Cosine decay after `warmup`; stops early at `time_budget_s`. Each step's batch runs as forwards of at most
+    `micro_batch_tokens` positions (packed, or padded rows: `sft_loss`). Returns the loss curve.
     """
     import math
     import time
