@@ -48,6 +48,7 @@ unmasked them. `forwards` counts the forwards a row took part in (prefill and co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from .ops.unmask import NOISE_MODES, check_sampling_args, threshold_unmask
 from .profiling import nvtx_range
 
 _PREFILL_TOKENS = 16384  # prompt positions (rows x longest full-block prefix) per prefill forward
+_MAX_GRAPHS = 64  # captured steps a Decoder keeps (working-set sizes x step parameters) before it starts over
 
 
 @dataclass
@@ -310,10 +312,11 @@ class _GraphedStep:
     """The denoising step captured in a CUDA graph for one working-set size (falls back to eager on failure).
 
     The first call runs eagerly (warm-up and real work); capture then records the step without running it,
-    so the decoding state is never advanced twice. Every graph of one `Decoder` draws on one memory pool and
-    is captured on one side stream `stream` (a pool shared between captures wants the same stream): they
-    never run concurrently and keep no output alive between replays (the step updates the decoder's static
-    buffers in place), so the pool holds the largest step's temporaries instead of their sum.
+    so the decoding state is never advanced twice. Every graph of one `Decoder` draws on one memory pool (a new
+    one after `Decoder._drop_graphs`) and is captured on one side stream `stream` (a pool shared between
+    captures wants the same stream): they never run concurrently and keep no output alive between replays (the
+    step updates the decoder's static buffers in place), so the pool holds the largest step's temporaries
+    instead of their sum.
 
     Warm-up, capture and replay run with `stream`'s device (the model's) current: a capture on a stream of
     another device would record none of the step's kernels (they go to the model's device) and run them."""
@@ -342,6 +345,14 @@ class _GraphedStep:
                 self.failed = True
                 warnings.warn(f"CUDA graph capture of the denoising step failed ({type(e).__name__}: {e}); "
                               "decoding continues eagerly", RuntimeWarning, stacklevel=2)
+
+
+@functools.cache
+def _capture_stream(dev: torch.device) -> "torch.cuda.Stream":
+    """One capture stream per device for every Decoder of the process (made once, memoized): the first GEMM
+    captured on a stream allocates that stream's cuBLAS workspace inside the graph's pool, where it can stay; a
+    new stream per Decoder (the RL loop makes one a step) would leave one such workspace behind per stream."""
+    return torch.cuda.Stream(dev)
 
 
 def _host_check_every(cfg: SamplerConfig, dev: torch.device) -> int:
@@ -391,6 +402,14 @@ class Decoder:
         """Free the buffers, the KV cache and the graphs (the next call allocates and captures again)."""
         self._bufs = self._cache = self._layout = self._pool = self._stream = None
         self._graphs, self._eos, self._weights = {}, {}, ()
+
+    def _drop_graphs(self) -> None:
+        """Drop every captured step and their memory pool: the next capture starts a new pool. A pool whose graphs
+        are all gone cannot take another capture while it still holds a block (torch's allocator asserts the pool's
+        use count is > 0), and a capture can leave one there for good: the cuBLAS workspace of the capture stream,
+        allocated by the first GEMM captured on it. Reusing the pool would make every later capture fail (eager
+        decoding, with a warning). The capture stream stays: its workspace exists, so new captures add none."""
+        self._graphs, self._pool = {}, None
 
     @property
     def capacity(self) -> tuple[int, int]:
@@ -473,7 +492,8 @@ class Decoder:
         self._ensure(n0, ltot, bs, dev, dtype)
         weights = self._weights_key()
         if weights != self._weights:
-            self._graphs, self._weights = {}, weights  # parameters were replaced: the graphs read stale storage
+            self._drop_graphs()  # parameters were replaced: the graphs read stale storage
+            self._weights = weights
         width = self.capacity[1]
 
         seq = torch.full((n0, width), mcfg.mask_token_id, dtype=torch.int64)  # [n0, W]
@@ -523,8 +543,6 @@ class Decoder:
 
         out = {k: getattr(st, k).clone() for k in ("seq", "step_map", "logp", "conf", "forwards", "steps")}
         use_graphs = cfg.cuda_graphs and dev.type == "cuda"
-        if use_graphs and self._pool is None:
-            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
         sig = (bs, cfg.rule, cfg.steps_per_block, cfg.threshold, cfg.temperature, cfg.top_k, cfg.top_p, cfg.noise,
                eos_key)
         sync_every = _host_check_every(cfg, dev)
@@ -534,8 +552,12 @@ class Decoder:
                 if use_graphs:
                     key = (sig, st.seq.shape[0])
                     if key not in self._graphs:
-                        if len(self._graphs) >= 64:  # many step parameters seen (a threshold sweep): start over
-                            self._graphs = {}
+                        if len(self._graphs) >= _MAX_GRAPHS:  # many step parameters seen (a threshold sweep)
+                            self._drop_graphs()  # start over, with a new pool
+                        if self._pool is None:
+                            self._pool = torch.cuda.graph_pool_handle()
+                        if self._stream is None:  # release() drops it (the device may change)
+                            self._stream = _capture_stream(dev)
                         self._graphs[key] = _GraphedStep(self._step_fn(st, cache, cfg, bs, eos_ids), self._pool,
                                                          self._stream)
                     self._graphs[key]()

@@ -83,11 +83,19 @@ for s in "${stages[@]}"; do
       # the one imported): a crash in one file loses only that file's results.
       # The launcher-check tests run last, on their own: on the lent image a launcher error message with a number
       # in it crashed the process (RESULTS.md, 2026-11-22), which would lose the tests after it.
-      # $GPU_TESTS narrows the files (e.g. "unmask block_attn"); the default is every file with GPU tests
-      files=(); for t in ${GPU_TESTS:-}; do files+=("$REPO/python_tests/test_$t.py"); done
-      [ ${#files[@]} -eq 0 ] && files=("$REPO"/python_tests/test_*.py)
+      # $GPU_TESTS narrows the files (e.g. "unmask block_attn"); the default is every file with GPU tests, the
+      # decode path first (its CUDA-graph tests have not all run on hardware) and last the files that compile
+      # FlexAttention per shape or run whole CLIs (minutes): a budget spent early skips those, not the decode tests
+      order="sampler unmask block_attn kv_cache rms_norm silu_mul linear generate checkpoint grpo_loss masked_attn rl
+             sft train distributed"
+      files=(); for t in ${GPU_TESTS:-$order}; do files+=("$REPO/python_tests/test_$t.py"); done
+      if [ -z "${GPU_TESTS:-}" ]; then  # any other file with GPU tests, after those
+        for f in "$REPO"/python_tests/test_*.py; do
+          case " ${files[*]} " in *" $f "*) ;; *) files+=("$f") ;; esac
+        done
+      fi
       for f in "${files[@]}"; do
-        grep -q "mark.gpu" "$f" || continue
+        grep -q "mark.gpu" "$f" 2>/dev/null || continue
         (cd /tmp && stage "tests $(basename "$f")" 240 tests.log python3 -m pytest "$f" -m gpu -q -rfE --durations 5 \
             -p no:cacheprovider --timeout 100 -k "not launcher_checks")
       done

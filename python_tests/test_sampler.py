@@ -266,6 +266,25 @@ def test_decoder_sees_in_place_weight_updates(model):
     assert not torch.equal(before.logp, after.logp)
 
 
+def test_replaced_weights_drop_the_graphs_with_their_pool(model):
+    """Replaced parameters drop the captured steps AND their memory pool: a CUDA graph pool whose graphs are all
+    gone cannot take a new capture while a block stays in it (torch's allocator asserts its use count > 0; the
+    capture stream's cuBLAS workspace stays there), so reusing it would make every later capture fail. The capture
+    stream is kept. Checked on the host bookkeeping: on the CPU nothing is captured, so a stand-in pool must go."""
+    m = build_model(model.config, dtype=torch.float64, seed=2).eval()
+    prompts = prompts_of([3, 6], seed=8)
+    cfg = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=8, eos_ids=(EOS,))
+    dec = Decoder(m)
+    first = dec.generate(prompts, cfg)
+    pool, stream = object(), object()
+    dec._pool, dec._stream, dec._graphs = pool, stream, {"step": object()}
+    assert_same_rollout(dec.generate(prompts, cfg), first)  # the same weights: everything kept
+    assert dec._pool is pool and dec._stream is stream and "step" in dec._graphs
+    m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+    assert_same_rollout(dec.generate(prompts, cfg), first)
+    assert dec._pool is None and dec._stream is stream and dec._graphs == {}
+
+
 @pytest.mark.parametrize("fold_commit", [True, False])
 @pytest.mark.parametrize("bs,new,sync_every,prompts", [(4, 7, 16, [[17], [23, 41]]), (2, 5, 4, [[17]]),
                                                         (4, 6, 8, [[17], [23, 41, 5]])])
@@ -451,9 +470,14 @@ def test_gpu_sampling_deterministic_and_compaction_invariant(model):
 
 
 @pytest.mark.gpu
-def test_gpu_decoder_replays_its_graphs_across_calls(model):
+@pytest.mark.filterwarnings("error:CUDA graph capture")  # a failed capture would compare eager with eager
+def test_gpu_decoder_replays_its_graphs_across_calls(model, monkeypatch):
     """A kept Decoder captures each working-set size once: a repeated call adds no graph and equals an eager
-    fresh call; in-place weight updates are read at replay; replaced parameters drop the graphs."""
+    fresh call; in-place weight updates are read at replay; replaced parameters drop the graphs, and the new
+    ones capture (in a new pool: the old one, its graphs gone, would refuse them); so does a Decoder past its
+    graph limit."""
+    import lightningrl_fast.sampler as sampler
+
     m = _on_cuda(model, torch.bfloat16)
     prompts = prompts_of([2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], seed=15)
     cfg = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=24, eos_ids=(EOS,))
@@ -474,6 +498,14 @@ def test_gpu_decoder_replays_its_graphs_across_calls(model):
     m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
     assert_same_rollout(dec.generate(prompts, cfg), generate(m, prompts, eager))
     assert not any(dec._graphs.get(k) is g for k, g in graphs.items())  # stale graphs were dropped
+    assert dec._graphs and all(g.graph is not None and not g.failed for g in dec._graphs.values())  # recaptured
+    monkeypatch.setattr(sampler, "_MAX_GRAPHS", 2)  # every new step shape now starts over, in a new pool
+    for tau in (0.2, 0.4, 0.5):
+        tcfg = dataclasses.replace(cfg, threshold=tau)
+        want = generate(m, prompts, dataclasses.replace(tcfg, cuda_graphs=False))
+        assert_same_rollout(dec.generate(prompts, tcfg), want)
+        assert dec._graphs and all(g.graph is not None and not g.failed for g in dec._graphs.values())
+    assert dec._stream is sampler._capture_stream(next(m.parameters()).device)  # one per device for every Decoder
 
 
 @pytest.mark.gpu
