@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model import SDARForCausalLM
+from ..ops._common import upload
 from ..ops.grpo_loss import linear_logprobs
 from ..ops.masked_attn import MaskLayout
 from .logprobs import LayoutBatch, iter_micro_batches
@@ -93,7 +94,7 @@ def sft_loss(model: SDARForCausalLM, ids: torch.Tensor, prompt_lens: torch.Tenso
         hidden = model.hidden(mb.input_ids, mb.position_ids, mb.layout)  # [rows, P, H]
         h = hidden.flatten(0, 1)[mb.read_col]  # [t, H] the x_t states of the targets (a packed batch has one row)
         logp = linear_logprobs(h, model.lm_head.weight, mb.targets)  # [t] whole vocabulary (mask token included)
-        part = -(logp.double() * weight[sel].to(dev)).sum()
+        part = -(logp.double() * upload(weight[sel], dev)).sum()  # no host wait for the queued forward
         if backward:
             part.backward()
             part = part.detach()
@@ -116,9 +117,9 @@ def _padded_rows(lb: LayoutBatch, r0: int, r1: int, dev: torch.device) -> tuple[
     """(rows r0..r1-1 of lb's padded forward on `dev`, the indices of their targets among lb's)."""
     sel = ((lb.tgt_row >= r0) & (lb.tgt_row < r1)).nonzero().squeeze(1)  # [t]
     ids, pos = lb.inputs(slice(r0, r1))  # [r, 2n] each
-    layout = MaskLayout.block_proxy(lb.layout.n, lb.layout.block_size, lb.layout.lengths[r0:r1].to(dev))
+    layout = MaskLayout.block_proxy(lb.layout.n, lb.layout.block_size, lb.layout.lengths[r0:r1])  # host lengths
     read = (lb.tgt_row[sel] - r0) * ids.shape[1] + lb.tgt_col[sel]
-    return _Rows(ids.to(dev), pos.to(dev), layout, read.to(dev), lb.targets[sel].to(dev)), sel
+    return _Rows(upload(ids, dev), upload(pos, dev), layout, upload(read, dev), upload(lb.targets[sel], dev)), sel
 
 
 def train_sft(model: SDARForCausalLM, sample_pair, steps: int, batch_size: int, lr: float, pad_id: int, seed: int = 0,
