@@ -51,6 +51,32 @@ def assert_same_state(a: torch.nn.Module, b: torch.nn.Module):
         assert torch.equal(sa[k], sb[k]), k
 
 
+def sdar_names(n_layers: int, tied: bool = False) -> list[str]:
+    """The tensor names of a real SDAR checkpoint with `n_layers` layers: those of the SDAR-4B index (read from
+    /work/shared/sdar-meta when present, else written out) for its layers below `n_layers`."""
+    index = META / "SDAR-4B-Chat" / "model.safetensors.index.json"
+    if index.is_file():
+        real = json.loads(index.read_text())["weight_map"]
+    else:
+        per_layer = ["input_layernorm", "post_attention_layernorm", "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj",
+                     *(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"))]
+        real = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+                *(f"model.layers.{i}.{p}.weight" for i in range(36) for p in per_layer)]
+    keep = [n for n in real if not n.startswith("model.layers.") or int(n.split(".")[2]) < n_layers]
+    return sorted(n for n in keep if not (tied and n == "lm_head.weight"))
+
+
+def _stored_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved folder, read straight from its safetensors files (no name may repeat)."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as g:
+            for k in g.keys():
+                assert k not in out, f"{k} stored twice"
+                out[k] = g.get_tensor(k)
+    return out
+
+
 def logits(model, seed=1):
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
@@ -80,6 +106,13 @@ def test_round_trip(tmp_path, dtype, max_shard_bytes):
     config = json.loads((out / "config.json").read_text())
     assert config["torch_dtype"] == str(dtype).removeprefix("torch.")
     assert config["model_type"] == "sdar" and config["architectures"] == ["SDARForCausalLM"]
+    # the files themselves (read here, not through load_model): the real SDAR names, each tensor once, stored in
+    # the model's dtype with its exact values, and the config keys SDAR's config.json uses
+    assert sorted(_stored_tensors(out)) == sdar_names(cfg.num_hidden_layers)
+    for name, t in _stored_tensors(out).items():
+        assert t.dtype == dtype and torch.equal(t, model.state_dict()[name]), name
+    for key, value in TINY.items():
+        assert config[key] == (str(dtype).removeprefix("torch.") if key == "torch_dtype" else value), key
     loaded, cfg2 = load_model(out)
     assert cfg2.to_dict() == cfg.to_dict()
     assert_same_state(model, loaded)
@@ -101,6 +134,9 @@ def test_tied_embeddings(tmp_path, with_lm_head):
     out = save_model(model, cfg, tmp_path / "ck", max_shard_bytes=20_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert "lm_head.weight" not in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
+    stored = _stored_tensors(out)
+    assert sorted(stored) == sdar_names(cfg.num_hidden_layers, tied=True)
+    assert torch.equal(stored["model.embed_tokens.weight"], model.model.embed_tokens.weight)
     if with_lm_head:  # a tied checkpoint that also stores lm_head.weight (equal) loads without complaint
         sd = {k: v.clone() for k, v in model.state_dict().items()}
         (out / "model.safetensors.index.json").unlink()
@@ -276,6 +312,10 @@ def test_real_config_round_trip(tmp_path, size):
     again = read_config(tmp_path / "ck")
     assert again.to_dict()["auto_map"] == original["auto_map"]
     assert load_model(tmp_path / "ck")[1].extra["fuse_cross_entropy"] is True
+    # through SDARConfig (what training saves): the written config.json is the real one, key for key and value
+    # for value (torch_dtype aside: the tiny model's weights are float32); no key dropped, renamed or defaulted
+    save_model(model, cfg, tmp_path / "via-config")
+    assert json.loads((tmp_path / "via-config" / "config.json").read_text()) == {**original, "torch_dtype": "float32"}
 
 
 # --- errors -----------------------------------------------------------------------------------------------------

@@ -34,11 +34,18 @@ def _tiny_config(tok, max_pos=256, block=BLOCK) -> SDARConfig:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    """A tiny random SDAR checkpoint with a CharTokenizer (default alphabet: ChatML text encodes)."""
+    """A tiny random SDAR checkpoint with a CharTokenizer (default alphabet: ChatML text encodes). Its lm_head is
+    sharpened (x30) so that confidences spread over [0, 1] (a plain random model is never confident: every
+    threshold would unmask one token per step), and <|im_end|>'s row copies a token it often picks, so that some
+    prompts end on EOS and others run to the length limit."""
     tok = CharTokenizer()
     cfg = _tiny_config(tok)
     folder = tmp_path_factory.mktemp("tiny") / "ckpt"
-    save_model(build_model(cfg, dtype=torch.float32, seed=0), cfg, folder, tokenizer=tok)
+    model = build_model(cfg, dtype=torch.float32, seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+        model.lm_head.weight[tok.special_id("<|im_end|>")] = model.lm_head.weight[21] * 1.02
+    save_model(model, cfg, folder, tokenizer=tok)
     return folder
 
 
@@ -80,6 +87,27 @@ def test_cli_end_to_end_jsonl(ckpt, tmp_path, capsys):
         if r["finish_reason"] == "length":
             assert r["tokens"] == 12
     assert rows[1]["id"] == "q2" and "id" not in rows[0]
+    # every field is what the sampler gives for the same batches (2 + 1 prompts, ChatML, tau 0.3, greedy); the
+    # setup makes the checks bite: a row ends on EOS, a row runs to the limit, and tau 0.3 unmasks > 1 token/step
+    from lightningrl_fast.checkpoint import load_model
+
+    model, _ = load_model(ckpt)
+    scfg = SamplerConfig(temperature=0, threshold=0.3, max_new_tokens=12, eos_ids=tuple(sorted(tok.eos_token_ids)))
+    prompt_ids = [tok.encode(chat_prompt(r["prompt"])) for r in rows]
+    want = []
+    for batch in (prompt_ids[:2], prompt_ids[2:]):
+        ro = generate(model, batch, scfg)
+        for j in range(len(batch)):
+            ids = ro.response_ids(j)
+            want.append({"token_ids": ids, "tokens": len(ids), "tpf": round(float(ro.tpf[j]), 4),
+                         "forwards": int(ro.forwards[j]), "finish_reason": ro.finish_reason[j],
+                         "text": tok.decode(ids[:-1] if ro.finish_reason[j] == "eos" else ids)})
+    assert [{k: r[k] for k in want[0]} for r in rows] == want
+    assert {r["finish_reason"] for r in rows} == {"eos", "length"} and max(r["tpf"] for r in rows) > 1
+    for r in rows:  # TPF = tokens / distinct unmasking steps: here at most 12 tokens in at most 12 steps
+        assert r["tokens"] / r["tpf"] == pytest.approx(round(r["tokens"] / r["tpf"]), abs=1e-3)
+    eos_row = next(r for r in rows if r["finish_reason"] == "eos")
+    assert eos_row["token_ids"][-1] == tok.special_id("<|im_end|>") and "<|im_end|>" not in eos_row["text"]
     printed = capsys.readouterr().out
     assert "tokens/s" in printed and "forwards/s" in printed and "mean TPF" in printed
     # bandwidth use: weight bytes per forward x forwards / s (the forwards and seconds of the printed summary)
@@ -90,6 +118,8 @@ def test_cli_end_to_end_jsonl(ckpt, tmp_path, capsys):
     fwd_s = float(re.search(r"forwards/s ([0-9.]+)", printed).group(1))
     assert float(m.group(1)) == pytest.approx(fwd_s * model.forward_weight_bytes() / 1e9, rel=0.02)
     assert "% of the device copy bandwidth" not in printed  # measured on a GPU only
+    mean_tpf = float(re.search(r"mean TPF ([0-9.]+)", printed).group(1))
+    assert mean_tpf == pytest.approx(sum(r["tpf"] for r in rows) / 3, abs=1e-3)
 
 
 def test_cli_matches_the_sampler_and_is_deterministic(ckpt, tmp_path):

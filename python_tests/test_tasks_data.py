@@ -5,6 +5,7 @@ with file and line (skip with a counted warning, or raise), and the prompt build
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -112,6 +113,52 @@ def test_mbpp_and_humaneval_gz(tmp_path):
     ex = he[0]
     assert he.fmt == "humaneval" and ex.entry_point == "inc" and ex.test == HUMANEVAL[0]["test"]
     assert ex.prompt == HUMANEVAL[0]["prompt"] and ex.answer == "    return x + 1\n" and ex.id == "HumanEval/0"
+
+
+def test_mbpp_setup_code_and_ids_are_kept(tmp_path):
+    """Real MBPP rows carry a test_setup_code (e.g. an import) that must run before the asserts; ids are task_id."""
+    rows = [dict(MBPP[0], task_id=17, test_setup_code="import math\nR = 3"), dict(MBPP[0], task_id="mbpp_5")]
+    res = load_examples(write_jsonl(tmp_path / "mbpp_full.jsonl", rows))
+    assert [(e.id, e.test_setup_code, e.source) for e in res] == [("17", "import math\nR = 3", "mbpp"),
+                                                                  ("mbpp_5", "", "mbpp")]
+    assert [e.test_list for e in res] == [MBPP[0]["test_list"]] * 2 and res[0].solution == ""
+    # sanitized rows: test_imports first, then the setup code
+    row = dict(MBPP[0], test_imports=["import re", "import os"], test_setup_code="X = 1")
+    assert load_examples(write_jsonl(tmp_path / "s2.jsonl", [row]))[0].test_setup_code == "import re\nimport os\nX = 1"
+
+
+@pytest.mark.parametrize("fmt, good, bad, message", [
+    ("math500", MATH[1], {"problem": "p", "answer": ["1"]}, "math500: key 'answer' should be str or int or float, got list"),
+    ("math500", MATH[1], {"problem": 3, "answer": "1"}, "math500: key 'problem' should be str, got int"),
+    ("math500", MATH[1], {"problem": "p", "answer": "1", "solution": 7}, "math500: key 'solution' should be str, got int"),
+    ("math500", MATH[1], {"problem": "p", "answer": True}, "math500: key 'answer' should be str or int or float, got bool"),
+    ("mbpp", MBPP[0], {k: v for k, v in MBPP[0].items() if k != "code"}, "mbpp: missing key 'code'"),
+    ("mbpp", MBPP[0], dict(MBPP[0], code=["def add(a, b): ..."]), "mbpp: key 'code' should be str, got list"),
+    ("mbpp", MBPP[0], dict(MBPP[0], test_setup_code=1), "mbpp: key 'test_setup_code' should be str, got int"),
+    ("mbpp", MBPP[0], dict(MBPP[0], test_imports="import math"), "mbpp: key 'test_imports' should be list or tuple"),
+    ("mbpp", MBPP[0], dict(MBPP[0], test_imports=[1]), "mbpp: key 'test_imports' should be a list of str"),
+    ("mbpp", MBPP[0], dict(MBPP[0], task_id=[11]), "mbpp: key 'task_id' should be str or int, got list"),
+    ("humaneval", HUMANEVAL[0], {k: v for k, v in HUMANEVAL[0].items() if k != "canonical_solution"},
+     "humaneval: missing key 'canonical_solution'"),
+    ("humaneval", HUMANEVAL[0], dict(HUMANEVAL[0], canonical_solution=None), "humaneval: missing key 'canonical_solution'"),
+    ("humaneval", HUMANEVAL[0], dict(HUMANEVAL[0], entry_point=5), "humaneval: key 'entry_point' should be str, got int"),
+    ("humaneval", HUMANEVAL[0], {k: v for k, v in HUMANEVAL[0].items() if k != "test"}, "humaneval: missing key 'test'"),
+    ("humaneval", HUMANEVAL[0], dict(HUMANEVAL[0], test=["assert True"]), "humaneval: key 'test' should be str, got list"),
+    ("gsm8k", GSM[0], {"question": "q", "answer": 7}, "gsm8k: key 'answer' should be str, got int"),
+    ("gsm8k", GSM[0], {"question": "q", "answer": "7 ####"}, "no '#### <number>'"),
+])
+def test_malformed_rows_of_every_format(tmp_path, fmt, good, bad, message):
+    """A bad row between two good rows of the same format (detected from the first row): it alone is skipped,
+    reported with its line and what is wrong; the good rows around it are read in full."""
+    path = write_jsonl(tmp_path / "rows.jsonl", [good, bad, good])
+    with pytest.warns(UserWarning, match=r"skipped 1 malformed row\(s\) of 3"):
+        res = load_examples(path)
+    assert res.fmt == fmt and len(res) == 2 and res.n_rows == 3
+    assert [e.line for e in res.errors] == [2] and message in res.errors[0].message, res.errors[0].message
+    assert str(res.errors[0]).startswith(f"{path}:2: {fmt}: ")
+    assert dataclasses.replace(res[0], id="") == dataclasses.replace(res[1], id="") and res[1].prompt == good.get("question", good.get("problem", good.get("text", good.get("prompt"))))
+    with pytest.raises(DataFormatError, match=rf"rows\.jsonl:2: {fmt}: "):
+        load_examples(path, on_error="raise")
 
 
 def test_mbpp_sanitized_variant(tmp_path):

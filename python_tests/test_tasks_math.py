@@ -110,6 +110,29 @@ def test_adversarial_lengths_stay_fast():
     assert time.monotonic() - t0 < 2.0
 
 
+NON_STRICT = [
+    # (response, reference, verdict without strict): the fallbacks answer; strict mode wants a box for all but one
+    ("so\n#### 1,234", "1234", True),
+    ("The answer is 17 apples. Then 3 more", "17", True),
+    ("The answer is 17 apples. Then 3 more", "3", False),
+    ("we get 3 then 5", "5", True),
+    ("we get 3 then 5", "3", False),
+    ("no number at all", "7", False),
+    (r"\boxed{9} but 10", "9", True),
+]
+
+
+@pytest.mark.parametrize("response, reference, expected", NON_STRICT)
+def test_non_strict_verdicts(response, reference, expected):
+    """strict=False reaches the verdict through the fallbacks, in verify_math, the batch and MathTask alike."""
+    assert verify_math(response, reference, strict=False) is expected
+    assert verify_math(response, reference) is (expected and "boxed" in response)
+    assert verify_math_batch([response], [reference], strict=False) == [expected]
+    ex = Example("g/1", "q", reference, "math", "gsm8k")
+    assert MathTask(strict=False).is_correct(response, ex) is expected
+    assert MathTask(strict=False).is_correct_batch([response], [ex]) == [expected]
+
+
 ROWS = [
     # (response, reference, expected)
     (r"3 + 4 = 7, so \boxed{7}", "7", True),

@@ -19,7 +19,6 @@ import tokenizers
 from lightningrl_fast.tokenizer import (
     CHAR_SPECIALS,
     DEFAULT_ALPHABET,
-    QWEN2_PRETOKENIZE_PATTERN,
     CharTokenizer,
     Tokenizer,
     chat_prompt,
@@ -41,8 +40,17 @@ ROUND_TRIP = [
     "<|im_start|>user\nWhat is 7*8?<|im_end|>\n<|im_start|>assistant\n",
     "masked <|MASK|><|MASK|> tokens and <|endoftext|> inside",
     "tabs\tand\u00a0nbsp and emoji 🧪 and \u0301combining",
+    "MR. O'TOOLE'S DON'T, I'MA WE'LL they'RE You'D",  # upper-case contractions: the split is case-insensitive
+    "cafe\u0301 vs caf\u00e9, A\u030angstr\u00f6m",  # decomposed: NFC composes them before the BPE
+    "x=123456789; y = 3.14159\n\n  \n\tz",
     "",
 ]
+
+# The Qwen2 pre-tokenization regex, written out here (from Qwen2's tokenizer.json `Split` pattern) so that the
+# reference below does not share the package's constant.
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +80,7 @@ class _ReferenceBPE:
         self.vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
         lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
         self.ranks = {tuple(line.split(" ")): r for r, line in enumerate(l for l in lines[1:] if l)}
-        self.split = regex.compile(QWEN2_PRETOKENIZE_PATTERN)
+        self.split = regex.compile(QWEN2_SPLIT)
         cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
         self.added = {t["content"]: int(i) for i, t in cfg["added_tokens_decoder"].items()}
         self.special_re = regex.compile("(" + "|".join(regex.escape(t) for t in sorted(self.added, key=len, reverse=True)) + ")")
@@ -114,6 +122,17 @@ class _ReferenceBPE:
 @needs_sdar
 def test_known_ids(sdar_tok):
     assert sdar_tok.encode("What is 2+3?") == [3838, 374, 220, 17, 10, 18, 30]
+    assert sdar_tok.encode("Hello, world!") == [9707, 11, 1879, 0]
+    # byte-level BPE on non-ASCII text: ids of the byte-mapped strings in vocab.json ("世界" = 'ä¸ĸçķĮ',
+    # " café" = 'ĠcafÃ©', "🙂" = 'ðŁĻĤ'); a decomposed "e + U+0301" is composed (NFC) first
+    assert sdar_tok.encode("世界") == [99489] and sdar_tok.encode(" 世界") == [220, 99489]
+    assert sdar_tok.encode(" café") == [51950] == sdar_tok.encode(" cafe\u0301")
+    assert sdar_tok.encode("🙂") == [145080] and sdar_tok.encode("naïve") == [3376, 37572, 586]
+    assert sdar_tok.encode(" Добрый") == [38803, 131014, 34623] and sdar_tok.encode("\n\n") == [271]
+    assert sdar_tok.encode("<|im_start|>user\n") == [151644, 872, 198]
+    # added_tokens.json also lists "<MASK>" at 151669; tokenizer_config.json's "<|MASK|>" owns that id, and
+    # "<MASK>" stays ordinary text (the transformers rule)
+    assert 151669 not in sdar_tok.encode("<MASK>") and sdar_tok.decode(sdar_tok.encode("<MASK>")) == "<MASK>"
     assert sdar_tok.mask_token_id == 151669
     assert sdar_tok.special_id("<|MASK|>") == 151669
     assert sdar_tok.special_id("<|im_end|>") == 151645
@@ -172,7 +191,7 @@ def test_save_reload_as_tokenizer_json(sdar_tok, tmp_path):
     sdar_tok.save(tmp_path)
     assert (tmp_path / "tokenizer.json").is_file() and (tmp_path / "tokenizer_config.json").is_file()
     spec = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
-    assert spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] == QWEN2_PRETOKENIZE_PATTERN
+    assert spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] == QWEN2_SPLIT
     assert spec["normalizer"]["type"] == "NFC"
     again = load_tokenizer(tmp_path)  # now through tokenizer.json
     for text in ROUND_TRIP:

@@ -60,11 +60,19 @@ def test_every_rlconfig_and_sampler_field_has_a_flag_with_help():
             assert opt.section == section
             assert opt.flag in help_text, opt.flag
             assert opt.help != f"{cls.__name__}.{f.name}", f"no help text for {f.name}"
-    # defaults come from RLConfig itself (not duplicated)
+    # defaults come from RLConfig itself (not duplicated); read here from the dataclass fields directly
     for f in dataclasses.fields(RLConfig):
-        assert C.OPTIONS[f.name].default == config_schema._default_of(f)
+        own = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert C.OPTIONS[f.name].default == own, f.name
     cfg = C.parse_config(["--preset", "none"], check_paths=False)
     assert cfg.rl == RLConfig()
+    # ... and they are the paper's (REFERENCE §2 and §4), written out here
+    paper = dict(prompts_per_step=128, group_size=32, lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=10,
+                 grad_clip=1.0, eps_low=0.2, eps_high=0.2, kl_beta=0.01, nll_weight=0.1, tpf_weight=1.0,
+                 adv_mode="decoupled", reduction="seq-tok-tok", min_tpf_range=0.01, filter_groups=True)
+    assert {k: getattr(cfg.rl, k) for k in paper} == paper
+    assert (cfg.sampler.threshold, cfg.sampler.rule, cfg.sampler.top_k, cfg.sampler.top_p) == (0.9, "threshold", 0, 1.0)
+    assert cfg.sampler.temperature == 1.0 and set(cfg.sampler.eos_ids) == {151645, 151643}
 
 
 def test_help_shows_defaults_and_presets():
@@ -246,8 +254,13 @@ def test_tables_and_plots(tmp_path, monkeypatch, capsys):
     t = L.before_after_table(before, after, 0.9)
     assert "tau = 0.9" in t and "+2.10" in t and "-0.005" in t and "well_formed" in t
     assert "fwd/answer" in t and "-4.25" in t
+    assert [line.split() for line in t.splitlines()[-3:]] == [["before", "0.990", "2.40", "9.50", "0.980"],
+                                                             ["after", "0.985", "4.50", "5.25", "0.970"],
+                                                             ["change", "-0.005", "+2.10", "-4.25", "-0.010"]]
     s = L.sweep_table({"before": before, "after": after})
     assert s.splitlines()[0].split() == ["tau", "before", "acc", "before", "TPF", "after", "acc", "after", "TPF"]
+    assert [line.split() for line in s.splitlines()[2:]] == [["0.5", "0.900", "3.00", "0.920", "4.00"],
+                                                            ["0.9", "0.990", "2.40", "0.985", "4.50"]]
     hist = [{"step": i, "acc": 0.5 + i / 10, "tpf": 2 + i / 5} for i in range(1, 4)]
     pytest.importorskip("matplotlib")
     assert L.plot_training(hist, tmp_path / "t.png", evals=[{"step": 2, "acc": 0.7, "tpf": 2.5}]).stat().st_size > 0
