@@ -108,7 +108,9 @@ def _two_level_pick(scaled: torch.Tensor, seed, offset) -> torch.Tensor:
     mass = torch.logsumexp(padded.view(bsz, s, nb, BUCKET), dim=-1)  # [B, S, nb]
     bucket_ctr = BUCKET_TAG + rows * nb + torch.arange(nb, device=dev)  # [B, S, nb]
     bucket = (mass + _gumbel(seed, offset, bucket_ctr, scaled.dtype)).argmax(-1, keepdim=True)  # [B, S, 1]
-    t = bucket * BUCKET + torch.arange(BUCKET, device=dev)  # [B, S, BUCKET] the bucket's token ids
+    # the bucket's token ids [B, S, W]; a vocabulary smaller than a bucket draws noise for its own ids only (each
+    # token's noise is keyed by its id, so the picks are the same as over the padded bucket, at a fraction of it)
+    t = bucket * BUCKET + torch.arange(min(BUCKET, vocab), device=dev)
     inside = t < vocab
     t = t.clamp_max(vocab - 1)
     score = scaled.gather(-1, t) + _gumbel(seed, offset, rows * vocab + t, scaled.dtype)
