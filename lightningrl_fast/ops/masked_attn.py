@@ -357,9 +357,10 @@ def block_mask(layout: MaskLayout | PackedLayout, batch: int, device: torch.devi
 
         with _recompile_limits():
             return build(packed_mod, batch, None, padded, padded, device=device)
-    lengths = layout.lengths.to(device) if layout.lengths is not None else None
+    # both uploaded without blocking the host (a plain host-to-GPU copy waits for the queued work first)
+    lengths = upload(layout.lengths, device) if layout.lengths is not None else None
     total = layout.total
-    geo = torch.tensor([layout.n, layout.block_size, layout.num_copies - 1, total], dtype=torch.int32, device=device)
+    geo = upload(torch.tensor([layout.n, layout.block_size, layout.num_copies - 1, total], dtype=torch.int32), device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         allow = mask_predicate(geo[0], geo[1], geo[2], lengths, b, q_idx, kv_idx)
