@@ -21,7 +21,7 @@ GPU, for ~16 GB of host-to-device copies per chunk).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 import torch
@@ -52,6 +52,8 @@ class LayoutBatch:
     tgt_col: torch.Tensor  # [T] int64 column (in the copies) where its logits are read
     targets: torch.Tensor  # [T] int64 token ids
     resp_pos: torch.Tensor  # [T] int64 index of the token within its response
+    # what check_layout_batch last passed (its fields with their in-place versions); not an input
+    _checked: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -296,7 +298,7 @@ def check_layout_batch(lb: LayoutBatch) -> None:
     if not isinstance(lb, LayoutBatch):
         raise TypeError(f"expected a LayoutBatch, got {type(lb).__name__}")
     key = _check_key(lb)
-    if _same_key(getattr(lb, "_checked", None), key):
+    if _same_key(lb._checked, key):
         return
     _check_layout_fields(lb)
     lb._checked = key
@@ -435,8 +437,8 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
     t_bin = bin_of[t_row]  # [T'] (every target of `rows` has a bin: its sample has a noisy piece)
     t_col = p_dst[t_piece] + t_pos % bs  # [T'] read column in its bin's row
     t_split = torch.split(torch.argsort(t_bin, stable=True), torch.bincount(t_bin, minlength=len(bins)).tolist())
-    p_bin = bin_of[p_sample]
-    p_split = torch.split(torch.argsort(p_bin, stable=True), torch.bincount(p_bin + 1, minlength=len(bins) + 1).tolist())[1:]
+    p_bin = bin_of[p_sample]  # [pieces] (every piece is of a sample of `rows`: it has a bin)
+    p_split = torch.split(torch.argsort(p_bin, stable=True), torch.bincount(p_bin, minlength=len(bins)).tolist())
     j = torch.arange(bs)
 
     def rows_of_plan() -> Iterator[MicroBatch]:  # the plan's micro-batches, one at a time
@@ -511,8 +513,8 @@ def micro_batch_logprobs(model: SDARForCausalLM, mb: MicroBatch, chunk: int = 40
 
 def check_targets(lb: LayoutBatch, vocab: int) -> None:
     """The LayoutBatch's target ids, and the token ids its forwards embed (x0 and the mask token), are vocabulary
-    ids, and no target is the mask token (the passes take it out of the softmax): checked once per pass on the host, so that the passes' ops need not read their device copies back (a sync
-    per micro-batch)."""
+    ids, and no target is the mask token (the passes take it out of the softmax): checked once per pass on the
+    host, so that the passes' ops need not read their device copies back (a sync per micro-batch)."""
     vocab = check_int("vocab", vocab, lo=1)
     t = lb.targets
     if t.numel() and not (0 <= int(t.min()) and int(t.max()) < vocab):

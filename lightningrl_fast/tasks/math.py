@@ -490,12 +490,16 @@ def verify_math(
     mode: Literal["process", "inline", "off"] = "process",
 ) -> bool:
     """Whether the response's final answer equals the reference answer (see the module docstring)."""
-    if mode not in ("process", "inline", "off"):
-        raise ValueError(f"mode must be 'process', 'inline' or 'off', got {mode!r}")
+    _check_mode(mode)
     cheap, answer, reference = _cheap_verdict(response, reference, strict)
     if cheap is not None:
         return cheap
     return _symbolic_equal(answer, reference, timeout_s, mode)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in ("process", "inline", "off"):
+        raise ValueError(f"mode must be 'process', 'inline' or 'off', got {mode!r}")
 
 
 def _cheap_verdict(response: str, reference: str, strict: bool) -> tuple[bool | None, str, str]:
@@ -536,8 +540,7 @@ def verify_math_batch(
     threads at once, instead of one request at a time. Default `workers`: this process's share of the usable
     CPUs (divided by torchrun's LOCAL_WORLD_SIZE), at most 8: each helper process holds math-verify and sympy
     (~100 MB), and every rank of a node has its own."""
-    if mode not in ("process", "inline", "off"):
-        raise ValueError(f"mode must be 'process', 'inline' or 'off', got {mode!r}")
+    _check_mode(mode)
     if len(responses) != len(references):
         raise ValueError(f"{len(responses)} responses for {len(references)} references")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
