@@ -125,12 +125,6 @@ inline bool dtype_in(const at::Tensor& t, std::initializer_list<at::ScalarType> 
               " is written in place and must not have elements that share memory (an expanded view?), got strides ", \
               (x).strides())
 
-// Two tensors the kernel writes in place must not share memory.
-#define CHECK_NO_OVERLAP(x, y)                                                                               \
-  LRF_CHECK(at::get_overlap_status(x, y) != at::MemOverlapStatus::Full &&                                     \
-                at::get_overlap_status(x, y) != at::MemOverlapStatus::Partial,                                \
-            #x " and " #y " are both written in place and must not share memory")
-
 namespace lrf {
 
 // A tensor and its name, for check_no_overlaps.
@@ -142,9 +136,11 @@ struct Named {
 // The launcher-side twin of ops/_common.py check_no_overlap: the tensors a kernel writes in place (`written`)
 // must not share memory with each other, nor with a tensor the same launch reads (`read`): other CTAs of the
 // grid read those while it writes, in no fixed order. Certain overlaps only (at::get_overlap_status: dense
-// layouts); layouts too complex to decide are let through, as CHECK_NO_OVERLAP does. Empty tensors never overlap.
+// layouts); layouts too complex to decide are let through. Empty tensors never overlap; an undefined tensor (an
+// absent optional argument) takes no part.
 inline void check_no_overlaps(std::initializer_list<Named> written, std::initializer_list<Named> read) {
   auto overlap = [](const at::Tensor& a, const at::Tensor& b) {
+    if (!a.defined() || !b.defined()) return false;
     const at::MemOverlapStatus s = at::get_overlap_status(a, b);
     return s == at::MemOverlapStatus::Full || s == at::MemOverlapStatus::Partial;
   };

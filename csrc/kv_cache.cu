@@ -83,22 +83,19 @@ void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
   CHECK_CONTIGUOUS(chunk_lens);
   CHECK_NO_INTERNAL_OVERLAP(k_cache);
   CHECK_NO_INTERNAL_OVERLAP(v_cache);
-  CHECK_NO_OVERLAP(k_cache, v_cache);
-  // other blocks read k / v / the lengths while a block writes its cache rows: a cache sharing memory with them
-  // would copy whatever the writes had reached
-  check_no_overlaps({{"k_cache", k_cache}, {"v_cache", v_cache}},
-                    {{"k", k}, {"v", v}, {"cache_lens", cache_lens}, {"chunk_lens", chunk_lens}});
 
   int32_t* flag = nullptr;
-  if (maybe_error_flag.has_value()) {
-    const at::Tensor& error_flag = *maybe_error_flag;
+  const at::Tensor error_flag = maybe_error_flag.value_or(at::Tensor());  // undefined when absent
+  if (error_flag.defined()) {
     CHECK_DTYPE(error_flag, at::kInt);
     CHECK_SAME_DEVICE(k_cache, error_flag);
     LRF_CHECK(error_flag.numel() >= 1, "error_flag must have at least one element");
-    check_no_overlaps({{"k_cache", k_cache}, {"v_cache", v_cache}, {"error_flag", error_flag}},
-                      {{"k", k}, {"v", v}, {"cache_lens", cache_lens}, {"chunk_lens", chunk_lens}});
     flag = error_flag.data_ptr<int32_t>();
   }
+  // other blocks read k / v / the lengths while a block writes its cache rows: a cache sharing memory with them
+  // would copy whatever the writes had reached
+  check_no_overlaps({{"k_cache", k_cache}, {"v_cache", v_cache}, {"error_flag", error_flag}},
+                    {{"k", k}, {"v", v}, {"cache_lens", cache_lens}, {"chunk_lens", chunk_lens}});
 
   CHECK_CUDA(k_cache);
   if (B == 0) return;  // C == 0 still launches: out-of-range lengths are flagged like the reference does
