@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightningrl_fast import _ext
-from lightningrl_fast.ops.block_attn import VARIANTS, block_attention, block_attention_reference
+from lightningrl_fast.ops.block_attn import VARIANTS, block_attention, block_attention_reference, kernel_supports
 
 
 def make_inputs(bsz, c, hq, hkv, d, cap, cache_lens, chunk_lens, dtype=torch.float64, device="cpu", seed=0):
@@ -92,6 +92,27 @@ def test_bad_inputs_raise_clear_errors():
 # ------------------------------------------------------------------------------------------- shared checks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def misaligned_view(shape, dtype, device="cpu", shift=1):
+    """A dense tensor of `shape` whose data pointer is `shift` elements past a 16-byte boundary."""
+    buf = torch.empty(int(np.prod(shape)) + 8, dtype=dtype, device=device)
+    return buf[shift : shift + int(np.prod(shape))].view(shape)
+
+
+def test_kernel_supports_only_caches_it_can_move_in_16_byte_units():
+    """Dispatch (CPU-checkable metadata): dtype, head dim and a cache layout the kernel's 16-byte copies accept;
+    any other cache view takes the reference instead of a launcher error."""
+    q = torch.empty(2, 4, 8, 128, dtype=torch.bfloat16)
+    kc = torch.empty(2, 64, 2, 128, dtype=torch.bfloat16)
+    assert kernel_supports(q, kc, kc.clone())
+    assert kernel_supports(q, kc[:, 8:40], kc[:, :32])  # a window of a larger cache: strides stay aligned
+    assert not kernel_supports(q.float(), kc.float(), kc.float())
+    assert not kernel_supports(q[..., :96], kc[..., :96], kc[..., :96])
+    assert not kernel_supports(q, misaligned_view(kc.shape, kc.dtype), kc)  # pointer 2 bytes past a boundary
+    assert not kernel_supports(q, kc, torch.empty(2, 64, 2, 129, dtype=kc.dtype)[..., :128])  # 258-byte head stride
+    assert not kernel_supports(q, kc.transpose(-1, -2).contiguous().transpose(-1, -2), kc)  # strided last dim
+    assert kernel_supports(q, kc[:1].expand(1, 64, 2, 128).clone()[:, :, :1], kc[:, :, :1])  # one head, size-1 dims
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -348,6 +369,24 @@ def test_gpu_strided_and_misaligned_inputs(cuda_kernels, variant):
         got = block_attention(qq, kk, vv, kc2, vc2, cl, nl, bs, variant=variant).double()
         assert (got - want).abs().max().item() < 3e-2
         assert torch.equal(bits(kc2[1, 100:105]), bits(k[1, :5]))
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_cache_takes_the_reference(cuda_kernels):
+    """A cache view the kernel cannot move in 16-byte units (data pointer 2 bytes off) is not an error: the op runs
+    the reference (the cache write through kv_cache_write's byte-granular kernel), same result, cache written."""
+    B, C, Hq, Hkv, D, L, bs = 2, 8, 8, 2, 128, 64, 4
+    q, k, v, kc, vc, cl, nl = make_inputs(B, C, Hq, Hkv, D, L, [0, 37], [8, 5], dtype=torch.bfloat16, device="cuda")
+    want = block_attention_reference(*(t.double() for t in (q, k, v, kc.clone(), vc.clone())), cl, nl, bs)
+    kc2, vc2 = misaligned_view(kc.shape, kc.dtype, "cuda"), misaligned_view(vc.shape, vc.dtype, "cuda", shift=3)
+    kc2.copy_(kc)
+    vc2.copy_(vc)
+    assert not kernel_supports(q, kc2, vc2)
+    got = block_attention(q, k, v, kc2, vc2, cl, nl, bs).double()
+    ref = block_attention_reference(q, k, v, kc.clone(), vc.clone(), cl, nl, bs).double()
+    assert (got - want).abs().max().item() <= 2 * (ref - want).abs().max().item() + 1e-6
+    assert torch.equal(bits(kc2[1, 37:42]), bits(k[1, :5])) and torch.equal(bits(vc2[0, :8]), bits(v[0]))
+    assert torch.equal(bits(kc2[1, 42:]), bits(kc[1, 42:]))  # nothing past the chunk
 
 
 @pytest.mark.gpu

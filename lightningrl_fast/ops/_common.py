@@ -79,6 +79,15 @@ def check_float(name: str, value: object, *, allow_inf: bool = False, allow_nan:
     return v
 
 
+def aligned16(t: torch.Tensor) -> bool:
+    """True when t's last dim is dense and its data pointer and every other byte stride are multiples of 16 bytes
+    (dims of size 1 excepted): the layout a kernel can move in 16-byte vectors. Metadata only."""
+    if t.dim() == 0 or (t.shape[-1] > 1 and t.stride(-1) != 1) or t.data_ptr() % 16:
+        return False
+    es = t.element_size()
+    return all(size <= 1 or (st * es) % 16 == 0 for size, st in zip(t.shape[:-1], t.stride()[:-1]))
+
+
 def _is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
     """Every element of the layout's memory span belongs to it exactly once (a permutation of a contiguous one)."""
     expected = 1

@@ -16,7 +16,8 @@ kernels/block_attn.cuh): one launch writes the chunk into the cache and attends 
 the key range over CTAs (flash-decoding, plus a log-sum-exp merge launch) when batch x kv heads cannot fill
 the GPU. It reads no length on the host, so it can be captured in a CUDA graph; a row whose lengths are out
 of range writes nothing and outputs zeros (the host check, `check_lengths`, raises first unless turned off).
-Other dtypes / head dims and CPU tensors use the reference.
+Other dtypes / head dims, CPU tensors and cache views the kernel cannot move in 16-byte units (kernel_supports) use
+the reference.
 
 The kernel has two tensor-core variants of the same algorithm: "mma" (mma.sync, per warp; measured on an H100)
 and "wgmma" (sm_90a warpgroup MMAs with K/V read straight from shared memory, for the compute-bound shapes:
@@ -31,7 +32,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ._common import FLOAT_DTYPES, check_float, check_int, check_no_overlap, check_tensor, cuda_kernel, host_checks_allowed
+from ._common import (FLOAT_DTYPES, aligned16, check_float, check_int, check_no_overlap, check_tensor, cuda_kernel,
+                      host_checks_allowed)
 from .kv_cache import kv_cache_write, kv_cache_write_reference
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -49,9 +51,14 @@ def kernel_variant(variant: str | None = None) -> int:
     return VARIANTS[name]
 
 
-def kernel_supports(q: torch.Tensor) -> bool:
-    """True when `_C.block_attention` handles q's dtype and head dim (it still needs CUDA tensors and a CUDA build)."""
-    return q.dtype in KERNEL_DTYPES and q.shape[-1] in KERNEL_HEAD_DIMS
+def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None) -> bool:
+    """True when `_C.block_attention` handles q's dtype and head dim and the caches' layout (it still needs CUDA
+    tensors and a CUDA build). The kernel moves cache rows in 16-byte units and writes them in place, so a cache
+    view whose data pointer or byte strides are not multiples of 16 (or whose last dim is strided) takes the
+    reference instead (q / k / v the launcher copies when misaligned: they are only read)."""
+    if q.dtype not in KERNEL_DTYPES or q.shape[-1] not in KERNEL_HEAD_DIMS:
+        return False
+    return all(c is None or aligned16(c) for c in (k_cache, v_cache))
 
 
 def block_attention_reference(
@@ -111,7 +118,7 @@ def _block_attention_op(
     softmax_scale: float,
     variant: int = 0,
 ) -> torch.Tensor:
-    kernel = cuda_kernel("block_attention", q, k_cache) if kernel_supports(q) else None
+    kernel = cuda_kernel("block_attention", q, k_cache) if kernel_supports(q, k_cache, v_cache) else None
     if kernel is not None:
         return kernel(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, softmax_scale, 0, variant)
     return block_attention_reference(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size, softmax_scale)
