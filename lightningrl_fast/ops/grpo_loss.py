@@ -252,12 +252,19 @@ def grpo_token_loss(
     return loss, stats
 
 
+def _suppress(logits: torch.Tensor, suppress: int) -> torch.Tensor:
+    """logits [t, V] with column `suppress` at -inf (out of place). The index is made on the device by a fill
+    kernel: a host-built index tensor would be a pageable copy, which waits for the stream, once per chunk."""
+    idx = torch.full((1,), suppress, dtype=torch.int64, device=logits.device)
+    return logits.index_fill(1, idx, float("-inf"))
+
+
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, suppress: int) -> torch.Tensor:
     logits = hidden @ weight.t()  # [t, V]
     if logits.dtype != torch.float64:
         logits = logits.float()
     if suppress >= 0:
-        logits = logits.index_fill(1, torch.tensor([suppress], device=logits.device), float("-inf"))
+        logits = _suppress(logits, suppress)
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
@@ -266,7 +273,7 @@ def _chunk_entropy(hidden: torch.Tensor, weight: torch.Tensor, suppress: int) ->
     if logits.dtype != torch.float64:
         logits = logits.float()
     if suppress >= 0:
-        logits = logits.index_fill(1, torch.tensor([suppress], device=logits.device), float("-inf"))
+        logits = _suppress(logits, suppress)
     logq = torch.log_softmax(logits, dim=-1)
     return -(logq.exp() * torch.where(torch.isinf(logq), 0.0, logq)).sum(-1)
 
