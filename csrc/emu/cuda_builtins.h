@@ -1,7 +1,8 @@
 // CUDA-builtins front-end of the CPU emulator (emu_core.h): the CUDA names that device code uses directly
 // (threadIdx / blockIdx / blockDim / gridDim, __syncthreads[_or], __syncwarp, __ballot_sync, __any_sync,
 // __reduce_or_sync, __shfl_xor_sync, atomicAdd, atomicMax, __ldcg, ...) for a kernel header compiled as host C++ with
-// -DLRF_KERNEL_EMULATION. Used by unmask_emu.cpp (csrc/kernels/unmask.cuh); test support only.
+// -DLRF_KERNEL_EMULATION. Used by unmask_emu.cpp (csrc/kernels/unmask.cuh) and grpo_loss_emu.cpp
+// (csrc/kernels/grpo_loss.cuh); test support only.
 //
 // Kernels are 1-D (threadIdx.x, blockIdx.x); only full-warp masks (0xffffffff) are emulated. `__shared__`
 // variables become host statics (shared by the CTAs, which run one after another); the dynamic shared memory
@@ -132,6 +133,16 @@ inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask) {
   std::memcpy(&out, &bits, 4);
   return out;
 }
+inline double __shfl_xor_sync(unsigned mask, double v, int lane_mask) {  // the device's two 32-bit shuffles
+  uint64_t bits;
+  std::memcpy(&bits, &v, 8);
+  const uint64_t lo = lrf::emu::shfl_xor_bits(mask, uint32_t(bits), lane_mask);
+  const uint64_t hi = lrf::emu::shfl_xor_bits(mask, uint32_t(bits >> 32), lane_mask);
+  bits = lo | (hi << 32);
+  double out;
+  std::memcpy(&out, &bits, 8);
+  return out;
+}
 inline int __shfl_xor_sync(unsigned mask, int v, int lane_mask) {
   return int(lrf::emu::shfl_xor_bits(mask, uint32_t(v), lane_mask));
 }
@@ -163,11 +174,19 @@ inline float __int_as_float(int i) {
   std::memcpy(&f, &i, 4);
   return f;
 }
+inline double __longlong_as_double(long long i) {
+  double d;
+  std::memcpy(&d, &i, 8);
+  return d;
+}
 inline unsigned __float_as_uint(float f) {
   unsigned u;
   std::memcpy(&u, &f, 4);
   return u;
 }
+// The CUDA headers declare __expf (extern "C", device-only): defined here as the host's expf, more accurate than
+// the device's ex2.approx-based intrinsic (the tests' tolerances allow for it). Weak: one definition per program.
+extern "C" __attribute__((weak)) float __expf(float x) __THROW { return expf(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }  // the device's is approximate (2 ulp)
 inline float __uint_as_float(unsigned v) {
   float f;

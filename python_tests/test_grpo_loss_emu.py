@@ -1,0 +1,281 @@
+"""The LM-head row kernel of the GRPO loss (csrc/kernels/grpo_loss.cuh: log-softmax statistics, the fused GRPO
+terms and d loss / d logits in place) on the CPU emulator of device code (csrc/emu/grpo_loss_emu.cpp), against
+float64 from the same logits, within 2x the error of the same-dtype PyTorch computation (ops.grpo_loss's
+_KernelModel, the model of the `_C` entry points). The GEMMs around the kernel are cuBLAS in the extension and
+not emulated; test_grpo_loss.py covers the chunk loop (its PyTorch model on the CPU, the real thing on a GPU)."""
+
+import ctypes
+import math
+
+import pytest
+import torch
+
+from lightningrl_fast.ops import grpo_loss as _gl
+
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+LOGPROBS, GRPO, GRAD = 0, 1, 2
+NAN = float("nan")
+
+
+def acc_of(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class Emulated:
+    """emu_lm_head_rows through ctypes. Per-token arrays are [T] in the accumulation dtype; outputs come back
+    poisoned (NaN) wherever the kernel did not write."""
+
+    def __init__(self, lib):
+        p, i32, i64, f64, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_uint64
+        lib.emu_lm_head_rows.argtypes = [i32, i32, i32, p, i64, i64, i64, i64, i64, i32, p, p, p, p, p, p, p,
+                                         f64, f64, f64, f64, p, p, p, p, p, p, u64]
+        lib.emu_lm_head_rows.restype = i32
+        self.lib = lib
+
+    def run(self, logits, targets, mode, *, row0=0, tokens=None, suppress=-1, entropy=False, write_grad=True,
+            old=None, ref=None, adv=None, w_pg=None, w_kl=None, w_nll=None, clip=(0.8, 1.28), beta=0.0, mu=0.0,
+            lse_in=None, grad_logp=None, order=0):
+        """Runs the kernel over `logits` ([rows, V], changed in place in GRPO / gradient mode). Returns
+        (vec_path_taken, logp, lse, entropy, terms) over all T tokens."""
+        rows, vocab = logits.shape
+        T = tokens if tokens is not None else row0 + rows
+        acc = acc_of(logits.dtype)
+        out = lambda *s: torch.full(s, NAN, dtype=acc)  # noqa: E731
+        logp, lse, ent, terms = out(T), out(T), out(T), out(4, T)
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        vec = self.lib.emu_lm_head_rows(
+            _DT[logits.dtype], mode, int(entropy), logits.data_ptr(), rows, vocab, row0, T, suppress, int(write_grad),
+            targets.data_ptr(), ptr(old), ptr(ref), ptr(adv), ptr(w_pg), ptr(w_kl), ptr(w_nll), clip[0], clip[1],
+            beta, mu, ptr(lse_in), ptr(grad_logp), logp.data_ptr() if mode != GRAD else None,
+            lse.data_ptr() if mode != GRAD else None, ent.data_ptr() if entropy else None,
+            terms.data_ptr() if mode == GRPO else None, order)
+        return bool(vec), logp, lse, ent, terms
+
+
+@pytest.fixture(scope="module")
+def emu(emu_build):
+    return Emulated(ctypes.CDLL(str(emu_build("grpo_loss_emu.cpp", shared=True, cuda_headers=True))))
+
+
+def make_logits(rows, vocab, dtype, seed, special=()):
+    """Random logits in `dtype` (spread 4); `special` rows: "neg_inf" (a third of the entries -inf), "equal"."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 4
+    for r, kind in special:
+        if kind == "neg_inf":
+            x[r, torch.randperm(vocab, generator=g)[: vocab // 3]] = float("-inf")
+        elif kind == "equal":
+            x[r] = 1.5
+    return x.to(dtype)
+
+
+def softmax_stats(logits, suppress, dtype):
+    """lse, entropy and softmax of logits (already rounded to the buffer dtype) computed in `dtype`."""
+    x = logits.to(dtype)
+    if suppress >= 0:
+        x[:, suppress] = float("-inf")
+    lse = torch.logsumexp(x, -1)
+    q = torch.exp(x - lse[:, None])
+    ent = -(q * torch.where(q > 0, x - lse[:, None], 0.0)).sum(-1)
+    return x, lse, ent, q
+
+
+def grad_of(logits, lse, targets, g, suppress, dtype):
+    """g * (onehot(target) - softmax), 0 at `suppress`, in `dtype` (float64 oracle or the same-dtype model)."""
+    x = logits.to(dtype)
+    dl = -g.to(dtype)[:, None] * torch.exp(x - lse.to(dtype)[:, None])
+    ok = (targets >= 0) & (targets < x.shape[1]) & (targets != suppress)
+    rows = torch.arange(x.shape[0])[ok]
+    dl[rows, targets[ok]] += g.to(dtype)[ok]
+    if suppress >= 0:
+        dl[:, suppress] = 0.0
+    return dl
+
+
+def err(a, b):
+    """max |a - b| over finite-and-equal-infinity positions (both inf of one sign count 0)."""
+    a, b = a.double(), b.double()
+    same = (a == b) | (a.isnan() & b.isnan())
+    return float(torch.where(same, 0.0, (a - b).abs()).max()) if a.numel() else 0.0
+
+
+def within_2x(got, want64, model, floor=1e-12):
+    """got's error against float64 at most twice the same-dtype model's, plus `floor` x max(1, max |want|). In
+    float64 the model IS the oracle (error 0) while the kernel merges in another order: 64 ulps of slack there."""
+    e_got, e_model = err(got, want64), err(model, want64)
+    if got.dtype == torch.float64:
+        floor = max(floor, 64 * torch.finfo(torch.float64).eps)
+    finite = want64[want64.isfinite()]
+    scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+    assert e_got <= 2 * e_model + floor * scale, (e_got, e_model)
+
+
+# vocab 111: no vector path in any dtype; 152 / 1000: 16-byte vectors for bf16/fp16 (and fp32 at 1000); 3001: odd,
+# several iterations per thread
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("vocab,suppress", [(111, -1), (152, 7), (1000, 999), (3001, 0)])
+def test_emulated_logprobs_and_entropy(emu, dtype, vocab, suppress):
+    rows = 5
+    logits = make_logits(rows, vocab, dtype, seed=vocab, special=[(1, "neg_inf"), (3, "equal")])
+    targets = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(1))
+    targets[2] = (suppress + 1) % vocab
+    keep = logits.clone()
+    vec, logp, lse, ent, _ = emu.run(logits, targets, LOGPROBS, suppress=suppress, entropy=True, order=vocab)
+    es = logits.element_size()
+    assert vec == ((vocab * es) % 16 == 0)
+    assert torch.equal(logits.view(torch.uint8), keep.view(torch.uint8))  # log-prob mode only reads the logits
+    acc = acc_of(dtype)
+    for got, idx in ((lse, 1), (ent, 2)):
+        want64 = softmax_stats(keep, suppress, torch.float64)[idx]
+        model = softmax_stats(keep, suppress, acc)[idx]
+        within_2x(got, want64, model, floor=4 * torch.finfo(acc).eps)
+    x64, lse64 = softmax_stats(keep, suppress, torch.float64)[:2]
+    xm, lsem = softmax_stats(keep, suppress, acc)[:2]
+    r = torch.arange(rows)
+    within_2x(logp, x64[r, targets] - lse64, xm[r, targets] - lsem, floor=4 * torch.finfo(acc).eps)
+    assert abs(float(ent[3]) - math.log(vocab - (suppress >= 0))) < 1e-3  # all-equal row: uniform over the rest
+
+
+def test_emulated_suppressed_and_out_of_range_targets(emu):
+    """A target at the suppressed id has log-prob -inf; an out-of-range one reads nothing and gives NaN (the
+    Python side validates targets first); neither moves the gradient of another column."""
+    vocab, sup = 152, 5
+    logits = make_logits(3, vocab, torch.float32, seed=3)
+    targets = torch.tensor([sup, vocab + 4, 9])
+    _, logp, lse, _, _ = emu.run(logits.clone(), targets, LOGPROBS, suppress=sup)
+    assert logp[0] == float("-inf") and logp[1].isnan() and logp[2].isfinite()
+    g = torch.tensor([0.5, -1.0, 2.0])
+    buf = logits.clone()
+    emu.run(buf, targets, GRAD, suppress=sup, lse_in=lse, grad_logp=g)
+    want = grad_of(logits, lse, targets, g, sup, torch.float64)
+    assert torch.all(buf[:, sup] == 0)
+    within_2x(buf, want, grad_of(logits, lse, targets, g, sup, torch.float32), floor=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("vocab", [111, 1000])
+def test_emulated_gradient_mode(emu, dtype, vocab):
+    """Backward of log-probs: the row becomes g * (onehot - softmax) from the given lse, rounded once to the
+    buffer dtype; a chunk in the middle of T (row0) reads its own lse / g entries only."""
+    rows, row0, T, sup = 6, 4, 13, 3
+    logits = make_logits(rows, vocab, dtype, seed=vocab + 1, special=[(2, "neg_inf")])
+    targets = torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(2))
+    acc = acc_of(dtype)
+    lse_rows = softmax_stats(logits, sup, torch.float64)[1]
+    lse_all = torch.full((T,), NAN, dtype=acc)
+    lse_all[row0 : row0 + rows] = lse_rows.to(acc)
+    g_all = torch.full((T,), NAN, dtype=acc)
+    g_all[row0 : row0 + rows] = torch.randn(rows, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(acc)
+    g_all[row0 + 1] = 0.0  # a token without gradient: zeros written
+    buf = logits.clone()
+    emu.run(buf, targets, GRAD, row0=row0, tokens=T, suppress=sup, lse_in=lse_all, grad_logp=g_all, order=rows)
+    y, lse_c, g_c = targets[row0 : row0 + rows], lse_all[row0 : row0 + rows], g_all[row0 : row0 + rows]
+    want = grad_of(logits, lse_c, y, g_c, sup, torch.float64)
+    model = grad_of(logits, lse_c, y, g_c, sup, acc).to(dtype)  # _KernelModel._softmax_grad: Acc, then one rounding
+    within_2x(buf, want, model, floor=1e-30)
+    assert torch.all(buf[1] == 0)
+
+
+def grpo_inputs(T, seed, acc, *, beta=0.02, mu=0.1):
+    """Advantages and reduction weights of T tokens (w_kl only with beta, w_nll only with mu); old / ref: None."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda s=1.0: (torch.randn(T, generator=g, dtype=torch.float64) * s).to(acc)  # noqa: E731
+    d = dict(adv=rnd(), w_pg=rnd(0.1).abs(), old=None, ref=None, w_kl=None, w_nll=None)
+    if beta:
+        d["w_kl"] = rnd(0.1).abs()
+    if mu:
+        d["w_nll"] = (rnd() > 0).to(acc) * 0.05
+    return d
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("on_policy,beta,mu", [(False, 0.02, 0.1), (True, 0.0, 0.0), (False, 0.0, 0.1)])
+def test_emulated_fused_grpo_rows(emu, dtype, on_policy, beta, mu):
+    """GRPO mode: logp, the four terms and the in-place gradient of a chunk (row0 > 0) against float64 from the same
+    logits (_grpo_dlogp, the PyTorch model of grpo_dlogp); old log-probs spread so that both clip sides, the ratio
+    clamp (|d| > 10) and unclipped tokens occur; per-token outputs outside the chunk stay untouched."""
+    rows, vocab, row0, T, sup = 9, 1000, 3, 15, 11
+    acc = acc_of(dtype)
+    logits = make_logits(rows, vocab, dtype, seed=int(on_policy) + 10 * int(beta > 0))
+    targets = torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(7))
+    x64, lse64 = softmax_stats(logits, sup, torch.float64)[:2]
+    y = targets[row0 : row0 + rows]
+    lp64 = x64[torch.arange(rows), y] - lse64
+    inp = grpo_inputs(T, seed=rows, acc=acc, beta=beta, mu=mu)
+    if not on_policy:
+        shift = torch.tensor([0.0, 0.5, -0.5, 0.05, -0.05, 12.0, -12.0, 0.3, -0.3], dtype=torch.float64)
+        old = torch.full((T,), NAN, dtype=acc)
+        old[row0 : row0 + rows] = (lp64 + shift).to(acc)  # d = logp - old = -shift (up to rounding)
+        inp["old"] = old
+    if beta:
+        ref = torch.full((T,), NAN, dtype=acc)
+        ref[row0 : row0 + rows] = (lp64 + 0.2 * torch.randn(rows, dtype=torch.float64)).to(acc)
+        inp["ref"] = ref
+    kw = dict(eps_low=0.2, eps_high=0.28, beta=beta, mu=mu)
+    buf = logits.clone()
+    _, logp, lse, _, terms = emu.run(buf, targets, GRPO, row0=row0, tokens=T, suppress=sup, clip=(0.8, 1.28),
+                                     old=inp["old"], ref=inp["ref"], adv=inp["adv"], w_pg=inp["w_pg"],
+                                     w_kl=inp["w_kl"], w_nll=inp["w_nll"], beta=beta, mu=mu, order=3)
+    sl = slice(row0, row0 + rows)
+    for t in (logp, lse):
+        assert t[:row0].isnan().all() and t[row0 + rows :].isnan().all()
+    assert terms[:, :row0].isnan().all() and terms[:, row0 + rows :].isnan().all()
+    pick = lambda v: None if v is None else v[sl].double()  # noqa: E731
+    g64, terms64 = _gl._grpo_dlogp(lp64, pick(inp["old"]), pick(inp["ref"]), inp["adv"][sl].double(),
+                                   inp["w_pg"][sl].double(), pick(inp["w_kl"]), pick(inp["w_nll"]), **kw)
+    xm, lsem = softmax_stats(logits, sup, acc)[:2]
+    lpm = xm[torch.arange(rows), y] - lsem
+    pickm = lambda v: None if v is None else v[sl]  # noqa: E731
+    gm, termsm = _gl._grpo_dlogp(lpm, pickm(inp["old"]), pickm(inp["ref"]), inp["adv"][sl], inp["w_pg"][sl],
+                                 pickm(inp["w_kl"]), pickm(inp["w_nll"]), **kw)
+    floor = 8 * torch.finfo(acc).eps
+    within_2x(logp[sl], lp64, lpm, floor=floor)
+    within_2x(terms[:, sl], terms64, termsm, floor=floor)
+    if not on_policy:
+        assert terms[3, sl].sum() >= 1 and terms[3, sl].sum() < rows  # some clipped, some not
+    want = grad_of(logits, lse64, y, g64, sup, torch.float64)
+    model = grad_of(logits, lsem, y, gm, sup, acc).to(dtype)
+    within_2x(buf, want, model, floor=1e-30)
+
+
+def test_emulated_grpo_without_gradient_leaves_logits(emu):
+    """write_grad false (a frozen head and no grad_hidden): the loss terms only, the logits buffer unchanged."""
+    rows, vocab = 4, 152
+    logits = make_logits(rows, vocab, torch.bfloat16, seed=4)
+    targets = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(4))
+    inp = grpo_inputs(rows, seed=4, acc=torch.float32, beta=0.0, mu=0.0)
+    buf = logits.clone()
+    _, logp, _, _, terms = emu.run(buf, targets, GRPO, write_grad=False, adv=inp["adv"], w_pg=inp["w_pg"])
+    assert torch.equal(buf.view(torch.int16), logits.view(torch.int16))
+    assert logp.isfinite().all() and torch.equal(terms[2], torch.ones(rows))  # on-policy: ratio exactly 1
+
+
+def test_emulated_rows_are_bitwise_identical_across_schedules_and_paths(emu):
+    """The block-wide merge has a fixed order: any block order or thread interleaving gives the same bits; the
+    scalar path (a buffer 2 bytes off a 16-byte boundary) agrees with the vector path within rounding."""
+    rows, vocab = 4, 1000
+    logits = make_logits(rows, vocab, torch.bfloat16, seed=9, special=[(2, "neg_inf")])
+    targets = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(9))
+    targets[2] = int(logits[2].isfinite().nonzero()[3])  # a target at a -inf logit has an infinite loss
+    inp = grpo_inputs(rows, seed=9, acc=torch.float32)
+    inp["ref"] = torch.randn(rows) - 5
+    results = []
+    for order in (0, 1, 77):
+        buf = logits.clone()
+        vec, logp, lse, _, terms = emu.run(buf, targets, GRPO, suppress=2, adv=inp["adv"], w_pg=inp["w_pg"],
+                                           ref=inp["ref"], w_kl=inp["w_kl"], w_nll=inp["w_nll"], beta=0.02, mu=0.1,
+                                           order=order)
+        assert vec
+        results.append((buf, logp, lse, terms))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    store = torch.empty(rows * vocab + 8, dtype=torch.bfloat16)
+    off = store[1 : 1 + rows * vocab].view(rows, vocab)
+    off.copy_(logits)
+    vec, logp, lse, _, terms = emu.run(off, targets, GRPO, suppress=2, adv=inp["adv"], w_pg=inp["w_pg"],
+                                       ref=inp["ref"], w_kl=inp["w_kl"], w_nll=inp["w_nll"], beta=0.02, mu=0.1)
+    assert not vec
+    torch.testing.assert_close(lse, results[0][2], rtol=1e-6, atol=1e-6)
+    assert off.isfinite().all()
+    torch.testing.assert_close(off.float(), results[0][0].float(), rtol=1e-2, atol=1e-6)
