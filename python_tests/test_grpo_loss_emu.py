@@ -15,6 +15,7 @@ from lightningrl_fast.ops import grpo_loss as _gl
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 LOGPROBS, GRPO, GRAD = 0, 1, 2
 NAN = float("nan")
+GREEDY = 1 << 63  # order seed bit: the warp-greedy schedule (emu_core.h Launch::warp_greedy)
 
 
 def acc_of(dtype):
@@ -260,7 +261,7 @@ def test_emulated_rows_are_bitwise_identical_across_schedules_and_paths(emu):
     inp = grpo_inputs(rows, seed=9, acc=torch.float32)
     inp["ref"] = torch.randn(rows) - 5
     results = []
-    for order in (0, 1, 77):
+    for order in (0, 1, 77, GREEDY | 5):
         buf = logits.clone()
         vec, logp, lse, _, terms = emu.run(buf, targets, GRPO, suppress=2, adv=inp["adv"], w_pg=inp["w_pg"],
                                            ref=inp["ref"], w_kl=inp["w_kl"], w_nll=inp["w_nll"], beta=0.02, mu=0.1,
@@ -279,3 +280,85 @@ def test_emulated_rows_are_bitwise_identical_across_schedules_and_paths(emu):
     torch.testing.assert_close(lse, results[0][2], rtol=1e-6, atol=1e-6)
     assert off.isfinite().all()
     torch.testing.assert_close(off.float(), results[0][0].float(), rtol=1e-2, atol=1e-6)
+
+
+# ------------------------------------------------------------------ group_normalize (one CTA, cub stand-ins)
+
+
+def emu_group_normalize(emu, rewards, group_ids, weights, mode, order=0):
+    lib = emu.lib
+    if not getattr(lib, "_gn_typed", False):
+        p, i32, i64, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64
+        lib.emu_group_normalize.argtypes = [i32, p, p, p, p, i32, i64, i64, u64]
+        lib.emu_group_normalize.restype = i64
+        lib._gn_typed = True
+    S, R = rewards.shape
+    out = torch.full((S,), NAN, dtype=acc_of(rewards.dtype))
+    r, g, w = rewards.contiguous(), group_ids.to(torch.int64).contiguous(), weights.to(torch.float64).contiguous()
+    lib.emu_group_normalize(_DT[rewards.dtype], r.data_ptr(), g.data_ptr(), w.data_ptr(), out.data_ptr(),
+                            int(mode == "decoupled"), S, R, order)
+    return out
+
+
+def group_case(S, gsize, R, dtype, seed, *, huge_ids=False):
+    """Rewards (some columns 0/1 like a correctness reward, others continuous), members of each group scattered."""
+    g = torch.Generator().manual_seed(seed)
+    ngroups = (S + gsize - 1) // gsize
+    ids = torch.arange(S) // gsize
+    ids = ids[torch.randperm(S, generator=g)]
+    if huge_ids:  # arbitrary int64 ids: negative, near the limits
+        table = torch.randint(-(2**62), 2**62, (ngroups,), generator=g, dtype=torch.int64)
+        table[0], table[-1] = -(2**63), 2**63 - 1
+        ids = table[ids]
+    cols = [(torch.rand(S, generator=g) < 0.5).double() if j % 2 == 0 else torch.randn(S, generator=g,
+                                                                                      dtype=torch.float64)
+            for j in range(R)]
+    rewards = torch.stack(cols, 1).to(dtype)
+    weights = torch.linspace(1.0, 0.25, R, dtype=torch.float64)
+    return rewards, ids, weights
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("S,gsize,R", [(97, 1, 2), (123, 3, 3), (32, 8, 1), (1, 1, 1), (300, 100, 2), (301, 40, 1),
+                                       (2500, 7, 2)])
+def test_emulated_group_normalize_matches_float64(emu, mode, dtype, S, gsize, R):
+    """Small groups (a thread each), groups of >= 33 (a warp each), several sort tiles (S > 1024 threads), one
+    sample; arbitrary int64 ids (S = 2500). The kernel computes in double: float32 output within 2x of the float32
+    reference's error, float64 output within a few ulps."""
+    rewards, ids, weights = group_case(S, gsize, R, dtype, seed=S + gsize, huge_ids=S == 2500)
+    got = emu_group_normalize(emu, rewards, ids, weights, mode, order=S if S % 2 else GREEDY | S)
+    want = _gl.group_normalize_reference(rewards.double(), ids, weights, mode)
+    model = _gl.group_normalize_reference(rewards, ids, weights.to(rewards.dtype), mode)
+    assert got.isfinite().all()
+    if dtype == torch.float64:
+        assert float((got - want).abs().max()) <= 64 * torch.finfo(torch.float64).eps * max(1.0, float(want.abs().max()))
+    else:
+        within_2x(got, want, model, floor=2 * torch.finfo(torch.float32).eps)
+    if gsize == 1:
+        assert torch.equal(got, torch.zeros_like(got))  # every group has std 0: z = 0, batch std floored
+
+
+@pytest.mark.parametrize("gsize", [10, 50])  # groups reduced by a thread each / by a warp each
+def test_emulated_group_normalize_is_bitwise_deterministic_and_exact_on_ties(emu, gsize):
+    """The hash, the stable sort and the fixed-order sums make the result independent of the thread schedule; a
+    group whose rewards are all equal gets exactly 0 before the batch z-score (shifted means)."""
+    rewards, ids, weights = group_case(1500, gsize, 2, torch.float64, seed=3)
+    tie = ids == ids[0]
+    rewards[tie] = torch.tensor([0.1, 0.7], dtype=torch.float64)  # a sum of copies of 0.1 is not exact
+    outs = [emu_group_normalize(emu, rewards, ids, weights, "decoupled", order=o) for o in (0, 1, 99, GREEDY | 3)]
+    for o in outs[1:]:
+        assert torch.equal(outs[0].view(torch.int64), o.view(torch.int64))
+    want = _gl.group_normalize_reference(rewards, ids, weights, "decoupled")
+    assert float((outs[0] - want).abs().max()) <= 64 * torch.finfo(torch.float64).eps * float(want.abs().max())
+    # the tied group's z-scores are exactly 0: its advantage is the batch z-score of 0 (an unshifted mean would give
+    # z = +-1 from rounding noise over a rounding-noise std)
+    total = torch.zeros(1500, dtype=torch.float64)
+    for j, w in enumerate(weights.tolist()):
+        for g in ids.unique():
+            m = ids == g
+            col = rewards[m, j]
+            sd = col.std(correction=0)
+            total[m] += w * ((col - col.mean()) / sd if not m.equal(tie) and sd > 0 else 0.0)
+    tied = float((0 - total.mean()) / total.std(correction=0))
+    assert float((outs[0][tie] - tied).abs().max()) < 1e-12

@@ -1,6 +1,6 @@
 // CUDA-builtins front-end of the CPU emulator (emu_core.h): the CUDA names that device code uses directly
 // (threadIdx / blockIdx / blockDim / gridDim, __syncthreads[_or], __syncwarp, __ballot_sync, __any_sync,
-// __reduce_or_sync, __shfl_xor_sync, atomicAdd, atomicMax, __ldcg, ...) for a kernel header compiled as host C++ with
+// __reduce_or_sync, __shfl_xor_sync, atomicAdd, atomicMax, atomicCAS, __ldcg, ...) for a kernel header compiled as host C++ with
 // -DLRF_KERNEL_EMULATION. Used by unmask_emu.cpp (csrc/kernels/unmask.cuh) and grpo_loss_emu.cpp
 // (csrc/kernels/grpo_loss.cuh); test support only.
 //
@@ -46,8 +46,12 @@ inline Idx3 block_dim() { return {unsigned(nthreads()), 1u, 1u}; }
 inline Idx3 grid_dim() { return {grid(), 1u, 1u}; }
 inline char* dynamic_smem() { return smem(); }
 
+// order_seed bit 63: the warp-greedy schedule (Launch::warp_greedy), its warp priorities seeded by the other bits.
+inline constexpr uint64_t kWarpGreedy = uint64_t(1) << 63;
+
 // Runs block `blk` of a 1-D grid of `grid` blocks: `nthreads` fibers, `smem` bytes of dynamic shared memory;
-// order_seed 0 runs the threads in launch order, any other value in random interleavings seeded per block.
+// order_seed 0 runs the threads in launch order, any other value in random interleavings seeded per block
+// (kWarpGreedy set: warp after warp in a seeded order, as far as the barriers allow).
 inline void run_block(unsigned blk, unsigned grid, int nthreads, size_t smem, uint64_t order_seed,
                       const std::function<void()>& body) {
   Launch launch;
@@ -56,7 +60,8 @@ inline void run_block(unsigned blk, unsigned grid, int nthreads, size_t smem, ui
   launch.block = int(blk);
   launch.grid = grid;
   launch.random_order = order_seed != 0;
-  launch.seed = order_seed + blk;
+  launch.warp_greedy = (order_seed & kWarpGreedy) != 0;
+  launch.seed = (order_seed & ~kWarpGreedy) + blk;
   run_cta(launch, body);
 }
 
@@ -157,6 +162,11 @@ inline int atomicAdd(int* p, int v) {  // no fiber switch inside: atomic by cons
 inline int atomicMax(int* p, int v) {  // likewise
   const int old = *p;
   *p = old > v ? old : v;
+  return old;
+}
+inline int atomicCAS(int* p, int compare, int v) {  // likewise
+  const int old = *p;
+  if (old == compare) *p = v;
   return old;
 }
 inline float4 __ldcg(const float4* p) { return *p; }

@@ -36,6 +36,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -91,6 +92,10 @@ struct Launch {
   int block = 0;                  // blockIdx.x
   unsigned grid = 1;              // gridDim.x
   bool random_order = false;      // false: fibers run in launch order; true: picked at random from `seed`
+  bool warp_greedy = false;       // with random_order: warps in a seeded priority order, and the runnable fiber
+                                  // of the first warp always runs next (one warp as far ahead of the others as
+                                  // the barriers allow: a missing __syncthreads between one warp's shared-memory
+                                  // write and another's read shows, which uniform picks rarely reach)
   uint64_t seed = 0;
   unsigned char smem_poison = 0xFF;  // every shared-memory byte on entry
   size_t stack_bytes = 256 << 10;    // per fiber (lazily committed pages, one guard page below)
@@ -289,7 +294,17 @@ inline void run_cta(const Launch& launch, const std::function<void()>& body) {
   c.runq.clear();
   c.slot.assign(n, -1);
   for (int t = 0; t < n; ++t) make_runnable(c, t);
-  if (launch.random_order) {
+  if (launch.random_order && launch.warp_greedy) {
+    std::vector<int> prio(n / kWarpSize);
+    for (int w = 0; w < static_cast<int>(prio.size()); ++w) prio[w] = w;
+    std::shuffle(prio.begin(), prio.end(), c.rng);
+    while (!c.runq.empty()) {
+      int best = c.runq[0];
+      auto rank = [&](int t) { return prio[t / kWarpSize] * kWarpSize + t % kWarpSize; };
+      for (int t : c.runq) best = rank(t) < rank(best) ? t : best;
+      switch_to(c, best);
+    }
+  } else if (launch.random_order) {
     while (!c.runq.empty()) switch_to(c, c.runq[c.rng() % c.runq.size()]);
   } else {
     for (bool ran = true; ran;) {  // passes over the threads in launch order

@@ -1,10 +1,16 @@
-// CPU driver of the LM-head row kernel source (kernels/grpo_loss.cuh: log-softmax statistics, the fused GRPO
-// terms and d loss / d logits, in place over a chunk of logits) under emulation (emu_core.h with the
-// CUDA-builtins front-end), a shared library for python_tests/test_grpo_loss.py (ctypes); not part of the
-// extension. It mirrors csrc/grpo_loss.cu's launch_rows for one chunk: a grid of min(rows, 2^30) CTAs of
-// kRowThreads threads, the 16-byte vector path when the chunk is 16-byte aligned and V * sizeof(T) % 16 == 0.
-// The GEMMs around the kernel (logits = h @ W^T, the gradient GEMMs) are cuBLAS in the extension and are not
-// emulated: the caller passes the logits. Build:
+// CPU driver of the GRPO-loss kernel sources under emulation (emu_core.h with the CUDA-builtins front-end), a
+// shared library for python_tests/test_grpo_loss_emu.py (ctypes); not part of the extension. Two entry points,
+// each mirroring its launcher in csrc/grpo_loss.cu:
+//   emu_lm_head_rows      kernels/grpo_loss.cuh (log-softmax statistics, the fused GRPO terms and d loss / d logits
+//                         in place over a chunk of logits), as launch_rows runs one chunk: a grid of min(rows,
+//                         2^30) CTAs of kRowThreads threads, the 16-byte vector path when the chunk is 16-byte
+//                         aligned and V * sizeof(T) % 16 == 0. The GEMMs around it (logits = h @ W^T, the
+//                         gradient GEMMs) are cuBLAS in the extension and are not emulated: the caller passes the
+//                         logits.
+//   emu_group_normalize   kernels/group_normalize.cuh: one CTA of kGroupNormThreads threads, the launcher's hash
+//                         capacity and workspace layout; cub's block sort and scan are host stand-ins
+//                         (emu/cub_block.h) with cub's contract.
+// Build:
 //   g++ -std=c++20 -O2 -ffp-contract=off -DLRF_KERNEL_EMULATION -shared -fPIC -Icsrc -I<cuda>/include
 //       csrc/emu/grpo_loss_emu.cpp -o grpo_loss_emu.so
 #include "emu/cuda_builtins.h"
@@ -13,6 +19,7 @@
 
 #include <functional>
 
+#include "kernels/group_normalize.cuh"
 #include "kernels/grpo_loss.cuh"
 
 namespace {
@@ -21,6 +28,47 @@ using namespace lrf::kernels;
 
 LmHeadRowParams<float> g_pf;
 LmHeadRowParams<double> g_pd;
+GroupNormalizeParams<float> g_gf;
+GroupNormalizeParams<double> g_gd;
+GroupNormalizeParams<__nv_bfloat16> g_gb;
+GroupNormalizeParams<__half> g_gh;
+
+template <typename T>
+GroupNormalizeParams<T>& gn_params() {
+  if constexpr (std::is_same_v<T, float>) return g_gf;
+  else if constexpr (std::is_same_v<T, double>) return g_gd;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return g_gb;
+  else return g_gh;
+}
+
+template <typename T>
+void gn_body() {
+  group_normalize_kernel<T>(gn_params<T>());
+}
+
+template <typename T>
+void (*gn_setup(const void* rewards, const int64_t* group_ids, const double* weights, void* out, bool decoupled,
+                int64_t S, int64_t R, int64_t cap, int32_t* ws, double* total))() {
+  GroupNormalizeParams<T>& p = gn_params<T>();
+  p = GroupNormalizeParams<T>{};
+  p.rewards = static_cast<const T*>(rewards);
+  p.group_ids = group_ids;
+  p.weights = weights;
+  p.out = out;
+  p.out_double = std::is_same_v<T, double>;
+  p.decoupled = decoupled;
+  p.samples = S;
+  p.rewards_per = R;
+  p.cap = cap;
+  p.table = ws;  // the launcher's layout: four [cap] arrays, then slot and order ([S] each)
+  p.count = ws + cap;
+  p.offset = ws + 2 * cap;
+  p.cursor = ws + 3 * cap;
+  p.slot = ws + 4 * cap;
+  p.order = ws + 4 * cap + S;
+  p.total = total;
+  return gn_body<T>;
+}
 
 template <typename T, typename Acc, int kMode, bool kEntropy>
 void body() {
@@ -111,6 +159,27 @@ int emu_lm_head_rows(int dtype, int mode, int entropy, void* logits, int64_t row
   if (order_seed != 0) std::shuffle(blocks.begin(), blocks.end(), std::mt19937_64(order_seed));
   for (unsigned b : blocks) lrf::emu::run_block(b, grid, kRowThreads, 0, order_seed, fn);
   return vec ? 1 : 0;
+}
+
+// dtype as above (rewards [S, R] dense); group_ids [S]; weights [R] float64; out [S] float32 (float64 for float64
+// rewards). The workspace is the launcher's: cap = the smallest power of two >= max(32, 2 S), poisoned here (the
+// kernel must initialize what it reads). Returns cap.
+int64_t emu_group_normalize(int dtype, const void* rewards, const int64_t* group_ids, const double* weights, void* out,
+                            int decoupled, int64_t S, int64_t R, uint64_t order_seed) {
+  int64_t cap = 32;
+  while (cap < 2 * S) cap *= 2;
+  std::vector<int32_t> ws(size_t(4 * cap + 2 * S), int32_t(0x7fbadbad));
+  std::vector<double> total(size_t(S), std::nan(""));
+  void (*fn)() = dtype == 3 ? gn_setup<double>(rewards, group_ids, weights, out, decoupled != 0, S, R, cap, ws.data(),
+                                               total.data())
+                 : dtype == 1 ? gn_setup<__nv_bfloat16>(rewards, group_ids, weights, out, decoupled != 0, S, R, cap,
+                                                        ws.data(), total.data())
+                 : dtype == 2 ? gn_setup<__half>(rewards, group_ids, weights, out, decoupled != 0, S, R, cap, ws.data(),
+                                                 total.data())
+                              : gn_setup<float>(rewards, group_ids, weights, out, decoupled != 0, S, R, cap, ws.data(),
+                                                total.data());
+  lrf::emu::run_block(0, 1, kGroupNormThreads, 0, order_seed, fn);
+  return cap;
 }
 
 }  // extern "C"

@@ -28,8 +28,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#ifdef LRF_KERNEL_EMULATION
+#include "emu/cub_block.h"  // host stand-ins of the two cub collectives (CPU emulator, csrc/emu)
+#else
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
+#endif
 
 #include <cstdint>
 
