@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from lightningrl_fast.ops import grpo_loss as _gl
 from lightningrl_fast.ops.grpo_loss import (
     fused_linear_grpo_loss,
     group_normalize,
@@ -132,6 +133,32 @@ def test_token_loss_matches_naive_and_gradient(red, beta, mu, correct_frac):
     assert 0.0 <= stats["clip_frac"].item() <= 1.0
 
 
+def test_token_loss_gradient_at_clip_and_clamp_bounds():
+    """Edges where torch's clamp / minimum backward would decide (0 at a clamp bound, half to each side of a tie):
+    the loss states its own semantics, the CUDA kernel's (_grpo_dlogp models it): the ratio passes gradient for
+    -10 <= d <= 10 inclusive, a tie of the PPO terms takes the unclipped gradient. On-policy with eps = 0 is thus the
+    plain policy gradient -A / T per token (tok reduction), not half or zero of it."""
+    logp = torch.tensor([-1.0, -2.0, -0.5, -1.5, -3.0, -1.0, -2.0], dtype=torch.float64)
+    old = logp + torch.tensor([0.0, 0.0, 0.0, 0.0, -10.0, 10.0, -10.5], dtype=torch.float64)  # d = logp - old
+    adv = torch.tensor([0.7, -1.3, 0.4, -0.2, -0.9, 0.8, 1.1], dtype=torch.float64)  # d = +-10: unclipped is smaller
+    T = logp.shape[0]
+    seq = torch.arange(T)
+    for eps_low, eps_high in ((0.0, 0.0), (0.2, 0.0), (0.0, 0.28)):
+        lp = logp.clone().requires_grad_()
+        loss, _ = grpo_token_loss(lp, old, None, adv, seq, T, torch.zeros(T, dtype=torch.bool), eps_low, eps_high,
+                                  0.0, 0.0, "tok-tok-tok")
+        (grad,) = torch.autograd.grad(loss, lp)
+        d = logp - old
+        rho = torch.exp(d.clamp(-10, 10))
+        u, c = rho * adv, rho.clamp(1 - eps_low, 1 + eps_high) * adv
+        want = torch.where((d.abs() <= 10) & (u <= c), -adv * rho / T, 0.0)
+        assert int(((d.abs() <= 10) & (u <= c)).sum()) == T - 1  # every token but d = -10.5 takes the gradient
+        torch.testing.assert_close(grad, want, rtol=1e-12, atol=0.0)
+        g, _ = _gl._grpo_dlogp(logp, old, None, adv, torch.full((T,), 1.0 / T, dtype=torch.float64), None, None,
+                               eps_low, eps_high, 0.0, 0.0)
+        torch.testing.assert_close(g, want, rtol=1e-12, atol=0.0)
+
+
 def test_token_loss_errors():
     t = torch.zeros(4)
     seq = torch.zeros(4, dtype=torch.long)
@@ -190,7 +217,6 @@ def test_microbatches_with_totals_sum_to_batch_loss(red):
 
 # ---- reductions as per-token weights, the fused algorithm's PyTorch model (CPU) --------------------------------
 
-from lightningrl_fast.ops import grpo_loss as _gl  # noqa: E402
 
 
 

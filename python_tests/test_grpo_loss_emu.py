@@ -145,6 +145,8 @@ def test_emulated_suppressed_and_out_of_range_targets(emu):
     targets = torch.tensor([sup, vocab + 4, 9])
     _, logp, lse, _, _ = emu.run(logits.clone(), targets, LOGPROBS, suppress=sup)
     assert logp[0] == float("-inf") and logp[1].isnan() and logp[2].isfinite()
+    _, logp_none, _, _, _ = emu.run(logits.clone(), torch.tensor([-1, 3, -2]), LOGPROBS)  # nothing suppressed
+    assert logp_none[0].isnan() and logp_none[2].isnan() and logp_none[1].isfinite()  # -1 is out of range, not -inf
     g = torch.tensor([0.5, -1.0, 2.0])
     buf = logits.clone()
     emu.run(buf, targets, GRAD, suppress=sup, lse_in=lse, grad_logp=g)

@@ -273,8 +273,10 @@ __device__ __forceinline__ void lm_head_row(const LmHeadRowParams<Acc>& p, int64
         row_pass1<T, Acc, kEntropy, N>(row, static_cast<int32_t>(p.vocab), static_cast<int32_t>(p.suppress)), sh_stats);
     if (threadIdx.x == 0) {
       lse = st.m + acc_log(st.s);
-      // an out-of-range target reads nothing: NaN (the Python side validates targets); the suppressed id: -inf
-      const Acc logp = y_ok ? to_acc(row[y]) - lse : (y == p.suppress ? neg_inf<Acc>() : quiet_nan<Acc>());
+      // an out-of-range target (-1 included when nothing is suppressed) reads nothing: NaN (the Python side
+      // validates targets); the suppressed id: -inf
+      const Acc logp = y_ok ? to_acc(row[y]) - lse
+                            : (p.suppress >= 0 && y == p.suppress ? neg_inf<Acc>() : quiet_nan<Acc>());
       p.logp[t] = logp;
       if (p.lse_out != nullptr) p.lse_out[t] = lse;
       if constexpr (kEntropy) {

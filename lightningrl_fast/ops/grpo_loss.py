@@ -3,7 +3,7 @@
 * `group_normalize(rewards [S, R], group_ids [S], weights [R], mode)` -> advantages [S].
   "decoupled" (LightningRL): z-score each reward column within its group (population std, 0 where the
   std is 0), weighted sum, then z-score over the batch (std floored at 1e-8). "sum" (the ablation):
-  weighted sum of the raw rewards, group z-score, then batch z-score.
+  weighted sum of the raw rewards, group z-score, then batch z-score. Arithmetic in float64 on every path.
 * `grpo_token_loss(logp, old_logp, ref_logp, advantages, seq_idx, num_seqs, correct, ...)` -> (loss, stats)
   from per-token log-probs. Kept from GRPO: the PPO clip with asymmetric eps_low / eps_high on
   rho = exp(clamp(logp - old_logp, -10, 10)), the k3 KL to a frozen reference (beta), group-relative
@@ -82,8 +82,10 @@ def _group_zscore(x: torch.Tensor, inv: torch.Tensor, ngroups: int) -> torch.Ten
 
 def group_normalize_reference(rewards: torch.Tensor, group_ids: torch.Tensor, weights: torch.Tensor,
                               mode: str = "decoupled") -> torch.Tensor:
-    """Pure-PyTorch group normalization; computes in float64 for float64 input, float32 otherwise."""
-    dt = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    """Pure-PyTorch group normalization. Computes in float64 whatever the input dtype (the kernel's arithmetic: the
+    z-score jumps at std == 0, so two precisions can disagree by O(1) on sums that tie in one and not the other);
+    returns float64 for float64 rewards, float32 otherwise."""
+    dt = torch.float64
     r, w = rewards.to(dt), weights.to(dt)
     _, inv = torch.unique(group_ids, return_inverse=True)
     ngroups = int(inv.max()) + 1 if inv.numel() else 0
@@ -94,7 +96,7 @@ def group_normalize_reference(rewards: torch.Tensor, group_ids: torch.Tensor, we
         total = _group_zscore((r * w).sum(1), inv, ngroups)
     mean = total[0] + (total - total[0]).mean()  # shifted, as the group means
     std = ((total - mean) ** 2).mean().sqrt()
-    return ((total - mean) / std.clamp_min(1e-8)).to(torch.float32 if dt == torch.float32 else dt)
+    return ((total - mean) / std.clamp_min(1e-8)).to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
 
 
 @torch.library.custom_op("lightningrl_fast::group_normalize", mutates_args=())
@@ -225,11 +227,18 @@ def grpo_token_loss(
     red_pg, red_kl, red_nll = _check_loss_inputs(t, logp.device, old_logp, ref_logp, advantages, seq_idx, num_seqs,
                                                  correct, eps_low, eps_high, beta, reduction, totals, mu=mu)
 
-    ratio = torch.exp(torch.clamp(logp - old_logp, -10.0, 10.0))  # [T]
+    # The gradient at the edges is stated here, not inherited from torch's clamp / minimum backward (which give 0
+    # at a clamp bound and half to each side of a tie, version-dependent): the ratio passes gradient for
+    # -10 <= d <= 10, bounds included, and a tie of the two PPO terms takes the unclipped one's whole gradient.
+    # So on-policy with eps = 0 (rho == 1 == the clip bound) is the plain policy gradient. The CUDA kernel
+    # (grpo_dlogp) and _grpo_dlogp compute the same.
+    d = logp - old_logp  # [T]
+    inside = (d >= -10.0) & (d <= 10.0)
+    ratio = torch.exp(torch.where(inside, d, d.clamp(-10.0, 10.0).detach()))  # [T]
     adv = advantages.to(ratio.dtype)
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    pg = -torch.minimum(unclipped, clipped)  # [T]
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv  # taken only when rho is strictly outside
+    pg = -torch.where(unclipped <= clipped, unclipped, clipped)  # [T]
     n_seq, n_tok, n_cseq, n_ctok = totals if totals is not None else (None, None, None, None)
     den = {"seq": n_seq, "tok": n_tok}
     policy = _reduce(pg, red_pg, seq_idx, num_seqs, denom=den[red_pg])
