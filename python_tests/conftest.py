@@ -63,6 +63,9 @@ def tolerance(dtype: torch.dtype) -> dict:
 REPO = Path(__file__).resolve().parents[1]  # the source tree (pytest imports the installed package)
 EMU_DIR = REPO / "csrc" / "emu"
 EMU_FLAGS = ["-std=c++20", "-O2", "-ffp-contract=off", "-Wno-unknown-pragmas", "-DLRF_KERNEL_EMULATION"]
+# Order-seed bit of the cuda_builtins drivers (unmask, rms_norm, silu_mul, grpo_loss): the warp-greedy schedule
+# (emu_core.h Launch::warp_greedy; the warp_ops drivers take it for odd seeds)
+EMU_GREEDY = 1 << 63
 
 
 def cuda_include() -> Path | None:

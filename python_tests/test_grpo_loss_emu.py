@@ -9,13 +9,13 @@ import math
 
 import pytest
 import torch
+from conftest import EMU_GREEDY
 
 from lightningrl_fast.ops import grpo_loss as _gl
 
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 LOGPROBS, GRPO, GRAD = 0, 1, 2
 NAN = float("nan")
-GREEDY = 1 << 63  # order seed bit: the warp-greedy schedule (emu_core.h Launch::warp_greedy)
 
 
 def acc_of(dtype):
@@ -263,7 +263,7 @@ def test_emulated_rows_are_bitwise_identical_across_schedules_and_paths(emu):
     inp = grpo_inputs(rows, seed=9, acc=torch.float32)
     inp["ref"] = torch.randn(rows) - 5
     results = []
-    for order in (0, 1, 77, GREEDY | 5):
+    for order in (0, 1, 77, EMU_GREEDY | 5):
         buf = logits.clone()
         vec, logp, lse, _, terms = emu.run(buf, targets, GRPO, suppress=2, adv=inp["adv"], w_pg=inp["w_pg"],
                                            ref=inp["ref"], w_kl=inp["w_kl"], w_nll=inp["w_nll"], beta=0.02, mu=0.1,
@@ -329,7 +329,7 @@ def test_emulated_group_normalize_matches_float64(emu, mode, dtype, S, gsize, R)
     sample; arbitrary int64 ids (S = 2500). The kernel computes in double: float32 output within 2x of the float32
     reference's error, float64 output within a few ulps."""
     rewards, ids, weights = group_case(S, gsize, R, dtype, seed=S + gsize, huge_ids=S == 2500)
-    got = emu_group_normalize(emu, rewards, ids, weights, mode, order=S if S % 2 else GREEDY | S)
+    got = emu_group_normalize(emu, rewards, ids, weights, mode, order=S if S % 2 else EMU_GREEDY | S)
     want = _gl.group_normalize_reference(rewards.double(), ids, weights, mode)
     model = _gl.group_normalize_reference(rewards, ids, weights.to(rewards.dtype), mode)
     assert got.isfinite().all()
@@ -348,7 +348,7 @@ def test_emulated_group_normalize_is_bitwise_deterministic_and_exact_on_ties(emu
     rewards, ids, weights = group_case(1500, gsize, 2, torch.float64, seed=3)
     tie = ids == ids[0]
     rewards[tie] = torch.tensor([0.1, 0.7], dtype=torch.float64)  # a sum of copies of 0.1 is not exact
-    outs = [emu_group_normalize(emu, rewards, ids, weights, "decoupled", order=o) for o in (0, 1, 99, GREEDY | 3)]
+    outs = [emu_group_normalize(emu, rewards, ids, weights, "decoupled", order=o) for o in (0, 1, 99, EMU_GREEDY | 3)]
     for o in outs[1:]:
         assert torch.equal(outs[0].view(torch.int64), o.view(torch.int64))
     want = _gl.group_normalize_reference(rewards, ids, weights, "decoupled")

@@ -115,7 +115,8 @@ inline WarpOpsState& warp_ops_state() {
 
 // Runs one CTA of `nthreads` threads, body(tid) per thread, with `smem_bytes` of shared memory filled with
 // 0xFF bytes (NaN in bf16/fp16: reading shared memory nobody wrote shows up as NaN); the threads interleave
-// at random from `seed`.
+// at random from `seed`: uniform picks for an even seed, the warp-greedy schedule (Launch::warp_greedy: one
+// warp as far ahead as the barriers allow) for an odd one, so a grid's CTAs (seed + cta) get both.
 inline void run_cta(int nthreads, size_t smem_bytes, const std::function<void(int)>& body, bool defer_copies,
                     uint32_t seed, int cluster_ctas = 1) {
   WarpOpsState& s = warp_ops_state();
@@ -126,6 +127,7 @@ inline void run_cta(int nthreads, size_t smem_bytes, const std::function<void(in
   launch.nthreads = nthreads;
   launch.smem_bytes = smem_bytes;
   launch.random_order = true;
+  launch.warp_greedy = (seed & 1u) != 0;
   launch.seed = seed;
   const std::function<void()> thread = [&]() {
     body(tid());
