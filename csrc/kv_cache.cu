@@ -9,9 +9,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>  // not ATen/cuda/CUDAContext.h: that one needs the cuBLAS/cuSPARSE headers
 
-#include <algorithm>
 #include <cstdint>
-#include <initializer_list>
 #include <optional>
 
 #include "checks.h"
@@ -26,22 +24,11 @@ kernels::Strided4 as_bytes(const at::Tensor& t) {
           t.stride(2) * es};
 }
 
-// Largest power of two <= 16 that divides every value.
-int64_t widest_unit(std::initializer_list<int64_t> values) {
-  int64_t unit = 16;
-  for (int64_t v : values) {
-    while (unit > 1 && v % unit != 0) unit /= 2;
-  }
-  return unit;
-}
-
 template <typename Unit>
 void launch(kernels::KvCacheWriteParams p, int64_t head_bytes, cudaStream_t stream) {
   p.units_per_head = head_bytes / int64_t(sizeof(Unit));
-  const int64_t per_token = p.heads * p.units_per_head;
-  const int threads = static_cast<int>(
-      std::min<int64_t>(kernels::kKvCacheWriteMaxThreads, std::max<int64_t>(32, (per_token + 31) / 32 * 32)));
-  const int blocks = static_cast<int>(std::min(kernels::kv_cache_write_pairs(p.batch, p.chunk), kernels::kKvCacheWriteMaxBlocks));
+  const int threads = kernels::kv_cache_write_threads(p.heads * p.units_per_head);
+  const int blocks = kernels::kv_cache_write_blocks(p.batch, p.chunk);
   kernels::kv_cache_write_kernel<Unit><<<blocks, threads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -117,12 +104,7 @@ void kv_cache_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k,
   p.heads = H;
 
   const int64_t head_bytes = D * k_cache.element_size();
-  auto addr = [](const kernels::Strided4& s) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(s.ptr)); };
-  const int64_t unit = widest_unit({head_bytes, addr(p.k_cache), addr(p.v_cache), addr(p.k), addr(p.v),
-                                    p.k_cache.stride_b, p.k_cache.stride_row, p.k_cache.stride_head,
-                                    p.v_cache.stride_b, p.v_cache.stride_row, p.v_cache.stride_head,
-                                    p.k.stride_b, p.k.stride_row, p.k.stride_head,
-                                    p.v.stride_b, p.v.stride_row, p.v.stride_head});
+  const int64_t unit = kernels::kv_cache_copy_unit(p, head_bytes);
   switch (unit) {
     case 16: launch<uint4>(p, head_bytes, stream); break;
     case 8: launch<uint2>(p, head_bytes, stream); break;

@@ -1,10 +1,13 @@
-"""kv_cache_write: reference vs a naive per-element loop (CPU), input errors, opcheck, CUDA kernel (GPU)."""
+"""kv_cache_write: reference vs a naive per-element loop (CPU), input errors, opcheck, the CUDA kernel's source
+under the CPU emulator (csrc/emu/kv_cache_emu.cpp, with the launcher's plan), CUDA kernel (GPU)."""
 
 from __future__ import annotations
 
+import ctypes
 
 import pytest
 import torch
+from conftest import EMU_GREEDY
 
 from lightningrl_fast.ops.kv_cache import kv_cache_write, kv_cache_write_reference
 
@@ -199,6 +202,105 @@ def test_opcheck(with_flag):
         torch.ops.lightningrl_fast.kv_cache_write.default,
         (a["k_cache"], a["v_cache"], a["k"], a["v"], a["cache_lens"], a["chunk_lens"], flag),
     )
+
+
+# ------------------------------------------------- the kernel's device code on the CPU (csrc/emu emulator)
+
+
+@pytest.fixture(scope="module")
+def emu(emu_build):
+    lib = ctypes.CDLL(str(emu_build("kv_cache_emu.cpp", shared=True, cuda_headers=True)))
+    p, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
+    lib.emu_kv_cache_write.argtypes = [p, p, p, p, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, u64, p, p]
+    lib.emu_kv_cache_write.restype = ctypes.c_int
+    return lib
+
+
+def emu_write(lib, k_cache, v_cache, k, v, cache_lens, chunk_lens, error_flag=None, max_blocks=0, order=0):
+    """The emulated kernel in place; returns (copy unit in bytes, threads, blocks)."""
+    strides = [torch.tensor(t.stride()[:3], dtype=torch.int64) for t in (k_cache, v_cache, k, v)]
+    threads, blocks = ctypes.c_int(), ctypes.c_int()
+    B, L, H, D = k_cache.shape
+    unit = lib.emu_kv_cache_write(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                  *(s.data_ptr() for s in strides), k_cache.element_size(), cache_lens.data_ptr(),
+                                  chunk_lens.data_ptr(), None if error_flag is None else error_flag.data_ptr(), B,
+                                  k.shape[1], L, H, D, max_blocks, order, ctypes.byref(threads), ctypes.byref(blocks))
+    return unit, threads.value, blocks.value
+
+
+def shifted(shape, dtype, shift):
+    """A dense tensor of `shape` whose data pointer is `shift` elements past a 16-byte boundary (poisoned)."""
+    n = int(torch.tensor(shape).prod())
+    return poisoned((n + 8,), dtype)[shift : shift + n].view(shape)
+
+
+# (dtype, D, element shift of the caches): the copy unit the launcher picks is 16 / 8 / 4 / 2 bytes
+EMU_CASES = [
+    (torch.bfloat16, 128, 0, 16), (torch.float32, 3, 0, 4), (torch.float16, 4, 0, 8), (torch.float16, 2, 0, 4),
+    (torch.bfloat16, 3, 0, 2), (torch.float16, 64, 1, 2), (torch.float64, 5, 0, 8), (torch.float32, 36, 2, 8),
+]
+
+
+@pytest.mark.parametrize("dtype,D,shift,unit", EMU_CASES)
+def test_emulated_kernel_matches_reference_bit_exact(emu, dtype, D, shift, unit):
+    """Mixed rows (empty cache + full chunk, cache filled to the end, empty chunk, random), caches poisoned and
+    offset from a 16-byte boundary where asked: exactly the reference's writes, nothing else touched."""
+    B, L, C, H = 5, 23, 4, 3
+    k, v, cl, nl = make_case(B, L, C, H, D, dtype, seed=D)
+    kc, vc = shifted((B, L, H, D), dtype, shift), shifted((B, L, H, D), dtype, shift)
+    want_k, want_v = kc.clone(), vc.clone()
+    kv_cache_write_reference(want_k, want_v, k, v, cl, nl)
+    flag = torch.zeros(1, dtype=torch.int32)
+    got_unit, threads, blocks = emu_write(emu, kc, vc, k, v, cl, nl, flag, order=EMU_GREEDY | D if D % 2 else D)
+    assert got_unit == unit
+    assert threads % 32 == 0 and threads >= min(256, H * D * k.element_size() // unit) and blocks == B * C
+    assert_bits_equal(kc, want_k)
+    assert_bits_equal(vc, want_v)
+    assert int(flag) == 0
+
+
+def test_emulated_strided_views_grid_stride_and_bad_rows(emu):
+    """k / v as views of a fused projection and the caches as a window of a larger buffer (strided, aligned);
+    a grid capped at 3 blocks strides over all B x C pairs; rows out of range write nothing and set the flag."""
+    B, L, C, H, D, dtype = 6, 40, 5, 2, 16, torch.bfloat16
+    g = torch.Generator().manual_seed(11)
+    fused = torch.randn(B, C, 3 * H * D, generator=g).to(dtype)
+    k = fused[..., H * D : 2 * H * D].unflatten(-1, (H, D))
+    v = fused[..., 2 * H * D :].unflatten(-1, (H, D))
+    big_k, big_v = poisoned((B, L + 8, H + 1, D), dtype), poisoned((B, L + 12, H, D), dtype)
+    kc, vc = big_k[:, 4 : 4 + L, 1:], big_v[:, 2 : 2 + L]  # different row / batch strides for k and v
+    cl = torch.tensor([0, 35, 38, -1, 10, 20], dtype=torch.int32)
+    nl = torch.tensor([5, 5, 3, 2, 6, 0], dtype=torch.int32)  # row 2: 38 + 3 > 40; row 3: -1; row 4: 6 > C
+    keep_k, keep_v = big_k.clone(), big_v.clone()
+    want_k, want_v = kc.clone(), vc.clone()
+    ok = torch.tensor([True, True, False, False, False, True])
+    kv_cache_write_reference(want_k, want_v, k, v, torch.where(ok, cl, 0), torch.where(ok, nl, 0))
+    flag = torch.zeros(1, dtype=torch.int32)
+    unit, _, blocks = emu_write(emu, kc, vc, k, v, cl, nl, flag, max_blocks=3, order=5)
+    assert unit == 16 and blocks == 3
+    assert_bits_equal(kc, want_k)
+    assert_bits_equal(vc, want_v)
+    assert int(flag) == 1
+    rest_k = torch.ones_like(big_k, dtype=torch.bool)
+    rest_k[:, 4 : 4 + L, 1:] = False
+    assert_bits_equal(big_k[rest_k], keep_k[rest_k])  # nothing outside the cache window
+    rest_v = torch.ones_like(big_v, dtype=torch.bool)
+    rest_v[:, 2 : 2 + L] = False
+    assert_bits_equal(big_v[rest_v], keep_v[rest_v])
+
+
+def test_emulated_empty_chunk_still_checks_lengths(emu):
+    """C == 0: one block per row checks the lengths (a bad row sets the flag), nothing is written."""
+    B, L, H, D, dtype = 3, 8, 2, 8, torch.float16
+    k = torch.empty(B, 0, H, D, dtype=dtype)
+    kc, vc = poisoned((B, L, H, D), dtype), poisoned((B, L, H, D), dtype)
+    keep = kc.clone()
+    for cache_lens, want_flag in (([0, 8, 3], 0), ([0, 9, 3], 1)):
+        flag = torch.zeros(1, dtype=torch.int32)
+        _, _, blocks = emu_write(emu, kc, vc, k, k, torch.tensor(cache_lens, dtype=torch.int32),
+                                 torch.zeros(B, dtype=torch.int32), flag)
+        assert blocks == B and int(flag) == want_flag
+        assert_bits_equal(kc, keep)
 
 
 def test_launcher_checks_inputs(cuda_ext_with):

@@ -54,6 +54,32 @@ __host__ __device__ __forceinline__ int64_t kv_cache_write_pairs(int64_t batch, 
   return batch * (chunk > 0 ? chunk : 1);
 }
 
+// The launch plan (the launcher's, and the CPU emulator's driver's: csrc/emu/kv_cache_emu.cpp).
+// Copy unit: the largest power of two <= 16 bytes that divides the head's bytes, every pointer and every byte stride.
+__host__ __device__ __forceinline__ int64_t kv_cache_copy_unit(const KvCacheWriteParams& p, int64_t head_bytes) {
+  const Strided4* ts[] = {&p.k_cache, &p.v_cache, &p.k, &p.v};
+  int64_t bits = head_bytes;
+  for (const Strided4* t : ts) {
+    bits |= static_cast<int64_t>(reinterpret_cast<uintptr_t>(t->ptr)) | t->stride_b | t->stride_row | t->stride_head;
+  }
+  int64_t unit = 16;
+  while (unit > 1 && bits % unit != 0) unit /= 2;
+  return unit;
+}
+
+// Threads per block: a multiple of 32 covering a token's units (its heads), at most kKvCacheWriteMaxThreads.
+__host__ __device__ __forceinline__ int kv_cache_write_threads(int64_t per_token_units) {
+  const int64_t warps = (per_token_units + 31) / 32;
+  const int64_t t = warps * 32 < 32 ? 32 : warps * 32;
+  return static_cast<int>(t < kKvCacheWriteMaxThreads ? t : kKvCacheWriteMaxThreads);
+}
+
+// Blocks: one per (row, token) pair, at most kKvCacheWriteMaxBlocks (the kernel strides over the rest).
+__host__ __device__ __forceinline__ int kv_cache_write_blocks(int64_t batch, int64_t chunk) {
+  const int64_t pairs = kv_cache_write_pairs(batch, chunk);
+  return static_cast<int>(pairs < kKvCacheWriteMaxBlocks ? pairs : kKvCacheWriteMaxBlocks);
+}
+
 // One block per (row b, chunk token t), grid-stride over the pairs.
 template <typename Unit>
 __global__ void kv_cache_write_kernel(const KvCacheWriteParams p) {
