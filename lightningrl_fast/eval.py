@@ -275,7 +275,7 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
                 points.append(pt)
     finally:
         bar.close()
-        pool.shutdown(wait=True)
+        pool.shutdown(wait=True, cancel_futures=True)  # after an error or Ctrl-C: no scoring of queued batches
         model.train(was_training)
     pts = run_points({"points": points})
     y_max = max(y for _, y in pts) if pts else 0.0

@@ -304,6 +304,43 @@ def test_rollout_chunks_are_verified_beside_the_decode():
                       seed=1, group_base=0)
 
 
+def test_rollout_error_drops_the_chunks_not_yet_verified():
+    """A decode error (or Ctrl-C) mid-rollout reaches the caller once the chunk being verified is done: the
+    chunks still queued for the verifier are dropped, not verified first (slow sandboxes would delay the error)."""
+    import threading
+
+    from lightningrl_fast.sampler import Decoder
+
+    release = threading.Event()
+
+    class Slow(HalfRightTask):
+        def __init__(self):
+            super().__init__(max_operand=4)
+            self.calls = 0
+
+        def is_correct_batch(self, responses, examples):
+            self.calls += 1
+            release.wait(timeout=30)  # the first chunk's verification is still running when the decode fails
+            return [False] * len(responses)
+
+    class Failing(Decoder):
+        def generate(self, prompts, cfg):
+            self.n = getattr(self, "n", 0) + 1
+            if self.n == 3:
+                threading.Timer(2.0, release.set).start()  # lets the running verification end after the error
+                raise RuntimeError("decode broke")
+            return super().generate(prompts, cfg)
+
+    task = Slow()
+    tok = task.tokenizer
+    model = build_model(half_right_config(tok), dtype=torch.float64, seed=3).eval()
+    scfg = SamplerConfig(threshold=0.9, temperature=0.0, max_new_tokens=20, eos_ids=tuple(sorted(tok.eos_token_ids)))
+    with pytest.raises(RuntimeError, match="decode broke"):
+        rollout_stage(model, tok, task, task.train[:3], RLConfig(group_size=4, rollout_batch_size=4), scfg, seed=1,
+                      group_base=0, decoder=Failing(model))
+    assert task.calls == 1  # chunk 0 verified; chunk 1 (queued behind it) dropped
+
+
 def test_cat_rollouts_pads_to_the_widest_chunk():
     model = tiny_model()
     cfg = SamplerConfig(threshold=0.5, temperature=0.0, max_new_tokens=9, eos_ids=(3,))

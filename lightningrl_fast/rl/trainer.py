@@ -181,10 +181,15 @@ def rollout_stage(model, tokenizer, task: Task, examples: list, cfg: RLConfig, s
     rb = cfg.rollout_batch_size
     parts, scoring = [], []
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-score") as scorer:
-        for r0 in range(0, len(flat), rb):
-            parts.append(decoder.generate(flat[r0:r0 + rb], dataclasses.replace(scfg, seed=seed + (r0 // rb) * 2**40)))
-            scoring.append(scorer.submit(_verify_chunk, task, tokenizer, parts[-1], exs[r0:r0 + rb]))
-        done = [f.result() for f in scoring]  # in chunk order
+        try:
+            for r0 in range(0, len(flat), rb):
+                parts.append(decoder.generate(flat[r0:r0 + rb], dataclasses.replace(scfg, seed=seed + (r0 // rb) * 2**40)))
+                scoring.append(scorer.submit(_verify_chunk, task, tokenizer, parts[-1], exs[r0:r0 + rb]))
+            done = [f.result() for f in scoring]  # in chunk order
+        except BaseException:  # a decode error, a verifier error or Ctrl-C: drop the chunks not yet verified
+            for f in scoring:
+                f.cancel()
+            raise
     ro = cat_rollouts(parts, model.config.mask_token_id)
     texts = [t for chunk_texts, _ in done for t in chunk_texts]
     correct = [c for _, chunk_ok in done for c in chunk_ok]
