@@ -216,9 +216,6 @@ def _validate(model: SDARForCausalLM, prompts, cfg: SamplerConfig, bs: int) -> i
     check_sampling_args(cfg.threshold, cfg.temperature, cfg.top_k, cfg.top_p, cfg.noise)
     check_int("seed", cfg.seed, lo=-(2**63), hi=2**63 - 1)  # the Philox key is int64
     max_len = cfg.max_length or model.config.max_position_embeddings
-    # blocks are aligned at 0 and decoded whole: the last one may reach past prompt + max_new_tokens, but not past
-    # the model's positions (unless max_length allows it)
-    pos_limit = max(max_len, model.config.max_position_embeddings)
     for i, p in enumerate(prompts):
         if not isinstance(p, (list, tuple)):
             raise TypeError(f"prompt {i} must be a list of int token ids, got {type(p).__name__}")
@@ -232,16 +229,31 @@ def _validate(model: SDARForCausalLM, prompts, cfg: SamplerConfig, bs: int) -> i
             raise ValueError(f"prompt {i} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
         if mask_id in p:
             raise ValueError(f"prompt {i} contains the mask token id {mask_id} at position {p.index(mask_id)}")
-        need = len(p) + cfg.max_new_tokens
-        if need > max_len:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens {cfg.max_new_tokens} it needs "
-                             f"{need} positions but the cache holds at most max_length = {max_len}")
-        end = ((need - 1) // bs + 1) * bs
-        if end > pos_limit:
-            raise ValueError(f"prompt {i}: with block_size {bs} its last block ends at position {end}, past the "
-                             f"model's max_position_embeddings = {model.config.max_position_embeddings} (blocks "
-                             f"start at position 0)")
+        problem = prompt_fit_problem(len(p), cfg.max_new_tokens, bs, cfg.max_length,
+                                     model.config.max_position_embeddings)
+        if problem is not None:
+            raise ValueError(f"prompt {i}: {problem}")
     return max_len
+
+
+def prompt_fit_problem(prompt_len: int, max_new_tokens: int, block_size: int, max_length: int | None,
+                       max_positions: int) -> str | None:
+    """Why a prompt of `prompt_len` tokens cannot be decoded with these settings, or None when it fits: the one
+    rule the sampler applies, for the CLIs' and the trainer's up-front checks. The cache holds max_length
+    (default: the model's max_position_embeddings) positions for prompt + max_new_tokens; blocks are aligned at
+    position 0 and decoded whole, so the last one may end past prompt + max_new_tokens, but not past the model's
+    positions (nor past max_length when that is larger)."""
+    max_len = max_length or max_positions
+    need = prompt_len + max_new_tokens
+    if need > max_len:
+        return (f"{prompt_len} prompt tokens + max_new_tokens {max_new_tokens} = {need} positions, more than the "
+                f"{max_len} the cache holds ({'max_length' if max_length else 'max_position_embeddings'})")
+    end = ((need - 1) // block_size + 1) * block_size
+    if end > max(max_len, max_positions):
+        return (f"{prompt_len} prompt tokens + max_new_tokens {max_new_tokens}: with block_size {block_size} the last "
+                f"block ends at position {end}, past the model's max_position_embeddings {max_positions} (blocks "
+                f"start at position 0)")
+    return None
 
 
 def _quota(st: _State, cfg: SamplerConfig, bs: int) -> torch.Tensor:

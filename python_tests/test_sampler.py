@@ -347,7 +347,7 @@ def test_bad_requests(model):
     cfg = SamplerConfig(temperature=0, max_new_tokens=8, eos_ids=(EOS,))
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         generate(model, [[5], []], cfg)
-    with pytest.raises(ValueError, match="needs 308 positions but the cache holds at most max_length = 256"):
+    with pytest.raises(ValueError, match="300 prompt tokens \+ max_new_tokens 8 = 308 positions, more than the 256 the cache holds"):
         generate(model, [[5] * 300], cfg)
     with pytest.raises(ValueError, match=r"prompt 0 has token id\(s\) outside the vocabulary \[0, 111\): \[111\]"):
         generate(model, [[5, 111]], cfg)
