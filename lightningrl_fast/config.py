@@ -282,8 +282,18 @@ def previous_run_outputs(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name in RUN_OUTPUTS or p.name.startswith("checkpoint-"))
 
 
+# files of a model checkpoint folder (never a run's output folder, which keeps its weights in checkpoint-<N>/)
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
 def _same_folder(a: str | Path, b: str | Path) -> bool:
     return Path(a).absolute().resolve() == Path(b).absolute().resolve()
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or below it (symlinks resolved)."""
+    p, f = path.absolute().resolve(), folder.absolute().resolve()
+    return p == f or f in p.parents
 
 
 def _folder_problem(path: Path) -> str | None:
@@ -452,8 +462,14 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
                 errs.append(f"--resume: {ex}")
         if d.out is not None:
             problem = _folder_problem(Path(d.out))
+            holds_model = [n for n in MODEL_FILES if (Path(d.out) / n).is_file()]
             if problem:
                 errs.append(f"--out {d.out} {problem}")
+            elif d.model is not None and _inside(Path(d.out), Path(d.model)):
+                errs.append(f"--out {d.out} is inside the --model folder {d.model}: the run's config.json and "
+                            "checkpoints would overwrite the model's files; pick another --out")
+            elif holds_model:
+                errs.append(f"--out {d.out} holds a model checkpoint ({', '.join(holds_model)}); pick another --out")
             elif (prev := previous_run_outputs(Path(d.out))) and not (
                     resumed_run is not None and _same_folder(resumed_run, d.out)):
                 # a second run there would append to its metrics.jsonl, replace or prune its checkpoints and

@@ -417,8 +417,8 @@ def _report(ctx: RunContext, before: dict, after: dict, label: str, history: lis
 
 
 def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
-    from .rl.checkpointing import NonFiniteModelError, load_checkpoint, save_checkpoint_ranks
-    from .rl.distributed import broadcast, check_training_memory
+    from .rl.checkpointing import NonFiniteModelError, load_checkpoint, save_checkpoint_ranks, set_aside_later
+    from .rl.distributed import barrier, broadcast, check_training_memory
     from .rl.logging import RunLogger, read_metrics
     from .rl.trainer import make_state, train_step
 
@@ -433,6 +433,12 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
         extra, metrics_len = loaded.extra, loaded.metrics_len
         reference_dir, reference_fp = loaded.reference_dir, loaded.reference_fingerprint
         say(f"resume: step {state.step}, data cursor {state.cursor} from {loaded.path}")
+        if env.main:  # resumed from an older checkpoint: what it would replace goes aside, not away
+            dest, moved, n_rec = set_aside_later(ctx.out, loaded.path, metrics_len)
+            if dest is not None:
+                say(f"resume: the run had gone past step {state.step}: moved {', '.join(moved) or 'no checkpoint'} "
+                    f"and {n_rec} later metrics record(s) to {dest} (the resumed run replaces them)")
+        barrier(env)
     if env.main:  # a metrics.jsonl the run cannot continue is reported before minutes of evaluation
         read_metrics(ctx.out, strict=True)
     before = extra.get("eval_before") or _eval_sweep(ctx, "before RL", say)

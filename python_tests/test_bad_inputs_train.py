@@ -25,7 +25,6 @@ import torch
 
 from lightningrl_fast import config as C
 from lightningrl_fast import train as T
-from lightningrl_fast.checkpoint import CheckpointError
 from lightningrl_fast.rl import logging as L
 from lightningrl_fast.rl.checkpointing import load_checkpoint, save_checkpoint
 from lightningrl_fast.rl.trainer import RLConfig, make_state
@@ -169,6 +168,18 @@ def test_second_run_into_a_run_folder_is_refused(tmp_path, math_run, capsys):
     assert T.main(math_run(died)) == 0
 
 
+def test_out_into_the_model_folder_is_refused(tmp_path, math_run, capsys, ascii_checkpoint):
+    """Was: --out M with --model M ran (rc 0) and replaced the model's config.json by the run config: M was no
+    longer a checkpoint, and a resume was refused for good (the reference folder had changed)."""
+    model = ascii_checkpoint(tmp_path / "m")
+    before = _tree(model)
+    _fails(math_run(model, model_dir=model), capsys, T.EXIT_CONFIG, f"--out {model} is inside the --model folder")
+    _fails(math_run(model / "run", model_dir=model), capsys, T.EXIT_CONFIG, "is inside the --model folder")
+    other = ascii_checkpoint(tmp_path / "other-model")  # any folder holding a checkpoint's weights
+    _fails(math_run(other), capsys, T.EXIT_CONFIG, f"--out {other} holds a model checkpoint (model.safetensors)")
+    assert _tree(model) == before
+
+
 def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, math_run, monkeypatch):
     """Was: both wrote into runs/<timestamp> (metrics.jsonl of two runs mixed, checkpoints replaced)."""
     monkeypatch.chdir(tmp_path)
@@ -215,6 +226,38 @@ def test_latest_that_is_not_text(finished_run, capsys):
     (finished_run / "latest").write_bytes(b"\xff\xfe")
     _fails(["--resume", str(finished_run), "--steps", "3"], capsys, T.EXIT_CONFIG,
            f"{finished_run / 'latest'} is corrupt (not UTF-8 text)")
+
+
+def test_latest_naming_a_folder_outside_the_run(finished_run, tmp_path, math_run, capsys):
+    """Was: `latest` holding ../other/checkpoint-1 (or an absolute path) made the resume write into the other run
+    (its checkpoints, metrics.jsonl, summary.json and latest), bypassing the 'holds a previous run' guard."""
+    other = tmp_path / "other"
+    assert T.main(math_run(other, "--seed", "1")) == 0
+    before = _tree(other)
+    for name in ("../other/checkpoint-1", str(other / "checkpoint-1"), "checkpoint-2/../checkpoint-1"):
+        (finished_run / "latest").write_text(name + "\n")
+        _fails(["--resume", str(finished_run), "--steps", "3"], capsys, T.EXIT_CONFIG,
+               "not a checkpoint folder of this run")
+    assert _tree(other) == before
+
+
+def test_resume_from_an_earlier_checkpoint_sets_the_later_run_aside(finished_run, capsys):
+    """Was: resuming from checkpoint-1 of a run at step 2 cut metrics.jsonl to the first record and left (then
+    replaced) checkpoint-2 without a word. Now the later checkpoint and records move to discarded-1/."""
+    m_before = L.read_metrics(finished_run)
+    assert [r["step"] for r in m_before] == [1, 2]
+    ck2 = _tree(finished_run / "checkpoint-2")
+    assert T.main(["--resume", str(finished_run / "checkpoint-1"), "--steps", "1", "--progress", "off"]) == 0
+    out = capsys.readouterr().out
+    assert "moved checkpoint-2 and 1 later metrics record(s)" in out and "discarded-1" in out
+    aside = finished_run / "discarded-1"
+    assert _tree(aside / "checkpoint-2") == ck2 and L.read_metrics(aside) == m_before[1:]
+    assert (finished_run / "latest").read_text().strip() == "checkpoint-1"
+    assert not (finished_run / "checkpoint-2").exists() and L.read_metrics(finished_run) == m_before[:1]
+    # the run goes on from there; a later resume finds its own newest checkpoint
+    assert T.main(["--resume", str(finished_run), "--steps", "2", "--progress", "off"]) == 0
+    assert (finished_run / "latest").read_text().strip() == "checkpoint-2"
+    assert [r["step"] for r in L.read_metrics(finished_run)] == [1, 2]
 
 
 def test_corrupt_metrics_line_on_resume_loses_no_record(finished_run, capsys):

@@ -415,6 +415,41 @@ def _prune(out: Path, keep: int, current: str) -> None:
         shutil.rmtree(gone, ignore_errors=True)
 
 
+def set_aside_later(out_dir: str | Path, resumed: str | Path, metrics_len: int | None
+                    ) -> tuple[Path | None, list[str], int]:
+    """A run resumed from a checkpoint older than its newest: move what the resumed run would replace or
+    contradict into `out/discarded-<k>/` instead of losing it: the later checkpoint folders, and the metrics
+    records past the checkpoint's `metrics_len` (as discarded-<k>/metrics.jsonl). `latest` is pointed at the
+    resumed checkpoint. Nothing happens when `resumed` is not a checkpoint folder of `out_dir`. Returns (the
+    folder or None when nothing was later, checkpoint names moved, records moved). Main rank only."""
+    from .logging import METRICS_FILE, read_metrics
+
+    out, resumed = Path(out_dir), Path(resumed)
+    step = _step_of(resumed.name)
+    if step is None or resumed.parent.resolve() != out.resolve():
+        return None, [], 0
+    later = [p for p in list_checkpoints(out) if (_step_of(p.name) or 0) > step]
+    records = read_metrics(out / METRICS_FILE, strict=True)
+    tail = records[metrics_len:] if metrics_len is not None else []
+    if not later and not tail:
+        return None, [], 0
+    k = 1
+    while (out / f"discarded-{k}").exists():
+        k += 1
+    dest = out / f"discarded-{k}"
+    dest.mkdir()
+    if tail:
+        with open(dest / METRICS_FILE, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in tail)
+            f.flush()
+            os.fsync(f.fileno())
+    for p in later:
+        os.rename(p, dest / p.name)
+    _write_latest(out, resumed.name)
+    _fsync(out)
+    return dest, [p.name for p in later], len(tail)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # load
 # ------------------------------------------------------------------------------------------------------------
@@ -436,6 +471,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         except UnicodeDecodeError:
             raise ValueError(f"{latest} is corrupt (not UTF-8 text); it should hold one checkpoint folder name "
                              f"such as {PREFIX}<step>") from None
+        if _step_of(name) is None or Path(name).name != name:  # never a path out of this run folder
+            raise ValueError(f"{latest} names {name!r}, not a checkpoint folder of this run ({PREFIX}<step>)")
         target = p / name
         if not target.exists():  # killed between the two fallback renames of a same-step re-save
             olds = sorted(q for q in p.iterdir() if q.name.startswith(f".{name}.old-"))
