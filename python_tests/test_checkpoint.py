@@ -389,6 +389,31 @@ def test_wrong_shape(saved):
         load_model(folder)
 
 
+def test_nonfinite_weights_are_refused_at_load(saved):
+    """Was: a checkpoint with a NaN norm weight loaded; generate wrote an empty text per prompt with rc 0 and eval
+    read 0% without a word. A value past the load dtype's range (fp32 -> fp16) counts as inf too."""
+    folder, _ = saved
+
+    def poison(t):
+        w = t["model.norm.weight"].clone()
+        w[3] = float("nan")
+        t["model.norm.weight"] = w
+
+    _rewrite_shard(folder, poison)
+    with pytest.raises(CheckpointError, match=r"tensor\(s\) model.norm.weight hold NaN or inf"):
+        load_model(folder)
+
+    def huge(t):
+        w = t["model.norm.weight"].clone()
+        w[3] = 1e6  # finite in float32, inf in float16
+        t["model.norm.weight"] = w
+
+    _rewrite_shard(folder, huge)
+    load_model(folder, dtype=torch.float32)
+    with pytest.raises(CheckpointError, match="model.norm.weight hold NaN or inf"):
+        load_model(folder, dtype=torch.float16)
+
+
 def test_wrong_shape_single_file(tmp_path):
     model, cfg = tiny_model()
     out = save_model(model, cfg, tmp_path / "ck")
