@@ -254,6 +254,7 @@ def resolve(flags: dict[str, Any], file_values: dict[str, Any] | None = None, co
 
 
 MAX_THREADS = 1024  # torch.set_num_threads far above the cores only slows down; ~2e4 and up crash the process
+MAX_POSITIONS = 2**24  # block size, response cap, cache length: far past any model's positions, inside int32 math
 SEED_LIMIT = 2**40  # |--seed|: the trainer derives int64 Philox seeds as seed * 7919 + step * 131 + rank * 2**48
 
 
@@ -348,12 +349,19 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
         errs.append(f"--threshold must be in [0, 1], got {s.threshold}")
     if s.temperature < 0:
         errs.append(f"--temperature must be >= 0, got {s.temperature}")
+    elif s.temperature > 0:
+        from .ops.unmask import check_sampling_args
+
+        try:  # the sampler's own check: 1 / temperature must be a finite float32
+            check_sampling_args(0.5, s.temperature, 0, 1.0, s.noise)
+        except ValueError as ex:
+            errs.append(f"--temperature: {ex}")
     if s.top_k < 0 or not 0 < s.top_p <= 1:
         errs.append(f"--top-k must be >= 0 and --top-p in (0, 1], got {s.top_k}, {s.top_p}")
     for name in ("block_size", "max_new_tokens", "steps_per_block", "max_length"):
         v = getattr(s, name)
-        if v is not None and v < 1:
-            errs.append(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if v is not None and not 1 <= v <= MAX_POSITIONS:
+            errs.append(f"--{name.replace('_', '-')} must be in [1, {MAX_POSITIONS}], got {v}")
     if s.sync_every < 1:
         errs.append(f"--sync-every must be >= 1, got {s.sync_every}")
     # eval

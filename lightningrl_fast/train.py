@@ -223,39 +223,70 @@ def _load_examples(path: str, fmt: str | None, limit: int | None, say, task: str
 
 
 def fit_examples(examples: list, task: Any, tokenizer: Any, model_cfg: Any, max_new_tokens: int, max_length: int | None,
-                 label: str, say: Callable[[str], None]) -> list:
-    """Encode every templated prompt once, before the first rollout: a prompt the tokenizer cannot encode, or that
-    encodes to the mask token, is an error naming its example (it would stop the run at whatever step drew it);
-    a prompt too long for the model's positions with `max_new_tokens` of response is dropped, with a count (an
-    error when none is left)."""
+                 label: str, say: Callable[[str], None], block_size: int | None = None) -> list:
+    """Encode every templated prompt once, before the first rollout: a prompt the tokenizer cannot encode, that
+    encodes to the mask token or to ids outside the model's vocabulary, is an error naming its example (it would
+    stop the run at whatever step drew it); a prompt that does not fit the model's positions with `max_new_tokens`
+    of response (the sampler's rule, sampler.prompt_fit_problem, with the decoded block size) is dropped, with a
+    count (an error when none is left)."""
+    from .sampler import prompt_fit_problem
     from .tasks.data import DataFormatError
 
-    max_len = max_length or model_cfg.max_position_embeddings
-    mask_id = model_cfg.mask_token_id
+    bs = block_size or model_cfg.block_size
+    mask_id, vocab = model_cfg.mask_token_id, model_cfg.vocab_size
     kept, too_long = [], []
     for ex in examples:
         name = getattr(ex, "id", None) or f"#{len(kept) + len(too_long)}"
         try:
             ids = tokenizer.encode(task.build_prompt(ex))
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # TypeError: the Rust tokenizer on text it cannot take
             raise DataFormatError(f"{label} example {name}: its prompt cannot be encoded by the tokenizer: {e}") from None
         if not ids:
             raise DataFormatError(f"{label} example {name}: the prompt encodes to no tokens")
         if mask_id in ids:
             raise DataFormatError(f"{label} example {name}: the prompt encodes to the mask token id {mask_id} "
                                   f"(position {ids.index(mask_id)}); remove the literal mask token from the text")
-        if len(ids) + max_new_tokens > max_len:
-            too_long.append((name, len(ids)))
+        outside = sorted({t for t in ids if not 0 <= t < vocab})
+        if outside:
+            raise DataFormatError(f"{label} example {name}: the prompt encodes to token id(s) {outside[:5]} outside "
+                                  f"the model's vocabulary [0, {vocab}) (a tokenizer that does not match the model?)")
+        problem = prompt_fit_problem(len(ids), max_new_tokens, bs, max_length, model_cfg.max_position_embeddings)
+        if problem is not None:
+            too_long.append((name, problem))
         else:
             kept.append(ex)
     if too_long:
-        longest = max(n for _, n in too_long)
-        msg = (f"{label}: {len(too_long)} of {len(examples)} prompts are too long for {max_len} positions with "
-               f"{max_new_tokens} new tokens (e.g. {too_long[0][0]}; longest {longest} tokens)")
+        msg = (f"{label}: {len(too_long)} of {len(examples)} prompts do not fit the model's positions with "
+               f"{max_new_tokens} new tokens (e.g. example {too_long[0][0]}: {too_long[0][1]})")
         if not kept:
             raise DataFormatError(msg + "; none is left: lower --max-new-tokens or use shorter prompts")
         say(f"warning: {msg}: dropped")
     return kept
+
+
+def _check_positions(cfg: TrainConfig, model_cfg: Any, folder: str | Path, say: Callable[[str], None]) -> Any:
+    """Before the model loads: the decoded block size must fit the model's positions (ConfigError), and a
+    --max-length past them is said (rollouts would decode positions the model never saw). Returns model_cfg."""
+    pos = model_cfg.max_position_embeddings
+    bs = cfg.sampler.block_size or model_cfg.block_size
+    if bs > max(pos, cfg.sampler.max_length or 0):
+        src = "--block-size" if cfg.sampler.block_size else f"{folder}/config.json block_size"
+        raise ConfigError(f"{src} {bs} exceeds the model's max_position_embeddings {pos}")
+    if cfg.sampler.max_length and cfg.sampler.max_length > pos:
+        say(f"warning: --max-length {cfg.sampler.max_length} is past the model's max_position_embeddings {pos}: "
+            "rollouts may decode positions the model was not trained for")
+    return model_cfg
+
+
+def _tokenizer_of(folder: str | Path):
+    """The checkpoint's tokenizer; a missing or corrupt tokenizer file is a CheckpointError naming the folder."""
+    from .checkpoint import CheckpointError
+    from .tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot load the tokenizer of {folder}: {e}") from None
 
 
 def new_run_folder(base: Path) -> Path:
@@ -280,7 +311,6 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistE
     from .rl.checkpointing import resolve_checkpoint
     from .rl.distributed import broadcast, broadcast_params, resolve_device
     from .sampler import SamplerConfig
-    from .tokenizer import load_tokenizer
 
     device = device if device is not None else resolve_device(cfg.data.device)
     d = cfg.data
@@ -308,14 +338,14 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistE
     reference_dir: Path | None = None
     reference_fp: str | None = None
     if resume_from is not None:
-        ck_dtype = read_config(resume_from).dtype
+        ck_dtype = _check_positions(cfg, read_config(resume_from), resume_from, say).dtype
+        tokenizer = _tokenizer_of(resume_from)  # before the (long) model load
         model, _ = load_model(resume_from, dtype=resolve_dtype(d.dtype, device, ck_dtype), device=device)
-        tokenizer = load_tokenizer(resume_from)
         say(f"resume: model from {resume_from}")
     elif d.model is not None:
-        ck_dtype = read_config(d.model).dtype
+        ck_dtype = _check_positions(cfg, read_config(d.model), d.model, say).dtype
+        tokenizer = _tokenizer_of(d.model)
         model, _ = load_model(d.model, dtype=resolve_dtype(d.dtype, device, ck_dtype), device=device)
-        tokenizer = load_tokenizer(d.model)
         say(f"model: {d.model}")
         if cfg.rl.kl_beta > 0:  # the KL reference is this folder: remember what it held at the start
             from .rl.checkpointing import fingerprint
@@ -359,11 +389,12 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistE
                          f"vocabulary ({model.config.vocab_size})")
     scfg = dataclasses.replace(cfg.sampler, eos_ids=eos, max_new_tokens=default_max_new_tokens(cfg, task, bs))
     assert isinstance(scfg, SamplerConfig)
-    fit = dict(task=task, tokenizer=tokenizer, model_cfg=model.config, max_new_tokens=scfg.max_new_tokens,
-               max_length=scfg.max_length, say=say)
-    train_examples = fit_examples(train_examples, label="training data", **fit)
-    if eval_examples:
-        eval_examples = fit_examples(eval_examples, label="evaluation data", **fit)
+    fit = dict(task=task, tokenizer=tokenizer, model_cfg=model.config, max_length=scfg.max_length, say=say,
+               block_size=bs)
+    train_examples = fit_examples(train_examples, label="training data", max_new_tokens=scfg.max_new_tokens, **fit)
+    if eval_examples:  # decoded with the evaluation's response cap
+        eval_examples = fit_examples(eval_examples, label="evaluation data",
+                                     max_new_tokens=cfg.eval.eval_max_new_tokens or scfg.max_new_tokens, **fit)
     return RunContext(cfg, out, device, model, tokenizer, task, train_examples, eval_examples, scfg,
                       reference_dir, reference_fp, resume_from, env)
 

@@ -89,6 +89,13 @@ def _tree(folder: Path) -> dict[str, bytes]:
     (["--dist-timeout-min", "0"], "--dist-timeout-min must be positive"),
     (["--seed", str(2**55)], "--seed must be in [-2**40, 2**40]"),  # was: OverflowError in the sampler at step 1
     (["--threads", "100000"], "--threads must be in [0, 1024]"),  # was: a segfault in torch.set_num_threads
+    # were: a ValueError traceback from the sampler once the model had loaded
+    (["--temperature", "1e-45"], "--temperature: temperature 1e-45 is out of the float32 range"),
+    (["--temperature", "1e300"], "--temperature: temperature 1e.300 is out of the float32 range"),
+    (["--steps-per-block", str(2**70)], "--steps-per-block must be in [1, 16777216]"),  # was: OverflowError
+    (["--max-new-tokens", str(2**40)], "--max-new-tokens must be in [1, 16777216]"),
+    # was: found at the first step with a mixed group (with the default filter, maybe hours in)
+    (["--reduction", "bogus"], "reduction must be three of seq/tok joined by '-'"),
 ])
 def test_nonfinite_and_out_of_range_values_are_config_errors(argv, match):
     with pytest.raises(C.ConfigError, match=match.replace("[", r"\[").replace("*", r"\*")):
@@ -178,6 +185,73 @@ def test_out_into_the_model_folder_is_refused(tmp_path, math_run, capsys, ascii_
     other = ascii_checkpoint(tmp_path / "other-model")  # any folder holding a checkpoint's weights
     _fails(math_run(other), capsys, T.EXIT_CONFIG, f"--out {other} holds a model checkpoint (model.safetensors)")
     assert _tree(model) == before
+
+
+def test_prompts_and_models_that_do_not_fit_are_found_before_the_first_rollout(tmp_path, math_run, capsys,
+                                                                               ascii_checkpoint):
+    """Were tracebacks at whatever rollout drew the prompt (maybe hours in) or right after the model load: a prompt
+    whose last block, rounded to the block size, passes the model's positions; ids outside a smaller vocabulary;
+    a block size past the positions; a broken tokenizer file."""
+    model = ascii_checkpoint(tmp_path / "m", max_pos=64)
+    data = _gsm8k(tmp_path / "d.jsonl", 3)
+    base = ["--model", str(model), "--task", "math", "--train-data", str(data), "--steps", "1", "--prompts-per-step",
+            "2", "--group-size", "2", "--threads", "1", "--no-plots", "--progress", "off"]
+    _fails(base + ["--out", str(tmp_path / "r1"), "--max-new-tokens", "60"], capsys, T.EXIT_ERROR,
+           "prompts do not fit the model's positions", "none is left")
+    _fails(base + ["--out", str(tmp_path / "r2"), "--block-size", "128"], capsys, T.EXIT_CONFIG,
+           "--block-size 128 exceeds the model's max_position_embeddings 64")
+    cfg = json.loads((model / "config.json").read_text())
+    wide = tmp_path / "wide-blocks"
+    shutil.copytree(model, wide)
+    (wide / "config.json").write_text(json.dumps(cfg | {"block_size": 100}))
+    _fails(["--model", str(wide)] + base[2:] + ["--out", str(tmp_path / "r3")], capsys, T.EXIT_CONFIG,
+           "config.json block_size 100 exceeds the model's max_position_embeddings 64")
+    broken = tmp_path / "broken-tok"
+    shutil.copytree(model, broken)
+    tok_files = [p for p in broken.iterdir() if p.name.startswith("tokenizer")]
+    for p in tok_files:
+        p.write_text("{not json")
+    _fails(["--model", str(broken)] + base[2:] + ["--out", str(tmp_path / "r4")], capsys, T.EXIT_ERROR,
+           f"cannot load the tokenizer of {broken}")
+
+
+def test_fit_rules_rounding_vocabulary_and_eval_cap():
+    """fit_examples applies the sampler's rule (the last block, aligned at 0, within the positions) and refuses
+    ids outside the model's vocabulary naming the example."""
+    from types import SimpleNamespace
+
+    from lightningrl_fast.tasks.data import DataFormatError
+
+    class Tok:
+        def __init__(self, n):
+            self.n = n
+
+        def encode(self, text):
+            return [5] * self.n if text != "big" else [5, 99]
+
+    class Task:
+        def build_prompt(self, ex):
+            return ex.text
+
+    mc = SimpleNamespace(max_position_embeddings=64, block_size=16, mask_token_id=1, vocab_size=50)
+    exs = [SimpleNamespace(id="a", text="x"), SimpleNamespace(id="b", text="x")]
+    said = []
+    # 45 + 17 = 62 <= 64, but blocks of 16 end at 64: fits; 45 + 20 = 65: does not
+    assert T.fit_examples(exs, Task(), Tok(45), mc, 17, None, "d", said.append) == exs
+    with pytest.raises(DataFormatError, match="none is left"):
+        T.fit_examples(exs, Task(), Tok(45), mc, 20, None, "d", said.append)
+    # 60 positions, blocks of 16: 40 + 10 = 50 fits the cache, but the last block ends at 64 > 60 (was: kept, then a
+    # sampler traceback at the rollout that drew it)
+    mc60 = SimpleNamespace(**(vars(mc) | {"max_position_embeddings": 60}))
+    with pytest.raises(DataFormatError, match="the last block ends at position 64, past the model's"):
+        T.fit_examples(exs, Task(), Tok(40), mc60, 10, None, "d", said.append)
+    mc32 = SimpleNamespace(**(vars(mc) | {"block_size": 32}))
+    # a max_length of 60 caps the cache; the last block may still end at 64 (the model's positions)
+    kept = T.fit_examples(exs[:1] + [SimpleNamespace(id="c", text="x")], Task(), Tok(30), mc32, 30, 60, "d",
+                          said.append)
+    assert len(kept) == 2
+    with pytest.raises(DataFormatError, match=r"example z: the prompt encodes to token id\(s\) \[99\] outside"):
+        T.fit_examples([SimpleNamespace(id="z", text="big")], Task(), Tok(3), mc, 4, None, "d", said.append)
 
 
 def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, math_run, monkeypatch):

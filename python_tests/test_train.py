@@ -392,7 +392,7 @@ def test_cli_trains_a_checkpoint_folder_on_a_math_file(tmp_path, capsys, ascii_c
             "--no-plots", "--progress", "plain"]
     assert T.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "1 of 7 prompts are too long for 512 positions with 16 new tokens" in printed  # dropped, said so
+    assert "1 of 7 prompts do not fit the model's positions with 16 new tokens" in printed and "more than the 512" in printed  # dropped, said so
     assert "6 train / 3 eval examples" in printed
     rows = L.read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
@@ -450,7 +450,7 @@ def test_cli_refuses_data_whose_prompts_all_exceed_the_positions(tmp_path, capsy
             "--steps", "1", "--max-new-tokens", "8", "--threads", "1", "--no-plots", "--progress", "plain"]
     assert T.main(argv) == T.EXIT_ERROR
     err = capsys.readouterr().err
-    assert "2 of 2 prompts are too long for 64 positions with 8 new tokens" in err and "none is left" in err
+    assert "2 of 2 prompts do not fit the model's positions with 8 new tokens" in err and "none is left" in err
 
 
 @pytest.mark.gpu

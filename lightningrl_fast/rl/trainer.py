@@ -75,6 +75,9 @@ class RLConfig:
             raise ValueError(f"adv_mode must be 'decoupled' or 'sum', got {self.adv_mode!r}")
         if self.logprob_mode not in ("block_proxy", "trace"):
             raise ValueError(f"logprob_mode must be 'block_proxy' or 'trace', got {self.logprob_mode!r}")
+        from ..ops.grpo_loss import _parse_reduction
+
+        _parse_reduction(self.reduction)  # was found at the first step with a mixed group, maybe hours in
         for name in ("steps", "prompts_per_step", "group_size", "updates_per_step", "epochs_per_step",
                      "micro_batch_tokens", "rollout_batch_size"):
             if getattr(self, name) < 1:
