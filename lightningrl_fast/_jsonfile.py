@@ -11,12 +11,21 @@ from pathlib import Path
 from typing import Any
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r} (a reader would silently take one of the two values)")
+        out[k] = v
+    return out
+
+
 def read_json_file(path: Path, expect: type | None = dict, error: type[Exception] = ValueError) -> Any:
     """The JSON document in `path` (a JSON object unless `expect` says otherwise); `error` naming the file when
-    it is not UTF-8 text, not JSON (including integers past Python's digit limit and nesting too deep) or not
-    of the expected type."""
+    it is not UTF-8 text, not JSON (including integers past Python's digit limit, nesting too deep and a key
+    repeated within one object) or not of the expected type."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
     except UnicodeDecodeError as e:
         raise error(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError, and the int-digits limit / nesting depth

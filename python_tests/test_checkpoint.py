@@ -338,6 +338,11 @@ def test_missing_config_file_and_key(tmp_path, saved):
     (folder / "config.json").write_text("{broken")
     with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
         load_model(folder)
+    # was: the last of two values silently used (block_size 2 instead of 4)
+    text = json.dumps(d | {"hidden_size": 64})
+    (folder / "config.json").write_text(text[:-1] + ', "block_size": 2}')
+    with pytest.raises(CheckpointError, match="config.json is not valid JSON: duplicate key 'block_size'"):
+        load_model(folder)
 
 
 def _rewrite_shard(folder: Path, edit):

@@ -146,6 +146,14 @@ def test_mbpp_setup_code_and_ids_are_kept(tmp_path):
     ("humaneval", HUMANEVAL[0], dict(HUMANEVAL[0], test=["assert True"]), "humaneval: key 'test' should be str, got list"),
     ("gsm8k", GSM[0], {"question": "q", "answer": 7}, "gsm8k: key 'answer' should be str, got int"),
     ("gsm8k", GSM[0], {"question": "q", "answer": "7 ####"}, "no '#### <number>'"),
+    # a JSON "\\ud800" escape is no text (was: the tokenizer's TypeError deep inside, or a UnicodeEncodeError writing
+    # the results)
+    ("gsm8k", GSM[0], {"question": "q\ud800", "answer": "s\n#### 7"},
+     "gsm8k: key 'question' holds an unpaired surrogate U+D800 at character 1"),
+    ("math500", MATH[1], {"problem": "p", "answer": "\udc001"}, "key 'answer' holds an unpaired surrogate U+DC00"),
+    ("mbpp", MBPP[0], dict(MBPP[0], test_list=["assert True", "assert f()\udc00"]),
+     "mbpp: key 'test_list[1]' holds an unpaired surrogate U+DC00"),
+    ("mbpp", MBPP[0], dict(MBPP[0], task_id="t\ud800"), "mbpp: key 'task_id' holds an unpaired surrogate"),
 ])
 def test_malformed_rows_of_every_format(tmp_path, fmt, good, bad, message):
     """A bad row between two good rows of the same format (detected from the first row): it alone is skipped,

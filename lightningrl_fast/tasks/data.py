@@ -283,7 +283,19 @@ def _get(row: dict[str, Any], key: str, types: tuple[type, ...] = (str,), defaul
     if isinstance(value, bool) or not isinstance(value, types):
         names = " or ".join(t.__name__ for t in types)
         raise _BadRow(f"key {key!r} should be {names}, got {type(value).__name__}")
+    if isinstance(value, str):
+        _check_encodable(value, key)
     return value
+
+
+def _check_encodable(value: str, key: str) -> None:
+    """A JSON string may escape a lone UTF-16 surrogate ("\\ud800"), which is no text: the tokenizer refuses it
+    (a TypeError deep inside) and so does any UTF-8 output of the row."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _BadRow(f"key {key!r} holds an unpaired surrogate U+{ord(value[e.start]):04X} at character "
+                      f"{e.start} (not text)") from None
 
 
 def _text(row: dict[str, Any], key: str) -> str:
@@ -303,6 +315,7 @@ def _text_answer(value: Any, key: str) -> str:
     text = value.strip() if isinstance(value, str) else str(value)
     if not text:
         raise _BadRow(f"key {key!r} is empty")
+    _check_encodable(text, key)
     return text
 
 
@@ -324,6 +337,8 @@ def _row_id(row: dict[str, Any], default: str) -> str:
     for key in ("id", "task_id", "unique_id", "idx"):
         v = row.get(key)
         if isinstance(v, (str, int)) and not isinstance(v, bool):
+            if isinstance(v, str):
+                _check_encodable(v, key)  # ids are written to results files
             return str(v)
     return default
 
@@ -350,6 +365,8 @@ def _str_list(row: dict[str, Any], key: str, default: Any = ...) -> list[str]:
     value = _get(row, key, (list, tuple), default=default)
     if not all(isinstance(t, str) for t in value):
         raise _BadRow(f"key {key!r} should be a list of str")
+    for i, t in enumerate(value):
+        _check_encodable(t, f"{key}[{i}]")
     return list(value)
 
 
