@@ -14,10 +14,17 @@ files of `tasks.data.load_examples` (GSM8K, MATH500, MBPP, HumanEval, plain). Co
 sandboxed verifier, many at a time (`--workers`), math answers through `verify_math_batch` (math-verify helpers
 in parallel), and every batch is scored in a background thread while the next batch decodes.
 
-Outputs: a table on stdout; `<out>/<label>.<task>.json` (the points, AUP, sampler settings, device);
-`<out>/<label>.<task>.png`, the accuracy-vs-TPF curve of this run with every `--overlay` results file drawn on
-the same axes (needs matplotlib; without it the PNG is skipped with a note). Overlays are earlier results
-JSONs of this tool, e.g. the base model's curve under the trained model's.
+Outputs: a table on stdout; `<out>/<label>.<task>.json` (the points, AUP, sampler settings, device, the model
+folder as given and as an absolute path, `model_path`); `<out>/<label>.<task>.png`, the accuracy-vs-TPF curve of
+this run with every `--overlay` results file drawn on the same axes (needs matplotlib; without it the PNG is
+skipped with a note). Overlays are earlier results JSONs of this tool, e.g. the base model's curve under the
+trained model's. The label defaults to the checkpoint folder's name, led by its training run's folder name for a
+checkpoint of a run (`--model runs/A` -> `A-checkpoint-1`), so the checkpoints of two runs at the same step do not
+share a file. An existing results file of another model is never overwritten (an error before decoding; the
+same model's is replaced). Both files are written to a hidden temporary file and renamed into place: an
+interrupted run (Ctrl-C: one `error:` line, exit status 130) leaves the earlier file or none, never half of one.
+The JSON is strict (no NaN literals): a number that is not finite is written as null: a rate with no decode
+time (tokens_per_s, forwards_per_s), an AUP with no point of positive TPF, the TPF of an example not decoded.
 
 AUP (accuracy under parallelism), as d3LLM defines it (Qian et al., "d3LLM: Ultra-Fast Diffusion LLM using
 Pseudo-Trajectory Distillation", and its public leaderboard code), on points (rho_i = TPF, y_i = accuracy in
@@ -56,31 +63,39 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import torch
+INTERRUPTED = "error: interrupted (Ctrl-C); no results file was left half-written"
 
-from .generate import (
-    CLIError,
-    add_decoding_args,
-    batches,
-    check_block_size,
-    check_decoding_args,
-    check_model_dir,
-    cli_main,
-    decode_block_size,
-    decode_texts,
-    eos_ids_for,
-    join_ranks,
-    load_model_checked,
-    load_tokenizer_checked,
-    parse_json_line,
-    progress,
-    read_config_checked,
-    resolve_dtype,
-    split_lines,
-)
-from .rl import distributed
-from .rl.distributed import SINGLE, DistEnv, all_gather
-from .sampler import Decoder
+try:  # torch and the package load for seconds: a Ctrl-C meanwhile is main's one line, not an import traceback
+    import torch
+
+    from .generate import (
+        CLIError,
+        add_decoding_args,
+        batches,
+        check_block_size,
+        check_decoding_args,
+        check_model_dir,
+        cli_main,
+        decode_block_size,
+        decode_texts,
+        eos_ids_for,
+        join_ranks,
+        load_model_checked,
+        load_tokenizer_checked,
+        parse_json_line,
+        progress,
+        read_config_checked,
+        resolve_dtype,
+        split_lines,
+    )
+    from .rl import distributed
+    from .rl.distributed import SINGLE, DistEnv, all_gather
+    from .sampler import Decoder, prompt_fit_problem
+except KeyboardInterrupt:
+    if __name__ != "__main__":
+        raise
+    print(INTERRUPTED, file=sys.stderr, flush=True)
+    sys.exit(130)
 
 DEFAULT_THRESHOLDS = (0.5, 0.7, 0.9, 0.95)
 AUP_ALPHA = 3.0
@@ -157,6 +172,45 @@ def _encode(tokenizer, task, examples) -> list[list[int]]:
     return out
 
 
+def _decoded_block_size(model, sampler_cfg) -> int:
+    """The block size the sampler decodes with: sampler_cfg.block_size (an integer >= 1), None = the model's."""
+    bs = sampler_cfg.block_size if sampler_cfg.block_size is not None else model.config.block_size
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+        raise ValueError(f"evaluate: block_size must be an integer >= 1, got {bs!r}")
+    return bs
+
+
+def _prompt_problem(p: list[int], mc, sampler_cfg, block_size: int) -> str | None:
+    """Why the sampler would refuse prompt `p` with model config `mc` (its own checks, same order), or None."""
+    bad = sorted({t for t in p if not 0 <= t < mc.vocab_size})
+    if bad:
+        return (f"the prompt has token id(s) {bad[:5]} outside the model's vocabulary [0, {mc.vocab_size}) (the "
+                f"tokenizer has more ids than the checkpoint's vocab_size)")
+    if mc.mask_token_id in p:
+        return f"the prompt encodes to the mask token id {mc.mask_token_id} (position {p.index(mc.mask_token_id)})"
+    problem = prompt_fit_problem(len(p), sampler_cfg.max_new_tokens, block_size, sampler_cfg.max_length,
+                                 mc.max_position_embeddings)
+    if problem is not None:
+        return f"the prompt does not fit: {problem} (lower max_new_tokens or leave the example out)"
+    return None
+
+
+def _check_prompts(model, examples: list, ids: list[list[int]], sampler_cfg) -> None:
+    """Every prompt decodable with these settings, found before decoding (the sampler finds the same problems
+    mid-run and names only a batch-local prompt index): ids inside the model's vocabulary, no mask token, and
+    prompt + max_new_tokens with the last block rounded up to the decoded block size within the positions
+    (`sampler.prompt_fit_problem`). ValueError naming the first bad example's id and counting the others."""
+    bs = _decoded_block_size(model, sampler_cfg)
+    problems = []
+    for i, (ex, p) in enumerate(zip(examples, ids)):
+        problem = _prompt_problem(p, model.config, sampler_cfg, bs)
+        if problem is not None:
+            problems.append(f"example {getattr(ex, 'id', i)!r}: {problem}")
+    if problems:
+        more = f" (and {len(problems) - 1} more example(s))" if len(problems) > 1 else ""
+        raise ValueError(problems[0] + more)
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequence[float], sampler_cfg,
              *, batch_size: int = 32, progress_bar: bool = False, keep_responses: bool = False,
@@ -188,17 +242,7 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
         raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
     examples = list(examples)
     ids = _encode(tokenizer, task, examples)
-    # found here, not in the middle of the run by the sampler (which knows only a batch-local prompt index)
-    max_len = sampler_cfg.max_length or model.config.max_position_embeddings
-    for ex, p in zip(examples, ids):
-        if len(p) + sampler_cfg.max_new_tokens > max_len:
-            raise ValueError(f"example {getattr(ex, 'id', examples.index(ex))!r}: the prompt has {len(p)} tokens; "
-                             f"with max_new_tokens {sampler_cfg.max_new_tokens} it needs "
-                             f"{len(p) + sampler_cfg.max_new_tokens} positions but the model has {max_len} "
-                             f"(lower the response cap or leave the example out)")
-        if model.config.mask_token_id in p:
-            raise ValueError(f"example {getattr(ex, 'id', examples.index(ex))!r}: the prompt encodes to the mask "
-                             f"token id {model.config.mask_token_id}")
+    _check_prompts(model, examples, ids, sampler_cfg)
     mine = list(range(env.rank, len(ids), env.world))  # this rank's examples (all of them with one rank)
     groups = [mine[r.start:r.stop] for r in batches(len(mine), batch_size)]
     was_training = model.training
@@ -320,6 +364,9 @@ def load_results(path: str | Path) -> dict:
             raise CLIError(f"overlay {path}: point {i} lacks numeric \"accuracy\" / \"mean_tpf\"")
         if not 0 <= p["accuracy"] <= 1:  # NaN fails too
             raise CLIError(f"overlay {path}: point {i} has accuracy {p['accuracy']}; expected a fraction in [0, 1]")
+        if not _positive_finite(p["mean_tpf"]):  # json reads NaN / Infinity literals; aup needs TPF > 0
+            raise CLIError(f"overlay {path}: point {i} has mean_tpf {p['mean_tpf']}; expected a positive finite "
+                           f"number of tokens per forward")
         if p.get("threshold") is not None and not number(p["threshold"]):
             raise CLIError(f"overlay {path}: point {i} has a non-numeric \"threshold\" {p['threshold']!r}")
     d.setdefault("label", path.stem)
@@ -328,6 +375,46 @@ def load_results(path: str | Path) -> dict:
     if d.get("sampler") is not None and not isinstance(d["sampler"], dict):
         raise CLIError(f"overlay {path}: \"sampler\" must be an object, got {type(d['sampler']).__name__}")
     return d
+
+
+def _positive_finite(v: float) -> bool:
+    try:
+        return math.isfinite(float(v)) and v > 0
+    except OverflowError:  # an integer past the float range
+        return False
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` with every non-finite float (NaN, inf) replaced by None: a results JSON is strict JSON (a NaN
+    literal is not JSON, and other readers reject it); the NaNs of a run are rates with no decode time, an AUP
+    with no point, the TPF of an example not decoded (see the module docstring)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def _temp_sibling(path: Path) -> Path:
+    """A hidden temporary name next to `path` (same folder: the rename is atomic), unique to this process."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a temporary sibling renamed into place: an interrupted or failed write
+    leaves the earlier file (or none), never part of one; the temporary file is removed on any exit."""
+    path = Path(path)
+    tmp = _temp_sibling(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def plot_curves(runs: Sequence[dict], path: str | Path, title: str = "") -> bool:
@@ -371,9 +458,15 @@ def plot_curves(runs: Sequence[dict], path: str | Path, title: str = "") -> bool
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_sibling(path)  # written whole, then renamed (as the results JSON)
+    try:
+        fig.savefig(tmp, format=path.suffix[1:] or "png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return True
 
 
@@ -504,6 +597,60 @@ def _safe_name(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "run"
 
 
+def default_label(model_dir: Path) -> str:
+    """The results label without --label: the checkpoint folder's name, led by its run folder's name when it is a
+    checkpoint of a training run (`runs/A` or `runs/A/checkpoint-1` -> `A-checkpoint-1`): two runs' checkpoints
+    of the same step would otherwise share (and overwrite) one results file."""
+    from .rl.checkpointing import LATEST, PREFIX, REFERENCE
+
+    p = model_dir.resolve()
+    in_run = p.name.startswith(PREFIX) or p.name == REFERENCE or (p.parent / LATEST).is_file()
+    return f"{p.parent.name}-{p.name}" if in_run and p.parent.name else p.name
+
+
+def results_path(out: str | Path, label: str, task: str) -> Path:
+    return Path(out) / f"{_safe_name(label)}.{task}.json"
+
+
+def _recorded_model(doc: Any) -> Path | None:
+    """The model folder a results JSON was written for: `model_path` (absolute), else its `model` (files of
+    versions that did not record `model_path`; a relative path is taken from the current folder)."""
+    if not isinstance(doc, dict):
+        return None
+    for key in ("model_path", "model"):
+        if isinstance(doc.get(key), str) and doc[key]:
+            return Path(doc[key]).resolve()
+    return None
+
+
+def check_results_target(json_path: Path, model_dir: Path) -> None:
+    """CLIError when `json_path` exists and is not the results file of this model (a results file of another
+    model, or a file that is not a results file): never overwritten. The same model's results are replaced."""
+    if not json_path.exists() and not json_path.is_symlink():
+        return
+    if json_path.is_dir():
+        raise CLIError(f"{json_path} is a folder; cannot write the results there (pick another --label or --out)")
+    try:
+        doc = json.loads(json_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        doc = None
+    recorded = _recorded_model(doc)
+    if recorded is None:
+        raise CLIError(f"{json_path} exists and is not a results file of this tool; not overwriting it (move it, or "
+                       f"pick another --label or --out)")
+    if recorded != model_dir.resolve():
+        raise CLIError(f"{json_path} holds the results of another model ({recorded}); not overwriting them with "
+                       f"those of {model_dir.resolve()} (pick another --label or --out)")
+
+
+def _warn_mask_mismatch(tokenizer, model_config, say: Callable[[str], None]) -> None:
+    """The warning train.py gives when the tokenizer's mask id is not the checkpoint config's (the sampler
+    masks with the config's)."""
+    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id != model_config.mask_token_id:
+        say(f"warning: tokenizer mask id {tokenizer.mask_token_id} != model config mask_token_id "
+            f"{model_config.mask_token_id}; the model's is used")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # command line
 # ------------------------------------------------------------------------------------------------------------
@@ -518,7 +665,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--thresholds", default=",".join(f"{t:g}" for t in DEFAULT_THRESHOLDS))
     ap.add_argument("--limit", type=int, default=None, help="first N examples only")
     ap.add_argument("--out", default="eval_results", help="folder for the results JSON and PNG (default eval_results)")
-    ap.add_argument("--label", default=None, help="name of this run in tables, files and plots (default: model folder)")
+    ap.add_argument("--label", default=None, help="name of this run in tables, files and plots (default: the checkpoint "
+                    "folder's name, led by its run folder's for a training run's checkpoint: A-checkpoint-1)")
     ap.add_argument("--overlay", nargs="*", default=[], help="results JSONs of earlier runs to draw on the same plot")
     ap.add_argument("--workers", type=int, default=None, help="parallel code sandboxes (default: CPU count)")
     ap.add_argument("--save-responses", action="store_true", help="keep every response in the results JSON")
@@ -540,32 +688,36 @@ def run(args) -> dict:
     thresholds = parse_thresholds(args.thresholds)
     check_out_folder(args.out)
     model_dir = check_model_dir(args.model)
+    label = args.label or default_label(model_dir)
+    check_results_target(results_path(args.out, label, args.task), model_dir)
     overlays = [load_results(p) for p in args.overlay]
     task = make_task(args.task, args.workers)
     examples, data_info = load_data(args, task)
     env, device = join_ranks(args.device)
     with distributed.joined(env):
-        return _run_on(args, env, device, thresholds, model_dir, overlays, task, examples, data_info)
+        return _run_on(args, env, device, thresholds, model_dir, label, overlays, task, examples, data_info)
 
 
-def _run_on(args, env: DistEnv, device, thresholds, model_dir, overlays, task, examples, data_info) -> dict:
+def _run_on(args, env: DistEnv, device, thresholds, model_dir, label, overlays, task, examples, data_info) -> dict:
     dtype = resolve_dtype(args.dtype, device)
     check_block_size(args.block_size, read_config_checked(model_dir).max_position_embeddings)
     tokenizer = load_tokenizer_checked(model_dir)
     if args.max_new_tokens is None:
         args.max_new_tokens = task.max_response_tokens() if hasattr(task, "max_response_tokens") else 512
     model = load_model_checked(model_dir, device, dtype)
+    if env.main:
+        _warn_mask_mismatch(tokenizer, model.config, lambda m: print(m, file=sys.stderr, flush=True))
     from .generate import sampler_config_from_args
 
     cfg = sampler_config_from_args(args, eos_ids_for(tokenizer, model.config.vocab_size))
-    label = args.label or model_dir.resolve().name
     try:
         res = evaluate(model, tokenizer, task, examples, thresholds, cfg, batch_size=args.batch_size,
                        progress_bar=not args.quiet and env.main, keep_responses=args.save_responses,
                        truncated_is_wrong=not args.truncated_ok, env=env)
     except ValueError as e:
         raise CLIError(str(e)) from None
-    res.update(label=label, task=args.task, model=str(model_dir), data=args.data or "synthetic:test",
+    res.update(label=label, task=args.task, model=str(model_dir), model_path=str(model_dir.resolve()),
+               data=args.data or "synthetic:test",
                data_rows=data_info,
                device=str(device), dtype=str(dtype)[6:], date=datetime.datetime.now().isoformat(timespec="seconds"))
 
@@ -580,12 +732,15 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, overlays, task, e
     if not env.main:  # rank 0 writes and prints
         return res
 
-    out = Path(args.out)
-    stem = f"{_safe_name(label)}.{args.task}"
-    json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
+    json_path = results_path(args.out, label, args.task)
+    png_path = json_path.with_suffix(".png")
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(res, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+        check_results_target(json_path, model_dir)  # again: another run may have written it meanwhile
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(json_path, json.dumps(json_safe(res), indent=2, allow_nan=False) + "\n")
+    except CLIError:
+        print(format_table(res))  # the numbers are not lost with the file
+        raise
     except OSError as e:
         print(format_table(res))  # the numbers are not lost with the file
         raise CLIError(f"cannot write the results to {json_path}: {e.strerror or e}") from None
@@ -610,7 +765,13 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, overlays, task, e
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(build_parser, run, argv)
+    """The command line: exit status 0, 2 on bad input (one `error:` line), 130 when interrupted (Ctrl-C: one
+    line; the results files are written whole or not at all, so none is left half-written)."""
+    try:
+        return cli_main(build_parser, run, argv)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -300,5 +300,192 @@ def test_cli_names_an_example_too_long_for_the_model_before_decoding(tmp_path, c
                   "--out", str(tmp_path / "o"), "--quiet"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "example 'long/2': the prompt has" in err and "with max_new_tokens 16 it needs" in err
-    assert "the model has 512" in err and "Traceback" not in err
+    assert "example 'long/2': the prompt does not fit:" in err and "+ max_new_tokens 16 = " in err
+    assert "more than the 512 the cache holds" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------------------------
+# bad input to the command line: one `error:` line, before decoding, no lost results
+# ------------------------------------------------------------------------------------------------------------
+
+def _synth_args(model, out, *extra) -> list[str]:
+    return ["--model", str(model), "--task", "synthetic", "--limit", "2", "--thresholds", "0.9", "--max-new-tokens",
+            "8", "--batch-size", "2", "--out", str(out), "--device", "cpu", "--quiet", *extra]
+
+
+def _one_error_line(capsys, *named: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for s in named:
+        assert s in err, (s, err)
+    return err
+
+
+def _run_folder(synth_ckpt: Path, run: Path) -> Path:
+    """A training run's output folder as train.py leaves it: run/checkpoint-1 and `latest` naming it."""
+    import shutil
+
+    from lightningrl_fast.rl.checkpointing import LATEST, TRAINER_STATE
+
+    shutil.copytree(synth_ckpt, run / "checkpoint-1")
+    (run / "checkpoint-1" / TRAINER_STATE).write_bytes(b"")
+    (run / LATEST).write_text("checkpoint-1\n")
+    return run
+
+
+def test_cli_default_label_names_the_run_and_never_overwrites_another_models_results(synth_ckpt, tmp_path, capsys):
+    """Was: the label was the checkpoint folder's name, so `--model runs/A` and `--model runs/B` at the same step
+    both wrote checkpoint-1.synthetic.json and the second silently replaced the first."""
+    run_a, run_b = _run_folder(synth_ckpt, tmp_path / "runs" / "A"), _run_folder(synth_ckpt, tmp_path / "runs" / "B")
+    out = tmp_path / "res"
+    assert ev.main(_synth_args(run_a, out)) == 0
+    assert ev.main(_synth_args(run_b, out)) == 0
+    capsys.readouterr()
+    a_file, b_file = out / "A-checkpoint-1.synthetic.json", out / "B-checkpoint-1.synthetic.json"
+    assert json.loads(a_file.read_text())["model_path"] == str((run_a / "checkpoint-1").resolve())
+    assert json.loads(b_file.read_text())["model_path"] == str((run_b / "checkpoint-1").resolve())
+    assert ev.default_label(run_a / "checkpoint-1") == "A-checkpoint-1" and ev.default_label(synth_ckpt) == "base"
+    # a label that names another model's results: refused before decoding, the file untouched
+    before = a_file.read_bytes()
+    assert ev.main(_synth_args(run_b, out, "--label", "A-checkpoint-1")) == 2
+    _one_error_line(capsys, str(a_file), "holds the results of another model", str((run_a / "checkpoint-1").resolve()))
+    assert a_file.read_bytes() == before
+    # a file there that is not a results file of this tool: not overwritten either
+    (out / "notes.synthetic.json").write_text("my notes")
+    assert ev.main(_synth_args(run_a, out, "--label", "notes")) == 2
+    _one_error_line(capsys, "notes.synthetic.json exists and is not a results file")
+    assert (out / "notes.synthetic.json").read_text() == "my notes"
+    # the same model again (given as its run folder or its checkpoint folder): replaced
+    assert ev.main(_synth_args(run_a / "checkpoint-1", out)) == 0
+    assert json.loads(a_file.read_text())["model"] == str(run_a / "checkpoint-1")
+
+
+def test_cli_prompt_whose_last_block_passes_the_positions_is_named_before_decoding(tmp_path, capsys,
+                                                                                   ascii_checkpoint):
+    """Was: the up-front check counted prompt + max_new_tokens only; with the last block rounded up to the
+    block size the sampler refused it mid-run as `prompt 0` (a batch-local index)."""
+    from lightningrl_fast.tokenizer import load_tokenizer
+
+    model = ascii_checkpoint(tmp_path / "model", 512)
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"question": "What is 1+2?", "answer": "#### 3"}) + "\n"
+                    + json.dumps({"question": "What is 2+2?", "answer": "#### 4"}) + "\n")
+    task = ev.make_task("math", None)
+    exs, _ = ev.load_data(ev.build_parser().parse_args(["--model", "m", "--task", "math", "--data", str(data)]), task)
+    n = len(ev._encode(load_tokenizer(model), task, exs)[0])
+    # prompt + max_new_tokens = 512 positions fit the cache, but block 3 ends the last block at 513
+    rc = ev.main(["--model", str(model), "--task", "math", "--data", str(data), "--max-new-tokens", str(512 - n),
+                  "--block-size", "3", "--out", str(tmp_path / "o"), "--device", "cpu", "--quiet"])
+    assert rc == 2
+    _one_error_line(capsys, f"example '{exs[0].id}': the prompt does not fit", "with block_size 3 the last block "
+                    "ends at position 513, past the model's max_position_embeddings 512", "(and 1 more example(s))")
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_prompt_ids_outside_a_smaller_model_vocabulary_name_the_example(tmp_path, capsys):
+    """Was: `prompt 0 has token id(s) outside the vocabulary` (a batch-local index) from the sampler."""
+    import string
+
+    from lightningrl_fast.tokenizer import CharTokenizer
+
+    tok = CharTokenizer("".join(c for c in string.printable if c not in "\r\x0b\x0c\t"))
+    cfg = SDARConfig(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2,  # < the 100 ids
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=BLOCK,
+                     mask_token_id=tok.mask_token_id, torch_dtype="float32", max_position_embeddings=512)
+    model = tmp_path / "small"
+    save_model(build_model(cfg, dtype=torch.float32, seed=0), cfg, model, tokenizer=tok)
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"question": "What is 1+2?", "answer": "#### 3"}) + "\n")
+    rc = ev.main(["--model", str(model), "--task", "math", "--data", str(data), "--max-new-tokens", "8",
+                  "--out", str(tmp_path / "o"), "--device", "cpu", "--quiet"])
+    assert rc == 2
+    _one_error_line(capsys, "example 'q/1': the prompt has token id(s)", "outside the model's vocabulary [0, 80)")
+
+
+def test_cli_warns_when_the_config_mask_id_is_not_the_tokenizers(tmp_path, capsys):
+    tok = SyntheticArithmetic().tokenizer
+    cfg = SDARConfig(vocab_size=tok.vocab_size + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=BLOCK,
+                     mask_token_id=tok.vocab_size, torch_dtype="float32", max_position_embeddings=128)
+    model = tmp_path / "m"
+    save_model(build_model(cfg, dtype=torch.float32, seed=0), cfg, model, tokenizer=tok)
+    assert ev.main(_synth_args(model, tmp_path / "o")) == 0
+    err = capsys.readouterr().err
+    assert (f"warning: tokenizer mask id {tok.mask_token_id} != model config mask_token_id {tok.vocab_size}; "
+            f"the model's is used") in err
+
+
+@pytest.mark.parametrize("tpf, shown", [(float("nan"), "nan"), (float("inf"), "inf"), (-1.5, "-1.5"), (0, "0"),
+                                        (10**400, "1000")], ids=["nan", "inf", "negative", "zero", "huge-int"])
+def test_cli_overlay_with_a_tpf_that_is_not_positive_and_finite(synth_ckpt, tmp_path, capsys, tpf, shown):
+    """Was accepted (accuracy was checked, TPF was not): the point silently left out of the plot and AUP."""
+    overlay = tmp_path / "other.json"
+    overlay.write_text(json.dumps({"points": [{"accuracy": 0.5, "mean_tpf": 2.0},
+                                              {"accuracy": 0.5, "mean_tpf": tpf}]}))  # NaN / Infinity literals
+    assert ev.main(_synth_args(synth_ckpt, tmp_path / "o", "--overlay", str(overlay))) == 2
+    _one_error_line(capsys, f"overlay {overlay}: point 1 has mean_tpf {shown}", "expected a positive finite")
+    assert not (tmp_path / "o").exists()
+
+
+def _strict_json(text: str):
+    def no_constant(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=no_constant)
+
+
+def test_cli_results_json_is_strict_json_with_null_for_non_finite(synth_ckpt, tmp_path, monkeypatch, capsys):
+    """Was written with allow_nan=True: a rate with no decode time was a literal NaN (not valid JSON)."""
+    real = ev.evaluate
+
+    def no_decode_time(*a, **kw):
+        res = real(*a, **kw)
+        res["points"][0]["tokens_per_s"] = math.nan
+        res["points"][0]["forwards_per_s"] = math.inf
+        return res
+
+    monkeypatch.setattr(ev, "evaluate", no_decode_time)
+    out = tmp_path / "o"
+    assert ev.main(_synth_args(synth_ckpt, out, "--label", "x")) == 0
+    doc = _strict_json((out / "x.synthetic.json").read_text())
+    assert doc["points"][0]["tokens_per_s"] is None and doc["points"][0]["forwards_per_s"] is None
+    assert doc["points"][0]["mean_tpf"] > 0
+    assert ev.load_results(out / "x.synthetic.json")["label"] == "x"  # still an overlay
+    assert ev.json_safe({"a": [1.0, math.nan, (math.inf, -math.inf)], "b": 2, "c": "nan"}) == \
+        {"a": [1.0, None, [None, None]], "b": 2, "c": "nan"}
+
+
+def _main_rc(argv) -> int | str:
+    try:  # a KeyboardInterrupt escaping main would stop the whole pytest session
+        return ev.main(argv)
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt escaped"
+
+
+def test_cli_ctrl_c_is_one_line_and_leaves_no_results_file(synth_ckpt, tmp_path, monkeypatch, capsys):
+    """Was a KeyboardInterrupt traceback (and a results file interrupted mid-write was left truncated)."""
+    out = tmp_path / "o"
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(ev, "evaluate", interrupted)
+        assert _main_rc(_synth_args(synth_ckpt, out, "--label", "x")) == 130
+    _one_error_line(capsys, "interrupted")
+    assert not out.exists() or not list(out.iterdir())
+    # interrupted while the results are written: the earlier file stays whole, no temporary file is left
+    assert ev.main(_synth_args(synth_ckpt, out, "--label", "x")) == 0
+    capsys.readouterr()
+    before = (out / "x.synthetic.json").read_bytes()
+
+    def replace_interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(ev.os, "replace", replace_interrupted)
+        assert _main_rc(_synth_args(synth_ckpt, out, "--label", "x", "--thresholds", "0.5")) == 130
+    _one_error_line(capsys, "interrupted")
+    assert (out / "x.synthetic.json").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == sorted(["x.synthetic.json"] + (["x.synthetic.png"]
+                                                                                   if _has_matplotlib() else []))
