@@ -1,7 +1,8 @@
 r"""[cli] Decode prompts from a file with an SDAR checkpoint and write JSONL results.
 
     python -m lightningrl_fast.generate --model DIR --prompts FILE [--out FILE.jsonl]   (DIR: an SDAR checkpoint
-        folder, or a training run's folder for its latest checkpoint)
+        folder, or a training run's folder for its latest checkpoint: the one its `latest` file names, else its
+        highest complete checkpoint-<step>; a run folder with no checkpoint yet is an error that says so)
         [--block-size B] [--threshold T] [--rule threshold|quota] [--steps-per-block S]
         [--temperature X] [--top-k K] [--top-p P] [--max-new-tokens N] [--batch-size N] [--seed S]
         [--chat/--no-chat] [--device auto|cpu|cuda[:i]] [--dtype auto|bfloat16|float16|float32] [--no-cuda-graphs]
@@ -11,10 +12,16 @@ Prompts file:
   * anything else is read as JSONL: one JSON object per non-blank line with a non-empty string "prompt"
     (an optional "id" is copied to the output row).
 Every row is checked (and tokenized, and checked against the checkpoint's vocabulary and
-max_position_embeddings) BEFORE the model is loaded; errors name the file and the line (`file:line: ...`).
+max_position_embeddings, with the block size used: the last block, aligned at position 0, must end within the
+positions) BEFORE the model is loaded; errors name the file and the line (`file:line: ...`).
 Lines end at "\n" / "\r\n" / "\r" only (a U+2028 inside a JSON string is not a line break); rows are strict
-JSON (NaN / Infinity refused). The options are checked first too: ranges, `--block-size` within the model's
-positions, and an `--out` whose folder exists and that is not the prompts file.
+JSON (NaN / Infinity refused), and a "prompt" or "id" holding an unpaired surrogate (an escape such as
+"\ud800", which is not text) is refused. The options are checked first too: ranges (a `--temperature` whose
+float32 inverse is not finite, `--steps-per-block` past int32), `--device` cpu or cuda only, the block size
+(`--block-size` or the checkpoint's) within the model's positions, and an `--out` whose folder exists and that
+is neither the prompts file nor inside the model folder (real paths compared: symlinks resolved).
+A checkpoint whose config mask_token_id differs from its tokenizer's mask token gets a warning on stderr (the
+model's id is used, as train does).
 
 `--chat` (default) wraps each prompt in the ChatML user turn (`tokenizer.chat_prompt`); `--no-chat` feeds it
 as is. Decoding is greedy unless `--temperature` > 0. `--block-size` other than the checkpoint's also sets the
@@ -23,9 +30,19 @@ model's attention block size for this run (the sampler's blocks and the attentio
 Output: one JSON row per prompt, in input order — `prompt`, `text` (the response decoded, EOS dropped),
 `tokens` (response length, EOS included), `token_ids`, `tpf`, `forwards` (forwards the row took part in),
 `finish_reason` ("eos" or "length") and `id` when the input had one — to `--out`, or to stdout when `--out`
-is absent (the summary then goes to stderr). The summary: tokens/s, forwards/s (the engine's forwards over the
-decode time), mean TPF, and the bandwidth use: weight bytes per forward x forwards/s in GB/s and, on a GPU, its
-fraction of the measured device copy bandwidth (KV-cache reads not counted: a lower bound on the bytes moved). A progress bar over batches uses tqdm when it is installed.
+is absent (the summary then goes to stderr). `--out` is written to a hidden temporary file in its folder and
+renamed over the target only when every row is written: an existing `--out` is never emptied or cut short. On
+an error or Ctrl-C the rows written so far are kept in `<out>.partial` (the message says so) and `--out` is left
+as it was (an `--out` that is not a regular file, such as /dev/null, is written directly).
+The summary: tokens/s, forwards/s (the engine's forwards over the decode time), mean TPF, and the bandwidth
+use: weight bytes per forward x forwards/s in GB/s and, on a GPU, its fraction of the measured device copy
+bandwidth (KV-cache reads not counted: a lower bound on the bytes moved). A progress bar over batches uses tqdm
+when it is installed.
+
+Exit status: 0 on success; 2 on bad input (one `error: ...` line, no traceback); 130 on Ctrl-C (one `error:
+interrupted ...` line naming the `.partial` file, if any); 141 (128 + SIGPIPE, what the shell reports for a
+tool killed by a closed pipe) when stdout is closed early, e.g. `generate ... | head -c 10`: quietly, no
+traceback.
 
 Several GPUs: `torchrun --nproc-per-node N -m lightningrl_fast.generate ...` decodes batch g on rank g % N with
 the seed a single process would use, and rank 0 writes the rows in input order: the same output, N times faster.
@@ -40,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -102,6 +120,18 @@ def parse_json_line(line: str) -> Any:
         raise ValueError(str(e)) from None
 
 
+def unpaired_surrogate(value: Any) -> str | None:
+    """The first unpaired UTF-16 surrogate (e.g. from a JSON escape "\\ud800") in the strings of a JSON value, as
+    `\\uXXXX`, or None: such a string is not text (the tokenizer refuses it, UTF-8 cannot write it back)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"\\u{ord(e.object[e.start]):04x}"
+    except (RecursionError, ValueError):  # nested too deep to write back: not a surrogate question
+        return None
+    return None
+
+
 def read_prompts(path: str | Path) -> list[PromptRow]:
     """Rows of a prompts file (see the module docstring); CLIError listing every bad row as `file:line: why`."""
     path = Path(path)
@@ -140,6 +170,12 @@ def read_prompts(path: str | Path) -> list[PromptRow]:
         if not p.strip():
             errors.append(f"{path}:{lineno}: \"prompt\" is empty")
             continue
+        bad = [(k, u) for k in ("prompt", "id") if (u := unpaired_surrogate(obj.get(k))) is not None]
+        if bad:
+            k, u = bad[0]
+            errors.append(f"{path}:{lineno}: \"{k}\" holds an unpaired surrogate {u} (an escape that is not a "
+                          "character: not valid Unicode text)")
+            continue
         rows.append(PromptRow(p, lineno, obj.get("id")))
     _fail_rows(path, errors, "malformed prompt row(s)")
     if not rows:
@@ -148,8 +184,11 @@ def read_prompts(path: str | Path) -> list[PromptRow]:
 
 
 def encode_prompts(rows: Sequence[PromptRow], tokenizer, path: str | Path, chat: bool, vocab_size: int,
-                   max_len: int, max_new_tokens: int, mask_id: int) -> list[list[int]]:
-    """Token ids per row; CLIError naming `file:line` for rows that cannot be decoded with this checkpoint."""
+                   max_len: int, max_new_tokens: int, mask_id: int, *, block_size: int) -> list[list[int]]:
+    """Token ids per row; CLIError naming `file:line` for rows that cannot be decoded with this checkpoint:
+    `max_len` is its max_position_embeddings and `block_size` the decoding block size (the last block, aligned at
+    position 0, must end within the positions: `sampler.prompt_fit_problem`, the sampler's own rule)."""
+    from .sampler import prompt_fit_problem
     from .tokenizer import chat_prompt
 
     out, errors = [], []
@@ -172,9 +211,9 @@ def encode_prompts(rows: Sequence[PromptRow], tokenizer, path: str | Path, chat:
         if mask_id in ids:
             errors.append(f"{where}: the prompt contains the mask token (id {mask_id})")
             continue
-        if len(ids) + max_new_tokens > max_len:
-            errors.append(f"{where}: {len(ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed the model's "
-                          f"max_position_embeddings {max_len}")
+        problem = prompt_fit_problem(len(ids), max_new_tokens, block_size, None, max_len)
+        if problem is not None:
+            errors.append(f"{where}: {problem}")
             continue
         out.append(ids)
     _fail_rows(Path(path), errors, "prompt(s) that cannot be decoded")
@@ -187,36 +226,109 @@ def check_block_size(block_size: int | None, max_len: int) -> None:
         raise CLIError(f"--block-size {block_size} exceeds the model's max_position_embeddings {max_len}")
 
 
-def check_out_file(out: str | None, prompts: str | Path) -> None:
-    """An --out file that can be created, and is not the prompts file (opening it would erase the prompts)."""
+def check_checkpoint_block_size(block_size: int | None, model_block_size: int, max_len: int,
+                                model_dir: Path) -> None:
+    """Without --block-size the checkpoint's config block_size is used: one larger than its positions cannot
+    decode a single block (every prompt would fail at the sampler, after the model loaded)."""
+    if block_size is None and model_block_size > max_len:
+        raise CLIError(f"{model_dir / 'config.json'}: block_size {model_block_size} exceeds max_position_embeddings "
+                       f"{max_len}, so no block fits; give a --block-size of at most {max_len}")
+
+
+def out_target(out: str | Path) -> Path:
+    """The file --out names: a symlink stands for the file it points to (the results replace that file)."""
+    p = Path(out)
+    return Path(os.path.realpath(p)) if p.is_symlink() else p
+
+
+def partial_path(target: Path) -> Path:
+    """Where the rows of a failed or interrupted run are left: `<out>.partial`, next to --out."""
+    return target.with_name(target.name + ".partial")
+
+
+def _inside(path: Path, folder: str | Path) -> bool:
+    real, top = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+    return real == top or top in real.parents
+
+
+def check_out_file(out: str | None, prompts: str | Path, model_dirs: Sequence[str | Path] = ()) -> None:
+    """An --out file that can be created (with a temporary sibling: its folder must be writable), that is not the
+    prompts file (the results would replace the prompts) and that is not inside a `model_dirs` folder (the --model
+    folder as given and the checkpoint it stands for: writing there destroyed the checkpoint, e.g. its mmapped
+    model.safetensors or its config.json). Real paths are compared: symlinks and `..` are resolved."""
     if out is None:
         return
-    p = Path(out)
+    p = out_target(out)
     if p.is_dir():
         raise CLIError(f"--out {out} is a folder; give a file name")
     if not p.parent.is_dir():
         raise CLIError(f"--out {out}: the folder {p.parent} does not exist")
-    if not os.access(p if p.exists() else p.parent, os.W_OK):
-        raise CLIError(f"--out {out}: {'the file' if p.exists() else 'its folder'} is not writable")
+    for m in model_dirs:
+        if _inside(p, m):
+            raise CLIError(f"--out {out} is inside the model folder {m}: writing the results there would destroy the "
+                           "checkpoint; write them elsewhere")
     if p.exists() and p.samefile(prompts):
         raise CLIError(f"--out {out} is the prompts file: writing the results would erase the prompts")
+    if partial_path(p).exists() and partial_path(p).samefile(prompts):
+        raise CLIError(f"--out {out}: {partial_path(p)} (where a failed run leaves its rows) is the prompts file")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise CLIError(f"--out {out}: the file is not writable")
+    if p.exists() and not p.is_file():
+        return  # a device or a pipe (/dev/null, /dev/stdout): written directly, its folder is not written
+    if not os.access(p.parent, os.W_OK | os.X_OK):
+        raise CLIError(f"--out {out}: its folder {p.parent} is not writable")
+
+
+RUN_CONFIG_KEYS = ("run", "data", "rl", "sampler", "checkpoint")  # sections of a training run's config.json
+
+
+def _is_run_config(path: Path) -> bool:
+    """Whether `path` (a config.json) is a training run's config (its sections, no model keys)."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False  # not one: reading it as a model config names the problem
+    return isinstance(obj, dict) and "vocab_size" not in obj and any(k in obj for k in RUN_CONFIG_KEYS)
+
+
+def is_run_folder(p: Path) -> bool:
+    """A training run's output folder: a `latest` file, a run config.json, or checkpoint-<step> folders and no
+    config.json of its own."""
+    from .rl.checkpointing import LATEST, list_checkpoints
+
+    cfg = p / "config.json"
+    return (p / LATEST).is_file() or (cfg.is_file() and _is_run_config(cfg)) or (
+        not cfg.exists() and bool(list_checkpoints(p)))
+
+
+def run_folder_checkpoint(p: Path, given: str | Path) -> Path:
+    """The checkpoint a run folder stands for (`rl.checkpointing.resolve_checkpoint`: the one `latest` names,
+    else the highest complete checkpoint-<step>), or CLIError saying the folder is a run's and naming its newest
+    complete checkpoint when there is one."""
+    from .rl.checkpointing import LATEST, PREFIX, list_checkpoints, resolve_checkpoint
+
+    try:
+        return resolve_checkpoint(p)
+    except (OSError, ValueError) as e:
+        ckpts = list_checkpoints(p)
+        newest = f"; its newest complete checkpoint is {ckpts[-1]}: give --model {ckpts[-1]}" if ckpts else ""
+        if (p / LATEST).is_file() or ckpts:
+            raise CLIError(f"--model {given}: a run folder whose latest checkpoint cannot be found ({e}){newest}"
+                           ) from None
+        raise CLIError(f"--model {given} is a training run folder with no checkpoint yet (no {LATEST} file, no "
+                       f"complete {PREFIX}<step> folder); give an SDAR checkpoint folder") from None
 
 
 def check_model_dir(path: str | Path) -> Path:
     """The checkpoint folder, or CLIError (missing folder / config.json), before anything heavy is loaded. A
-    training run's output folder stands for its latest checkpoint (the one its `latest` file names)."""
-    from .rl.checkpointing import LATEST, resolve_checkpoint
-
+    training run's output folder (`is_run_folder`) stands for its latest checkpoint (`run_folder_checkpoint`)."""
     p = Path(path)
     if not p.exists():
         raise CLIError(f"model folder {p} does not exist")
     if not p.is_dir():
         raise CLIError(f"--model {p} is not a folder (expected an SDAR checkpoint folder with config.json)")
-    if (p / LATEST).is_file():  # a run folder (its config.json is the run's): its latest checkpoint
-        try:
-            p = resolve_checkpoint(p)
-        except (OSError, ValueError) as e:
-            raise CLIError(f"--model {path}: a run folder whose latest checkpoint cannot be found ({e})") from None
+    if is_run_folder(p):  # its config.json is the run's: its latest checkpoint
+        p = run_folder_checkpoint(p, path)
     if not (p / "config.json").is_file():
         raise CLIError(f"model folder {p} has no config.json")
     return p
@@ -228,9 +340,18 @@ def join_ranks(device_name: str):
     from .rl import distributed
 
     try:
-        return distributed.init(distributed.env_from_environment(), distributed.resolve_device(device_name))
+        device = distributed.resolve_device(device_name)
+        check_device_type(device, device_name)
+        return distributed.init(distributed.env_from_environment(), device)
     except ValueError as e:
         raise CLIError(str(e)) from None
+
+
+def check_device_type(device: torch.device, name: str) -> None:
+    """cpu or cuda only, as train's config check says (`config.py`): the model loads and decodes on those; mps /
+    meta / xla failed after loading (a RuntimeError from torch, or uninitialized "meta" weights)."""
+    if device.type not in ("cpu", "cuda"):
+        raise CLIError(f"--device {name}: only cpu and cuda devices are supported")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -263,6 +384,98 @@ def decode_block_size(model, block_size: int | None) -> Iterator[None]:
         yield
     finally:
         model.config.block_size = old
+
+
+def warn_mask_mismatch(tokenizer, mcfg) -> None:
+    """Warn (stderr) when the tokenizer's mask token is not the checkpoint config's mask_token_id: the model's is
+    used (train prints the same warning)."""
+    tok_mask = getattr(tokenizer, "mask_token_id", None)
+    if tok_mask is not None and tok_mask != mcfg.mask_token_id:
+        print(f"warning: tokenizer mask id {tok_mask} != model config mask_token_id {mcfg.mask_token_id}; the "
+              "model's is used", file=sys.stderr, flush=True)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during decoding; its text says where the rows written so far are (`main` prints it on one line)."""
+
+
+class RowsOut:
+    """Where the result rows go: stdout, or `--out` through a hidden temporary sibling that `commit` renames over
+    it, so that an existing --out is replaced only by a complete result. `abandon` (after an error or Ctrl-C)
+    leaves the rows written so far in `<out>.partial` and returns a note saying so. An --out that exists and is
+    not a regular file (/dev/null, a pipe) is written directly."""
+
+    def __init__(self, out: str | None) -> None:
+        self.out, self.rows, self.tmp, self.done = out, 0, None, False
+        if out is None:
+            self.f = sys.stdout
+            return
+        self.target = out_target(out)
+        self.existed = self.target.exists()
+        try:
+            if self.existed and not self.target.is_file():
+                self.f = open(self.target, "w", encoding="utf-8")
+            else:
+                self.tmp = self.target.with_name(f".{self.target.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+                self.f = os.fdopen(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w",
+                                   encoding="utf-8")
+        except OSError as e:
+            raise CLIError(f"cannot write --out {out}: {e.strerror or e}") from None
+
+    def _io(self, what: str, fn, *a) -> None:
+        if self.out is None:
+            fn(*a)  # stdout: a BrokenPipeError goes up to `main`
+            return
+        try:
+            fn(*a)
+        except OSError as e:
+            raise CLIError(f"cannot {what} --out {self.out}: {e.strerror or e}") from None
+
+    def write(self, row: dict) -> None:
+        self._io("write", self.f.write, json.dumps(row, ensure_ascii=False) + "\n")
+        self.rows += 1
+
+    def flush(self) -> None:
+        self._io("write", self.f.flush)
+
+    def commit(self) -> None:
+        """Every row is written: the temporary file (synced, with the mode of the file it replaces) becomes --out."""
+        self.flush()
+        if self.out is None:
+            return
+        if self.tmp is not None:
+            self._io("write", _fsync, self.f.fileno())
+        self._io("close", self.f.close)
+        if self.tmp is not None:
+            if self.existed:
+                with contextlib.suppress(OSError):
+                    os.chmod(self.tmp, os.stat(self.target).st_mode & 0o7777)
+            self._io("replace", os.replace, self.tmp, self.target)
+        self.done = True
+
+    def abandon(self) -> str:
+        """After a failure: close; keep the rows so far in `<out>.partial` (none: remove the temporary file). The
+        note for the error message."""
+        if self.done:
+            return ""
+        self.done = True
+        if self.out is None:
+            return f"; {self.rows} row(s) had been written to stdout"
+        with contextlib.suppress(OSError):
+            self.f.close()
+        if self.tmp is None:
+            return f"; {self.rows} row(s) had been written to {self.out}"
+        kept = f"{self.out} is left as it was" if self.existed else f"{self.out} was not created"
+        if self.rows == 0:
+            with contextlib.suppress(OSError):
+                self.tmp.unlink()
+            return f"; no row was written, {kept}"
+        partial = partial_path(self.target)
+        try:
+            os.replace(self.tmp, partial)
+        except OSError:
+            partial = self.tmp
+        return f"; the {self.rows} row(s) written so far are in {partial} ({kept})"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -355,6 +568,9 @@ def add_decoding_args(ap: argparse.ArgumentParser, temperature: float = 0.0, max
 
 
 SEED_LIMIT = 2**62  # Philox seeds are int64; each batch adds its index
+STEPS_LIMIT = 2**31 - 1  # the sampler counts a block's steps in int32
+SAMPLING_FLAGS = {"threshold": "--threshold", "temperature": "--temperature", "top_k": "--top-k",
+                  "top_p": "--top-p", "noise": "--noise"}
 
 
 def check_decoding_args(args) -> None:
@@ -374,8 +590,26 @@ def check_decoding_args(args) -> None:
         raise CLIError(f"--top-k must be >= 0 and --top-p in (0, 1], got {args.top_k}, {args.top_p}")
     if args.temperature < 0:
         raise CLIError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.steps_per_block is not None and args.steps_per_block < 1:
-        raise CLIError(f"--steps-per-block must be >= 1, got {args.steps_per_block}")
+    if args.steps_per_block is not None and not 1 <= args.steps_per_block <= STEPS_LIMIT:
+        raise CLIError(f"--steps-per-block must be in [1, 2**31 - 1], got {args.steps_per_block}")
+    check_sampling_flags(args)
+
+
+def check_sampling_flags(args) -> None:
+    """The sampler's own check of its scalar arguments (`ops.unmask.check_sampling_args`, which every denoising
+    step applies), now rather than after the model loaded: e.g. a --temperature of 1e-45 or 1e300, whose float32
+    inverse is not finite. The message names the flag."""
+    from .ops.unmask import check_sampling_args
+
+    try:
+        check_sampling_args(args.threshold, args.temperature, args.top_k, args.top_p, args.noise)
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        for name, flag in SAMPLING_FLAGS.items():
+            if msg.startswith(name + " "):
+                msg = flag + msg[len(name):]
+                break
+        raise CLIError(msg) from None
 
 
 def load_tokenizer_checked(model_dir: Path):
@@ -415,9 +649,13 @@ def read_config_checked(model_dir: Path):
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lightningrl_fast.generate",
                                  description="Decode prompts with an SDAR block-diffusion checkpoint.")
-    ap.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer)")
+    ap.add_argument("--model", required=True,
+                    help="checkpoint folder (config.json, safetensors, tokenizer), or a training run's folder: its "
+                         "latest checkpoint (the one its `latest` file names, else its highest checkpoint-<step>)")
     ap.add_argument("--prompts", required=True, help="JSONL rows {\"prompt\": str} or a .txt file, one prompt a line")
-    ap.add_argument("--out", default=None, help="output JSONL (default: stdout, summary on stderr)")
+    ap.add_argument("--out", default=None,
+                    help="output JSONL, replaced only by a complete result (on an error or Ctrl-C the rows so far go "
+                         "to OUT.partial); not inside the model folder (default: stdout, summary on stderr)")
     ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                     help="wrap prompts in the ChatML user turn (default: on)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -433,7 +671,7 @@ def run(args) -> dict:
     check_decoding_args(args)
     model_dir = check_model_dir(args.model)
     rows = read_prompts(args.prompts)
-    check_out_file(args.out, args.prompts)
+    check_out_file(args.out, args.prompts, model_dirs=(args.model, model_dir))
     env, device = join_ranks(args.device)
     with distributed.joined(env):
         return _generate(args, env, device, model_dir, rows)
@@ -452,26 +690,30 @@ def _generate(args, env, device, model_dir: Path, rows: list) -> dict:
     dtype = resolve_dtype(args.dtype, device)
     mcfg = read_config_checked(model_dir)
     check_block_size(args.block_size, mcfg.max_position_embeddings)
+    check_checkpoint_block_size(args.block_size, mcfg.block_size, mcfg.max_position_embeddings, model_dir)
     tokenizer = load_tokenizer_checked(model_dir)
+    if env.main:
+        warn_mask_mismatch(tokenizer, mcfg)
+    if env.main and not args.quiet and model_dir != Path(args.model):
+        print(f"--model {args.model} is a training run folder: decoding its latest checkpoint {model_dir}",
+              file=sys.stderr, flush=True)
     eos_ids = eos_ids_for(tokenizer, mcfg.vocab_size)
     ids = encode_prompts(rows, tokenizer, args.prompts, args.chat, mcfg.vocab_size, mcfg.max_position_embeddings,
-                         args.max_new_tokens, mcfg.mask_token_id)
+                         args.max_new_tokens, mcfg.mask_token_id, block_size=args.block_size or mcfg.block_size)
     cfg = sampler_config_from_args(args, eos_ids)
 
     model = load_model_checked(model_dir, device, dtype)
-    try:
-        out_f = (open(args.out, "w", encoding="utf-8") if args.out else sys.stdout) if env.main else None
-    except OSError as e:
-        raise CLIError(f"cannot write --out {args.out}: {e.strerror or e}") from None
     log = sys.stdout if args.out else sys.stderr
     n_tok = n_fwd = 0
     seconds = 0.0
     tpfs: list[float] = []
     finish = {"eos": 0, "length": 0}
     groups = batches(len(ids), args.batch_size)
-    bar = progress(len(groups), "generate", enabled=not args.quiet and env.main)
     decoder = Decoder(model)  # one engine for all batches: each working-set size is captured once per run
+    bar = progress(len(groups), "generate", enabled=not args.quiet and env.main)
+    out_f = None
     try:
+        out_f = RowsOut(args.out) if env.main else None  # (inside: a Ctrl-C right after it still cleans up)
         with decode_block_size(model, args.block_size), nvtx_range("generate"):
             for g0 in range(0, len(groups), env.world):  # one round: batch g0 + rank on each rank
                 g = g0 + env.rank
@@ -480,7 +722,10 @@ def _generate(args, env, device, model_dir: Path, rows: list) -> dict:
                     idx = groups[g]
                     bcfg = dataclasses.replace(cfg, seed=cfg.seed + g)  # distinct Philox streams per batch
                     t0 = time.perf_counter()
-                    ro, texts = decode_texts(model, tokenizer, [ids[i] for i in idx], bcfg, decoder)
+                    try:
+                        ro, texts = decode_texts(model, tokenizer, [ids[i] for i in idx], bcfg, decoder)
+                    except ValueError as e:  # what the sampler refuses (as eval reports it)
+                        raise CLIError(f"cannot decode batch {g + 1} of {len(groups)}: {e}") from None
                     seconds += time.perf_counter() - t0
                     n_fwd += ro.total_forwards
                     for j, i in enumerate(idx):
@@ -494,15 +739,28 @@ def _generate(args, env, device, model_dir: Path, rows: list) -> dict:
                         n_tok += row["tokens"]
                         finish[row["finish_reason"]] = finish.get(row["finish_reason"], 0) + 1
                         if out_f is not None:
-                            out_f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                            out_f.write(row)
                     bar.update(1 if part else 0)
                 if out_f is not None:
                     out_f.flush()
                 bar.set_postfix_str(f"{n_tok / max(seconds, 1e-9):.1f} tok/s")
+        if out_f is not None:
+            out_f.commit()
+    except CLIError as e:
+        raise CLIError(f"{e}{_abandon(out_f)}") from None
+    except BrokenPipeError:
+        raise  # stdout closed early (`| head`): `main` exits quietly
+    except KeyboardInterrupt:
+        raise Interrupted(_abandon(out_f)) from None
+    except BaseException as e:  # an unexpected failure keeps its traceback, and says where the rows are
+        note = _abandon(out_f)
+        if note and hasattr(e, "add_note"):  # Python >= 3.11: printed under the traceback
+            e.add_note(f"generate: the results were not finished{note}")
+        elif note:
+            print(f"generate: the results were not finished{note}", file=sys.stderr, flush=True)
+        raise
     finally:
         bar.close()
-        if out_f is not None and out_f is not sys.stdout:
-            out_f.close()
     if env.active:
         parts = all_gather(env, (seconds, n_fwd, sum(tpfs), len(tpfs)))
         seconds, n_fwd = max(p[0] for p in parts), sum(p[1] for p in parts)
@@ -540,6 +798,30 @@ def _generate(args, env, device, model_dir: Path, rows: list) -> dict:
     return summary
 
 
+def _fsync(fd: int) -> None:
+    """Flush a file to the disk before it replaces --out; a file system without fsync (EINVAL) is not an error."""
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+
+
+def _abandon(out_f: "RowsOut | None") -> str:
+    return out_f.abandon() if out_f is not None else ""
+
+
+def _drop_stdout() -> None:
+    """Point stdout at the null device: the interpreter's last flush of what a closed pipe did not take would
+    print another BrokenPipeError on the way out."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture): nothing to flush there
+        pass
+
+
 def cli_main(build_parser, run, argv: Sequence[str] | None = None) -> int:
     """Parse, run, and turn a CLIError into one `error:` line and exit status 2 (shared by the CLIs)."""
     args = build_parser().parse_args(argv)
@@ -552,7 +834,16 @@ def cli_main(build_parser, run, argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(build_parser, run, argv)
+    """The command line. Exit status (module docstring): 0; 2 for bad input (`error:` line); 130 on Ctrl-C (one
+    `error: interrupted` line saying where the rows written so far are); 141 when stdout was closed early."""
+    try:
+        return cli_main(build_parser, run, argv)
+    except KeyboardInterrupt as e:  # `Interrupted` carries the note on the rows so far
+        print(f"error: interrupted (Ctrl-C){e}", file=sys.stderr, flush=True)
+        return 130
+    except BrokenPipeError:  # `generate ... | head`: the reader has all it wanted
+        _drop_stdout()
+        return 141
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -149,7 +150,7 @@ def test_cli_stdout_when_no_out_and_chat_template(ckpt, tmp_path, capsys):
     assert "tokens/s" in cap.err  # the summary moves to stderr
     # --chat encodes the ChatML template around the prompt
     rows_ = gen.read_prompts(prompts)
-    ids = gen.encode_prompts(rows_, CharTokenizer(), prompts, True, 10**6, 10**6, 4, -1)
+    ids = gen.encode_prompts(rows_, CharTokenizer(), prompts, True, 10**6, 10**6, 4, -1, block_size=BLOCK)
     assert ids[0] == CharTokenizer().encode(chat_prompt("hi"))
 
 
@@ -284,3 +285,267 @@ def test_gpu_cli_prints_the_bandwidth_use(ckpt, tmp_path, capsys):
                   printed)
     assert m, printed
     assert float(m.group(1)) >= 0 and float(m.group(2)) > 50
+
+
+# ------------------------------------------------------------------------------------------------------------
+# bad input found by the audit: each case below was a traceback, a crash or lost data
+# ------------------------------------------------------------------------------------------------------------
+
+def _no_weights(ckpt: Path, folder: Path, **config: object) -> Path:
+    """A copy of the checkpoint's config (with `config` changes) and tokenizer, WITHOUT weights: a run on it that
+    gets to "cannot load the model" passed every up-front check."""
+    folder.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((ckpt / name).read_bytes())
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **config}))
+    return folder
+
+
+def _one_line_error(err: str, *named: str) -> None:
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    for s in named:
+        assert s in err, (s, err)
+
+
+def test_out_inside_the_model_folder_is_refused_and_the_checkpoint_kept(ckpt, tmp_path, capsys):
+    """Was accepted: --out M/config.json replaced the checkpoint's config (the next run could not read it), and
+    --out M/model.safetensors truncated the weights the loader had mmapped (a bus error, exit 135)."""
+    model = Path(shutil.copytree(ckpt, tmp_path / "model"))
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "hi"})])
+    (tmp_path / "link.json").symlink_to(model / "config.json")
+    (tmp_path / "alias").symlink_to(model)
+    for out in (model / "config.json", tmp_path / "link.json", tmp_path / "alias" / "new.jsonl",
+                model / "sub" / ".." / "new.jsonl"):
+        (model / "sub").mkdir(exist_ok=True)
+        assert gen.main(["--model", str(model), "--prompts", str(prompts), "--out", str(out), "--quiet",
+                         "--max-new-tokens", "4"]) == 2, out
+        _one_line_error(capsys.readouterr().err, f"--out {out} is inside the model folder")
+        (model / "sub").rmdir()
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+    # the mmapped weights: in a subprocess (the old code died of SIGBUS)
+    proc = subprocess.run([sys.executable, "-m", "lightningrl_fast.generate", "--model", str(model), "--prompts",
+                           str(prompts), "--out", str(model / "model.safetensors"), "--quiet", "--max-new-tokens",
+                           "4"], capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    _one_line_error(proc.stderr, "is inside the model folder")
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
+def _fail_on_batch(monkeypatch, k: int, exc: BaseException) -> None:
+    """decode_texts raises `exc` on its k-th call (1-based): a late error or a Ctrl-C after k - 1 batches."""
+    real, calls = gen.decode_texts, []
+
+    def decode(*a, **kw):
+        calls.append(1)
+        if len(calls) == k:
+            raise exc
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gen, "decode_texts", decode)
+
+
+@pytest.mark.parametrize("exc, status, named", [
+    (ValueError("the sampler refused"), 2, "the sampler refused"),
+    (KeyboardInterrupt(), 130, "error: interrupted (Ctrl-C)"),
+])
+def test_a_late_error_or_ctrl_c_keeps_the_old_out_and_the_rows_so_far(ckpt, tmp_path, capsys, monkeypatch, exc,
+                                                                      status, named):
+    """Was: --out opened with "w" up front, so an error after the model loaded emptied an existing --out, and
+    Ctrl-C left a partial file that looked complete (and a KeyboardInterrupt traceback)."""
+    prompts = _write(tmp_path / "p.txt", ["1+2?", "abc", "hello"])
+    out = tmp_path / "o.jsonl"
+    out.write_text('{"old": "results"}\n')
+    _fail_on_batch(monkeypatch, 3, exc)
+    try:
+        rc = gen.main(["--model", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--batch-size", "1",
+                       "--max-new-tokens", "4", "--quiet", "--no-chat"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped main as a KeyboardInterrupt (a traceback)")
+    assert rc == status
+    err = capsys.readouterr().err
+    partial = tmp_path / "o.jsonl.partial"
+    _one_line_error(err, named, f"the 2 row(s) written so far are in {partial}", f"{out} is left as it was")
+    assert len(err.strip().splitlines()) == 1
+    assert out.read_text() == '{"old": "results"}\n'
+    assert [r["prompt"] for r in _read_rows(partial)] == ["1+2?", "abc"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl", "o.jsonl.partial", "p.txt"]  # no temp file
+    # the same run, uninterrupted: --out replaced whole (its mode kept), no temporary file left
+    monkeypatch.undo()
+    out.chmod(0o640)
+    assert gen.main(["--model", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--batch-size", "1",
+                     "--max-new-tokens", "4", "--quiet", "--no-chat"]) == 0
+    assert [r["prompt"] for r in _read_rows(out)] == ["1+2?", "abc", "hello"] and out.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl", "o.jsonl.partial", "p.txt"]
+
+
+def test_an_error_before_any_row_leaves_no_file(ckpt, tmp_path, capsys, monkeypatch):
+    prompts = _write(tmp_path / "p.txt", ["1+2?"])
+    out = tmp_path / "o.jsonl"
+    _fail_on_batch(monkeypatch, 1, ValueError("no memory for this batch"))
+    assert gen.main(["--model", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--quiet",
+                     "--max-new-tokens", "4"]) == 2
+    _one_line_error(capsys.readouterr().err, "cannot decode batch 1 of 1: no memory for this batch",
+                    "no row was written", "was not created")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
+
+
+def test_out_may_be_a_device(ckpt, tmp_path, capsys):
+    """/dev/null is not renamed over (a device is written directly)."""
+    prompts = _write(tmp_path / "p.txt", ["1+2?"])
+    assert gen.main(["--model", str(ckpt), "--prompts", str(prompts), "--out", os.devnull, "--quiet",
+                     "--max-new-tokens", "4"]) == 0
+    assert "wrote /dev/null" in capsys.readouterr().out and Path(os.devnull).is_char_device()
+
+
+def test_unpaired_surrogates_are_refused_by_line_before_loading(ckpt, tmp_path, capsys):
+    """Was: `TypeError: TextInputSequence must be str` from a BPE tokenizer for a "\\ud800" in the prompt, or a
+    UnicodeEncodeError writing the output row for one in the id (after the earlier rows had been written)."""
+    broken = _no_weights(ckpt, tmp_path / "noweights")
+    rows = [json.dumps({"prompt": "ab", "id": 1}), json.dumps({"prompt": "cd", "id": "\ud800"}),
+            json.dumps({"prompt": "e\udc00f"}), json.dumps({"prompt": "gh", "id": {"k": ["x", "\udfff"]}}),
+            json.dumps({"prompt": "paired \U0001F600 is fine"})]
+    assert '"\\ud800"' in rows[1]  # the file holds the JSON escape
+    prompts = _write(tmp_path / "p.jsonl", rows)
+    assert gen.main(["--model", str(broken), "--prompts", str(prompts), "--no-chat"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: 3 malformed prompt row(s)") and "Traceback" not in err, err
+    assert f'{prompts}:2: "id" holds an unpaired surrogate \\ud800' in err
+    assert f'{prompts}:3: "prompt" holds an unpaired surrogate \\udc00' in err
+    assert f'{prompts}:4: "id" holds an unpaired surrogate \\udfff' in err
+    assert f"{prompts}:1:" not in err and f"{prompts}:5:" not in err
+    assert gen.unpaired_surrogate("\U0001F600") is None and gen.unpaired_surrogate(["\ud83d"]) == "\\ud83d"
+
+
+@pytest.mark.parametrize("extra, config", [
+    (["--block-size", "3"], {}),   # 23 + 233 = 256 positions, but blocks of 3 end at 258
+    ([], {"block_size": 5}),       # the checkpoint's own block size: blocks of 5 end at 260
+])
+def test_the_last_block_must_end_within_the_positions(ckpt, tmp_path, capsys, extra, config):
+    """Was: the prompt passed the check (prompt + max_new_tokens fit in 256 positions), the model loaded, and the
+    sampler raised a ValueError traceback: the last block, aligned at position 0, ended past the positions."""
+    broken = _no_weights(ckpt, tmp_path / "noweights", **config)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "1+2?"})])  # 23 tokens with ChatML
+    assert gen.main(["--model", str(broken), "--prompts", str(prompts), "--max-new-tokens", "233", *extra]) == 2
+    block = int(extra[1]) if extra else config["block_size"]
+    _one_line_error(capsys.readouterr().err, f"{prompts}:1: 23 prompt tokens + max_new_tokens 233: with block_size "
+                    f"{block} the last block ends at position {-(-256 // block) * block}, past the model's "
+                    "max_position_embeddings 256")
+    # one token less fits the positions with blocks of 4: the same folder gets to the model load
+    assert gen.main(["--model", str(broken), "--prompts", str(prompts), "--max-new-tokens", "233",
+                     "--block-size", "4"]) == 2
+    assert "cannot load the model" in capsys.readouterr().err
+
+
+def test_a_checkpoint_block_size_past_its_positions_is_refused_before_loading(ckpt, tmp_path, capsys):
+    """Was: a ValueError traceback from the sampler for every prompt, after the model had loaded."""
+    broken = _no_weights(ckpt, tmp_path / "noweights", block_size=1000)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "hi"})])
+    assert gen.main(["--model", str(broken), "--prompts", str(prompts), "--max-new-tokens", "8"]) == 2
+    _one_line_error(capsys.readouterr().err, f"{broken / 'config.json'}: block_size 1000 exceeds "
+                    "max_position_embeddings 256", "--block-size")
+    assert gen.main(["--model", str(broken), "--prompts", str(prompts), "--max-new-tokens", "8",
+                     "--block-size", "4"]) == 2  # overridden
+    assert "cannot load the model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--temperature", "1e-45"], "--temperature 1e-45 is out of the float32 range"),   # ValueError, after loading
+    (["--temperature", "1e300"], "--temperature 1e+300 is out of the float32 range"),  # ValueError, after loading
+    (["--rule", "quota", "--steps-per-block", str(2**70)],
+     "--steps-per-block must be in [1, 2**31 - 1]"),                                   # OverflowError, after loading
+    (["--device", "mps"], "--device mps: only cpu and cuda devices are supported"),   # RuntimeError from torch
+    (["--device", "meta"], "--device meta: only cpu and cuda devices are supported"),  # NotImplementedError
+])
+def test_bad_options_are_refused_before_loading(ckpt, tmp_path, capsys, extra, named):
+    broken = _no_weights(ckpt, tmp_path / "noweights")  # "cannot load the model" if the check came too late
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "hi"})])
+    assert gen.main(["--model", str(broken), "--prompts", str(prompts), "--max-new-tokens", "4", *extra]) == 2
+    _one_line_error(capsys.readouterr().err, named)
+
+
+class _ClosedPipe:
+    """A stdout whose reader has gone (`| head -c 10`)."""
+
+    def write(self, s: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_stdout_closed_early_exits_quietly(ckpt, tmp_path, capsys, monkeypatch):
+    """Was a BrokenPipeError traceback."""
+    prompts = _write(tmp_path / "p.txt", ["1+2?", "abc"])
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    assert gen.main(["--model", str(ckpt), "--prompts", str(prompts), "--max-new-tokens", "4", "--quiet"]) == 141
+    monkeypatch.undo()
+    assert capsys.readouterr().err == ""
+    # the real thing: a pipe closed after 10 bytes, while rows are still coming
+    many = _write(tmp_path / "many.txt", [f"{i}+{i}?" for i in range(1000)])  # > a 64 KiB pipe buffer of rows
+    proc = subprocess.Popen([sys.executable, "-m", "lightningrl_fast.generate", "--model", str(ckpt), "--prompts",
+                             str(many), "--max-new-tokens", "8", "--batch-size", "1", "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    assert len(proc.stdout.read(10)) == 10
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141, err
+    assert err == "", err
+
+
+def _run_folder(tmp_path: Path, ckpt: Path, steps: tuple[int, ...], latest: str | None) -> Path:
+    """A training run's output folder: its run config.json, checkpoint-<step> folders (model files + trainer
+    state), a `latest` file."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"run": {"out": str(run)}, "data": {"task": "math"}, "rl": {}}))
+    for s in steps:
+        shutil.copytree(ckpt, run / f"checkpoint-{s}")
+        (run / f"checkpoint-{s}" / "trainer_state.pt").write_bytes(b"state")
+    if latest is not None:
+        (run / "latest").write_text(latest)
+    return run
+
+
+def test_a_run_folder_stands_for_its_latest_checkpoint(ckpt, tmp_path, capsys):
+    """Was: "cannot read run/config.json: missing required key(s) 'vocab_size', ..." for a run folder without a
+    `latest` file (a run that never saved one, or whose `latest` was lost)."""
+    run = _run_folder(tmp_path, ckpt, (1, 3), latest=None)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "hi"})])
+    assert gen.check_model_dir(run) == run / "checkpoint-3"
+    out = tmp_path / "o.jsonl"
+    assert gen.main(["--model", str(run), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4"]) == 0
+    assert len(_read_rows(out)) == 1
+    assert f"--model {run} is a training run folder: decoding its latest checkpoint {run / 'checkpoint-3'}" in (
+        capsys.readouterr().err)
+    (run / "latest").write_text("checkpoint-1")
+    assert gen.check_model_dir(run) == run / "checkpoint-1"
+    # --out inside the run folder or its checkpoint: refused as inside the model folder
+    for bad in (run / "results.jsonl", run / "checkpoint-1" / "config.json"):
+        assert gen.main(["--model", str(run), "--prompts", str(prompts), "--out", str(bad), "--quiet"]) == 2
+        _one_line_error(capsys.readouterr().err, "is inside the model folder")
+    (run / "latest").write_text("checkpoint-9")  # a `latest` naming a checkpoint that is gone
+    assert gen.main(["--model", str(run), "--prompts", str(prompts)]) == 2
+    _one_line_error(capsys.readouterr().err, f"--model {run}: a run folder whose latest checkpoint cannot be found",
+                    f"its newest complete checkpoint is {run / 'checkpoint-3'}")
+
+
+def test_a_run_folder_without_checkpoints_is_named_as_such(ckpt, tmp_path, capsys):
+    run = _run_folder(tmp_path, ckpt, (), latest=None)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "hi"})])
+    assert gen.main(["--model", str(run), "--prompts", str(prompts)]) == 2
+    _one_line_error(capsys.readouterr().err, f"--model {run} is a training run folder with no checkpoint yet")
+
+
+def test_mask_token_mismatch_warns(ckpt, tmp_path, capsys):
+    """Was silent (train warns): the config's mask_token_id 50 is not the tokenizer's <|MASK|> (3)."""
+    broken = _no_weights(ckpt, tmp_path / "noweights", mask_token_id=50)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "hi"})])  # no id 50 ("t") with --no-chat
+    argv = ["--prompts", str(prompts), "--no-chat", "--max-new-tokens", "8"]
+    assert gen.main(["--model", str(broken), *argv]) == 2  # no weights: stops at the load
+    err = capsys.readouterr().err
+    assert ("warning: tokenizer mask id 3 != model config mask_token_id 50; the model's is used" in err
+            and "cannot load the model" in err), err
+    assert gen.main(["--model", str(_no_weights(ckpt, tmp_path / "same")), *argv]) == 2
+    assert "warning" not in capsys.readouterr().err
