@@ -73,6 +73,7 @@ try:  # torch and the package load for seconds: a Ctrl-C meanwhile is main's one
         add_decoding_args,
         batches,
         check_block_size,
+        check_checkpoint_block_size,
         check_decoding_args,
         check_model_dir,
         cli_main,
@@ -87,6 +88,7 @@ try:  # torch and the package load for seconds: a Ctrl-C meanwhile is main's one
         read_config_checked,
         resolve_dtype,
         split_lines,
+        warn_mask_mismatch,
     )
     from .rl import distributed
     from .rl.distributed import SINGLE, DistEnv, all_gather
@@ -643,14 +645,6 @@ def check_results_target(json_path: Path, model_dir: Path) -> None:
                        f"those of {model_dir.resolve()} (pick another --label or --out)")
 
 
-def _warn_mask_mismatch(tokenizer, model_config, say: Callable[[str], None]) -> None:
-    """The warning train.py gives when the tokenizer's mask id is not the checkpoint config's (the sampler
-    masks with the config's)."""
-    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id != model_config.mask_token_id:
-        say(f"warning: tokenizer mask id {tokenizer.mask_token_id} != model config mask_token_id "
-            f"{model_config.mask_token_id}; the model's is used")
-
-
 # ------------------------------------------------------------------------------------------------------------
 # command line
 # ------------------------------------------------------------------------------------------------------------
@@ -700,13 +694,15 @@ def run(args) -> dict:
 
 def _run_on(args, env: DistEnv, device, thresholds, model_dir, label, overlays, task, examples, data_info) -> dict:
     dtype = resolve_dtype(args.dtype, device)
-    check_block_size(args.block_size, read_config_checked(model_dir).max_position_embeddings)
+    mcfg = read_config_checked(model_dir)
+    check_block_size(args.block_size, mcfg.max_position_embeddings)
+    check_checkpoint_block_size(args.block_size, mcfg.block_size, mcfg.max_position_embeddings, model_dir)
     tokenizer = load_tokenizer_checked(model_dir)
     if args.max_new_tokens is None:
         args.max_new_tokens = task.max_response_tokens() if hasattr(task, "max_response_tokens") else 512
     model = load_model_checked(model_dir, device, dtype)
     if env.main:
-        _warn_mask_mismatch(tokenizer, model.config, lambda m: print(m, file=sys.stderr, flush=True))
+        warn_mask_mismatch(tokenizer, model.config)
     from .generate import sampler_config_from_args
 
     cfg = sampler_config_from_args(args, eos_ids_for(tokenizer, model.config.vocab_size))

@@ -308,6 +308,7 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistE
     """Task, model, tokenizer, data and sampler settings of a run. Several ranks: every rank loads the same
     model (rank 0 alone trains or loads the embedded SFT warm-up) and then takes rank 0's weights."""
     from .checkpoint import load_model, read_config
+    from .generate import warn_mask_mismatch
     from .rl.checkpointing import resolve_checkpoint
     from .rl.distributed import broadcast, broadcast_params, resolve_device
     from .sampler import SamplerConfig
@@ -362,9 +363,8 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistE
                             seed=cfg.rl.seed).to(dtype=resolve_dtype(d.dtype, device, None)).eval()
     broadcast_params(env, model)  # identical weights on every rank from the start (no-op with one rank)
     model.gradient_checkpointing = cfg.run.gradient_checkpointing
-    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id != model.config.mask_token_id:
-        say(f"warning: tokenizer mask id {tokenizer.mask_token_id} != model config mask_token_id "
-            f"{model.config.mask_token_id}; the model's is used")
+    if env.main:
+        warn_mask_mismatch(tokenizer, model.config)
 
     # data
     if d.task == "synthetic":
