@@ -68,7 +68,7 @@ INTERRUPTED = "error: interrupted (Ctrl-C); no results file was left half-writte
 try:  # torch and the package load for seconds: a Ctrl-C meanwhile is main's one line, not an import traceback
     import torch
 
-    from .generate import (
+    from ._cli import (
         CLIError,
         add_decoding_args,
         batches,
@@ -703,7 +703,7 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, label, overlays, 
     model = load_model_checked(model_dir, device, dtype)
     if env.main:
         warn_mask_mismatch(tokenizer, model.config)
-    from .generate import sampler_config_from_args
+    from ._cli import sampler_config_from_args
 
     cfg = sampler_config_from_args(args, eos_ids_for(tokenizer, model.config.vocab_size))
     try:

@@ -308,7 +308,7 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistE
     """Task, model, tokenizer, data and sampler settings of a run. Several ranks: every rank loads the same
     model (rank 0 alone trains or loads the embedded SFT warm-up) and then takes rank 0's weights."""
     from .checkpoint import load_model, read_config
-    from .generate import warn_mask_mismatch
+    from ._cli import warn_mask_mismatch
     from .rl.checkpointing import resolve_checkpoint
     from .rl.distributed import broadcast, broadcast_params, resolve_device
     from .sampler import SamplerConfig
