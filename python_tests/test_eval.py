@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightningrl_fast import eval as ev
+from lightningrl_fast import eval_results as evr
 from lightningrl_fast.checkpoint import load_model, save_model
 from lightningrl_fast.model import SDARConfig, build_model
 from lightningrl_fast.sampler import SamplerConfig
@@ -62,7 +63,7 @@ def test_aup_drops_points_more_than_five_below_the_first():
 def test_aup_edge_cases_and_errors():
     assert ev.aup([(1, 0), (3, 0)]) == 0.0
     assert ev.aup([(1.0, 100), (2.0, 100)]) == pytest.approx(200.0)
-    assert ev.aup_weight(50, 0) == 1.0
+    assert evr.aup_weight(50, 0) == 1.0
     for bad in ([], [(0, 50)], [(-1, 50)], [(1, 101)], [(1, -1)], [(float("nan"), 50)]):
         with pytest.raises(ValueError):
             ev.aup(bad)
