@@ -18,8 +18,10 @@ wall-clock budget, and prints the same table: the two runs compare at equal CPU 
 Real use: `--model DIR --task math|code --train-data FILE [--eval-data FILE]` (DIR: config.json,
 safetensors, tokenizer files). `--resume OUT_OR_CHECKPOINT` continues a run exactly (same next batch, same
 RNG; the run's saved config.json is the base, flags override it; --lr/--betas/--weight-decay given then replace the
-checkpoint's optimizer settings). An `--out` folder holding a previous run is refused (continue it with --resume);
-without --out, each run creates its own runs/<timestamp>[-N] folder.
+checkpoint's optimizer settings). Resuming from a checkpoint older than the run's newest moves the later
+checkpoints and metrics records to `discarded-<k>/` in the run folder (said on the console). An `--out` folder
+holding a previous run, a model checkpoint or lying inside the --model folder is refused (continue a run with
+--resume); without --out, each run creates its own runs/<timestamp>[-N] folder.
 
 Several GPUs: `torchrun --nproc-per-node N -m lightningrl_fast.train ...` runs one process per GPU
 (rl/distributed.py: rollouts split by prompt, gradients summed, optimizer state sharded over the ranks,
