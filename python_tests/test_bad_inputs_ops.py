@@ -323,8 +323,8 @@ def test_sampler_block_size_zero_float_or_past_the_positions(model):
         generate(model, [[5, 6]], dataclasses.replace(CFG, block_size=0))
     with pytest.raises(TypeError, match="block_size must be an integer, got float 2.5"):
         generate(model, [[5, 6]], dataclasses.replace(CFG, block_size=2.5))
-    with pytest.raises(ValueError, match="with block_size 1000 its last block ends at position 1000, past the "
-                                         "model's max_position_embeddings = 64"):
+    with pytest.raises(ValueError, match="with block_size 1000 the last block ends at position 1000, past the "
+                                         "model's max_position_embeddings 64"):
         generate(model, [[5, 6]], dataclasses.replace(CFG, block_size=1000))
     assert generate(model, [[5, 6]], dataclasses.replace(CFG, block_size=64)).tokens.shape == (1, 8)
 
