@@ -11,11 +11,20 @@ from pathlib import Path
 from typing import Any
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+class DuplicateKeyError(ValueError):
+    """A key given twice in one mapping of a JSON (or YAML) file: a reader would silently keep one of the values."""
+
+    def __init__(self, key: Any, where: str = "") -> None:
+        super().__init__(f"key {key!r} is given twice{where}")
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads(..., object_pairs_hook=unique_keys)`: an object as a dict, DuplicateKeyError for a key given twice."""
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise ValueError(f"duplicate key {k!r} (a reader would silently take one of the two values)")
+            raise DuplicateKeyError(k)
         out[k] = v
     return out
 
@@ -25,9 +34,12 @@ def read_json_file(path: Path, expect: type | None = dict, error: type[Exception
     it is not UTF-8 text, not JSON (including integers past Python's digit limit, nesting too deep and a key
     repeated within one object) or not of the expected type."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+        doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
     except UnicodeDecodeError as e:
         raise error(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except DuplicateKeyError as e:
+        raise error(f"{path} is not valid JSON: duplicate key {e.key!r} (a reader would silently take one of the "
+                    "two values)") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError, and the int-digits limit / nesting depth
         raise error(f"{path} is not valid JSON: {e}") from None
     if expect is not None and not isinstance(doc, expect):

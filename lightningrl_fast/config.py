@@ -40,6 +40,7 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
+from ._jsonfile import DuplicateKeyError, unique_keys
 from .config_schema import (OPTIONS, PRESETS, SECTION_TITLES, SECTIONS, TASKS_BUILTIN, BaselineConfig, CheckpointConfig,
                             ConfigError, DataConfig, EmbeddedConfig, EvalConfig, Option, RunConfig, TrainConfig,
                             _unwrap_optional, convert)
@@ -138,7 +139,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
                 raise ConfigError(f"--config {path}: reading YAML needs pyyaml (pip install pyyaml), or use TOML") from None
             raw = yaml.load(text, Loader=_yaml_loader(yaml)) or {}  # safe_load, duplicate keys refused
         elif suffix == ".json":
-            raw = json.loads(text, object_pairs_hook=_json_object)  # duplicate keys refused
+            raw = json.loads(text, object_pairs_hook=unique_keys)  # duplicate keys refused (TOML refuses them itself)
         else:
             raise ConfigError(f"--config {path}: unknown file type {suffix!r} (use .toml, .yaml, .yml or .json)")
     except ConfigError:
@@ -179,19 +180,6 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return flat
 
 
-class DuplicateKeyError(ValueError):
-    """A key given twice in one mapping of a YAML/JSON config file (TOML refuses it itself)."""
-
-
-def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise DuplicateKeyError(f"key {k!r} is given twice")
-        out[k] = v
-    return out
-
-
 def _yaml_loader(yaml: Any) -> type:
     """yaml.SafeLoader refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
 
@@ -201,7 +189,7 @@ def _yaml_loader(yaml: Any) -> type:
             for key_node, _ in node.value:
                 key = self.construct_object(key_node, deep=True)
                 if isinstance(key, (str, int, float, bool)) and key in seen:
-                    raise DuplicateKeyError(f"key {key!r} is given twice (line {key_node.start_mark.line + 1})")
+                    raise DuplicateKeyError(key, f" (line {key_node.start_mark.line + 1})")
                 if isinstance(key, (str, int, float, bool)):
                     seen.add(key)
             return super().construct_mapping(node, deep=deep)
