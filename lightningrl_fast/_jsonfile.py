@@ -1,12 +1,16 @@
-"""Reading one JSON file of a checkpoint or tokenizer folder, with errors that name the file.
+"""Reading one JSON file with errors that name the file, and writing one text file atomically.
 
-Shared by checkpoint.py (config.json, the weight index) and tokenizer.py (tokenizer_config.json, vocab.json,
-generation_config.json, ...): the error class differs (CheckpointError / ValueError), the checks do not.
+Reading is shared by checkpoint.py (config.json, the weight index) and tokenizer.py (tokenizer_config.json,
+vocab.json, generation_config.json, ...): the error class differs (CheckpointError / ValueError), the checks do
+not. `write_text_atomic` is the one whole-file writer of the run and results files (train's summary and run
+config, the metrics log's rewrite on resume, a run's `latest`, eval's results JSON).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +50,36 @@ def read_json_file(path: Path, expect: type | None = dict, error: type[Exception
         raise error(f"{path} must hold a JSON {'object' if expect is dict else expect.__name__}, "
                     f"got {type(doc).__name__}")
     return doc
+
+
+def temp_sibling(path: Path) -> Path:
+    """A hidden temporary name next to `path` (same folder, so the rename is atomic), unique to this process and
+    call: two writers of one file never share a temporary."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def write_text_atomic(path: str | Path, text: str, sync_dir: bool = False) -> None:
+    """Write `text` (UTF-8) to `path` through a temporary sibling that is flushed to the disk and then renamed
+    into place: an interrupted or failed write leaves the earlier file (or none), never part of one, and the
+    temporary is removed on any exit. `sync_dir` also syncs the folder, so the rename itself survives a crash."""
+    path = Path(path)
+    tmp = temp_sibling(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            try:
+                os.fsync(f.fileno())
+            except OSError:  # a file system without fsync (EINVAL) is not an error
+                pass
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if sync_dir:
+        fd = os.open(str(path.parent), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        except OSError:  # directories on some file systems
+            pass
+        finally:
+            os.close(fd)

@@ -78,8 +78,8 @@ try:  # torch and the package load for seconds: a Ctrl-C meanwhile is main's one
         plot_curves,
         results_path,
         run_points,
-        write_atomic,
     )
+    from ._jsonfile import write_text_atomic
     from .rl import distributed
     from .rl.distributed import SINGLE, DistEnv, all_gather
     from .sampler import Decoder, prompt_fit_problem
@@ -476,7 +476,7 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, label, overlays, 
     try:
         check_results_target(json_path, model_dir)  # again: another run may have written it meanwhile
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(json_path, json.dumps(json_safe(res), indent=2, allow_nan=False) + "\n")
+        write_text_atomic(json_path, json.dumps(json_safe(res), indent=2, allow_nan=False) + "\n")
     except CLIError:
         print(format_table(res))  # the numbers are not lost with the file
         raise

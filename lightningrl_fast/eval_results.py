@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ._cli import CLIError
+from ._jsonfile import temp_sibling
 
 
 AUP_ALPHA = 3.0
@@ -145,26 +146,6 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def _temp_sibling(path: Path) -> Path:
-    """A hidden temporary name next to `path` (same folder: the rename is atomic), unique to this process."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` through a temporary sibling renamed into place: an interrupted or failed write
-    leaves the earlier file (or none), never part of one; the temporary file is removed on any exit."""
-    path = Path(path)
-    tmp = _temp_sibling(path)
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def plot_curves(runs: Sequence[dict], path: str | Path, title: str = "") -> bool:
     """Accuracy (%) vs mean TPF, one line per run (label and AUP in the legend; thresholds annotated).
 
@@ -208,7 +189,7 @@ def plot_curves(runs: Sequence[dict], path: str | Path, title: str = "") -> bool
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(path)  # written whole, then renamed (as the results JSON)
+    tmp = temp_sibling(path)  # written whole, then renamed (as the results JSON)
     try:
         fig.savefig(tmp, format=path.suffix[1:] or "png")
         os.replace(tmp, path)

@@ -39,7 +39,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -48,6 +47,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ._jsonfile import write_text_atomic
 from .config import OPTIONS, RUN_CONFIG, ConfigError, TrainConfig, cache_root, parse_config
 from .rl.distributed import SINGLE, DistEnv
 from .tasks import is_correct_batch
@@ -419,9 +419,7 @@ def _eval_sweep(ctx: RunContext, label: str, say) -> dict:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, allow_nan=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2, allow_nan=True) + "\n")
 
 
 def _report(ctx: RunContext, before: dict, after: dict, label: str, history: list, evals: list, say) -> dict:

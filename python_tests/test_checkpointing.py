@@ -317,3 +317,26 @@ def test_extra_must_be_json(tmp_path):
     state = make_state(tiny_model(), rl_cfg(kl_beta=0.0))
     with pytest.raises(TypeError, match="JSON"):
         save_checkpoint(tmp_path, state, {"bad": object()})
+
+
+def test_write_text_atomic_keeps_the_earlier_file_on_failure(tmp_path, monkeypatch):
+    """The one whole-file writer (run summary, run config, metrics rewrite, `latest`, eval results): a write that
+    fails before the rename leaves the earlier file untouched and no temporary beside it."""
+    from lightningrl_fast import _jsonfile
+
+    target = tmp_path / "summary.json"
+    _jsonfile.write_text_atomic(target, "first\n")
+    assert target.read_text() == "first\n"
+
+    def broken_fsync(fd):
+        raise KeyboardInterrupt  # an interrupt between writing and renaming
+
+    monkeypatch.setattr(_jsonfile.os, "fsync", broken_fsync)
+    with pytest.raises(KeyboardInterrupt):
+        _jsonfile.write_text_atomic(target, "second, never whole\n")
+    assert target.read_text() == "first\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    monkeypatch.undo()
+    _jsonfile.write_text_atomic(target, "ünïcode\n", sync_dir=True)
+    assert target.read_text(encoding="utf-8") == "ünïcode\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from .._jsonfile import write_text_atomic
 from ..checkpoint import CheckpointError, _fsync, _pid_alive, _rename_exchange, checkpoint_files, save_model
 from .distributed import SINGLE, DistEnv, barrier, broadcast
 from .trainer import TrainState
@@ -397,13 +398,7 @@ def save_checkpoint_ranks(env: DistEnv, out_dir: str | Path, state: TrainState, 
 
 
 def _write_latest(out: Path, name: str) -> None:
-    tmp = out / f".{LATEST}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out / LATEST)
-    _fsync(out)
+    write_text_atomic(out / LATEST, name + "\n", sync_dir=True)
 
 
 def _prune(out: Path, keep: int, current: str) -> None:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, TextIO
+
+from .._jsonfile import write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -154,13 +155,7 @@ class RunLogger:
             self._bar = tqdm(total=total_steps, initial=initial_step, desc="RL", file=self.stream, dynamic_ncols=True)
 
     def _rewrite(self) -> None:
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for rec in self.history:
-                f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(json.dumps(rec) + "\n" for rec in self.history))
 
     @property
     def n_logged(self) -> int:
