@@ -127,13 +127,22 @@ def timed_or_none(fn, device, warmup, iters):
         return None
 
 
+MODES = ("greedy", "sample", "pertok", "sample-flat", "pertok-peaked", "pertok-flat")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (reference only, one tiny shape)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     ap.add_argument("--rows", type=ints, default=GPU_ROWS, help="comma-separated row counts (multiples of the block, 32)")
     ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--modes", default="", help="comma-separated subset of the modes (greedy, sample, pertok, "
+                    "sample-flat, pertok-peaked, pertok-flat); default all")
     args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        ap.error(f"--modes: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     if any(r % BLOCK for r in args.rows):
         ap.error(f"--rows must be multiples of the block ({BLOCK}): rows = sequences x {BLOCK}, got {args.rows}")
 
@@ -157,6 +166,8 @@ def main() -> None:
         plan += [(rows, "greedy"), (rows, "sample"), (rows, "pertok")]
         if rows in FLAT_ROWS or not on_gpu:
             plan += [(rows, "sample-flat"), (rows, "pertok-peaked"), (rows, "pertok-flat")]
+    if modes:
+        plan = [(rows, m) for rows, m in plan if m in modes]
 
     rows_out = []
     compiled = None

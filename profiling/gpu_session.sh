@@ -1,26 +1,38 @@
 #!/usr/bin/env bash
-# One lease of a GPU machine, in one command: build the extension there, run the GPU tests, run the
-# benchmarks, check the SASS, and leave every log under $OUT (or ./gpu_out when $OUT is unset).
+# One lease of a GPU machine: build the extension there, run the GPU tests, run the benchmarks, check the SASS,
+# and leave every log under $OUT (or ./gpu_out when $OUT is unset).
 #
 #   bash profiling/gpu_session.sh [stage ...]
 #
-# Stages (default: build tests sass kernels): build (or prebuilt), tests, sass, kernels (unmask, linear, kv_cache, rms_norm, silu_mul, block_attn
-# --quick, grpo_loss), decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32, graphs on, cuBLAS and the
-# skinny-GEMM kernel, the reference child capped at 240 s), pdl (decode at batch 1 with programmatic dependent
-# launch on and off), attn_full (every bench_block_attn shape), rl_step (bench_rl_step.py: the RL training
-# pass, padded vs packed micro-batches, sdar-1.7b), ncu (Nsight Compute of the unmask and block-attention kernels). The build uses $CC / $CXX when set (RESULTS.md, 2026-11-22: launcher messages crashed in a build
-# made with the lent image's /opt/gcc; try CC=/usr/bin/gcc CXX=/usr/bin/g++).
+# A lease is 15 minutes of device time in all (machine start, every call, idle time; profiling/README.md §5), and
+# one call at most 600 s. Two presets fill it, in order of value:
+#   lease1  build, the GPU tests of the decode path (sampler, unmask, block_attn, linear, kv_cache, rms_norm,
+#           silu_mul) and their launcher checks, the SASS mix                                  (~540 s budget)
+#   lease2  build (skipped on the same warm machine), the sdar-8b batch-1 decode row (#3's target), the quick
+#           block-attention and unmask benches                             (budget: what the lease has left)
+# Stages: build, prebuilt, tests, sass, kernels (unmask, linear, kv_cache, rms_norm, silu_mul, block_attn --quick,
+# grpo_loss), decode1 (sdar-8b batch 1, block 4, graphs on, cuBLAS and the skinny-GEMM kernel), attn_quick,
+# unmask_quick, decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32, graphs on, cuBLAS and the skinny-GEMM
+# kernel, the reference child capped at 240 s), pdl (decode at batch 1 with programmatic dependent launch on and
+# off), attn_full (every bench_block_attn shape), rl_step (bench_rl_step.py: the RL training pass, padded vs packed
+# micro-batches, sdar-1.7b), ncu (Nsight Compute of the unmask and block-attention kernels). Default (no stage
+# named): build tests sass kernels, a whole lease's worth and more.
+# The build uses $CC / $CXX when set (RESULTS.md, 2026-11-22: launcher messages crashed in a build made with the
+# lent image's /opt/gcc; try CC=/usr/bin/gcc CXX=/usr/bin/g++). It is skipped when this machine already has the
+# package installed from the same sources (a second call on a warm machine: the install survives between calls;
+# the sources' hash is kept in $LRF_INSTALLED_HASH_FILE, default /tmp/lrf_installed_hash).
 # Each stage has its own time limit so that one hung stage cannot eat the lease, and the whole command has a
-# budget ($GPU_SESSION_BUDGET_S, default 560 s: the device tool kills a call at 600 s, and a killed call returns
+# budget ($GPU_SESSION_BUDGET_S, default 540 s: the device tool kills a call at 600 s, and a killed call returns
 # the logs but none of the stages after the kill): a stage gets at most what is left of it, and a stage that
-# would get less than 30 s is skipped with a line saying so. The logs are plain text; copy the figures into
-# profiling/RESULTS.md with the device, date, commit and shapes.
-# Reusing a build: the build stage leaves the extension gzipped in $OUT/_C-<hash>.so.gz (the uncompressed library
-# is over the 16 MiB a returned file may have; <hash> = src_hash below, of the C++/CUDA sources and the build
-# script). Copy it into .prebuilt/ of the checkout (ignored by git), carry .prebuilt, and start the next call's
-# stages with `prebuilt` instead of `build`: the library goes into the source tree's package and PYTHONPATH
-# points there (same machine image only: same Python, torch and driver). A library built from other sources
-# (csrc/ changed since) is refused.
+# would get less than 30 s is skipped with a line saying so. $GPU_TEST_LIMIT_S caps each test file (default 150 s).
+# The logs are plain text; profiling/results_rows.py turns the bench lines into draft RESULTS.md rows.
+# Reusing a build on a fresh machine: the build stage leaves the extension gzipped in $OUT/_C-<hash>.so.gz (the
+# uncompressed library is over the 16 MiB a returned file may have; <hash> = src_hash below, of the C++/CUDA
+# sources and the build script). Copy it into .prebuilt/ of the checkout (ignored by git), carry .prebuilt, and
+# start the next call's stages with `prebuilt` instead of `build`: the library goes into the source tree's
+# package and PYTHONPATH points there (same machine image only: same Python, torch and driver). A library built
+# from other sources (csrc/ changed since) is refused. The build itself takes ~1-2 minutes on the lent machine's
+# 16 cores (8 translation units in parallel; the longest, bindings.cpp, ~35 s on one core here).
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -28,8 +40,20 @@ export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export MAX_JOBS=${MAX_JOBS:-12} NVCC_THREADS=${NVCC_THREADS:-4} LRF_PTXAS_VERBOSE=1
 REPO=$PWD
 stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(build tests sass kernels)
+DECODE_TESTS="sampler unmask block_attn linear kv_cache rms_norm silu_mul"
+expanded=()
+for s in "${stages[@]}"; do
+  case $s in
+    lease1) expanded+=(build tests sass); export GPU_TESTS=${GPU_TESTS:-$DECODE_TESTS} ;;
+    lease2) expanded+=(build decode1 attn_quick unmask_quick) ;;
+    *) expanded+=("$s") ;;
+  esac
+done
+stages=("${expanded[@]}")
 
-BUDGET=${GPU_SESSION_BUDGET_S:-560}
+BUDGET=${GPU_SESSION_BUDGET_S:-540}
+TEST_LIMIT=${GPU_TEST_LIMIT_S:-150}
+HASH_FILE=${LRF_INSTALLED_HASH_FILE:-/tmp/lrf_installed_hash}
 stage() {  # stage NAME LIMIT_S LOGFILE CMD...
   local name=$1 limit=$2 log=$3; shift 3
   local left=$((BUDGET - SECONDS - 5))
@@ -52,10 +76,16 @@ so_path() { (cd /tmp && python3 -c 'import torch, lightningrl_fast._C as c; prin
 for s in "${stages[@]}"; do
   case $s in
     build)
+      if [ -n "$(so_path)" ] && [ "$(cat "$HASH_FILE" 2>/dev/null)" = "$(src_hash)" ]; then
+        echo "build: skipped, this machine has lightningrl_fast installed from these sources ($(src_hash))" \
+          | tee -a "$OUT/build.log"
+        continue
+      fi
       { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
         nvcc --version | tail -n 2; python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
       } >"$OUT/build.log" 2>&1
       stage build 300 build.log python3 -m pip install --no-build-isolation --no-deps -v . || exit 1
+      src_hash >"$HASH_FILE"
       # The built library travels back so a later call can reuse it (the `prebuilt` stage; see the header).
       gzip -c "$(so_path)" >"$OUT/_C-$(src_hash).so.gz" 2>/dev/null
       # The launcher-message crash of the first lease (RESULTS.md): which libstdc++ the extension was linked
@@ -96,10 +126,10 @@ for s in "${stages[@]}"; do
       fi
       for f in "${files[@]}"; do
         grep -q "mark.gpu" "$f" 2>/dev/null || continue
-        (cd /tmp && stage "tests $(basename "$f")" 240 tests.log python3 -m pytest "$f" -m gpu -q -rfE --durations 5 \
+        (cd /tmp && stage "tests $(basename "$f")" "$TEST_LIMIT" tests.log python3 -m pytest "$f" -m gpu -q -rfE --durations 5 \
             -p no:cacheprovider --timeout 100 -k "not launcher_checks")
       done
-      (cd /tmp && stage "launcher checks" 120 tests.log python3 -m pytest "$REPO/python_tests" -q -rfE \
+      (cd /tmp && stage "launcher checks" 120 tests.log python3 -m pytest "${files[@]}" -q -rfE \
           -p no:cacheprovider --timeout 60 -k "launcher_checks")
       grep -E "^=== tests|passed|failed|error" "$OUT/tests.log" | tail -n 30 ;;
     sass)
@@ -127,6 +157,16 @@ for s in "${stages[@]}"; do
         stage "$b" 150 bench.log python3 profiling/$b
       done
       grep -E '^\{' "$OUT/bench.log" | cut -c1-400 ;;
+    decode1)
+      # #3's target row: sdar-8b, batch 1, block 4, graphs on, both decode GEMMs, steady-state rate included
+      stage bench_decode1 200 bench_decode1.log python3 profiling/bench_decode.py --config sdar-8b --batches 1 \
+        --blocks 4 --graphs on --impl kernels --gemm cublas,kernel --repeats 2 --new-tokens 128 ;;
+    attn_quick)
+      stage "bench_block_attn.py --quick" 150 bench.log python3 profiling/bench_block_attn.py --quick ;;
+    unmask_quick)
+      # greedy and two-level sampling (the default) at 32 / 1024 / 8192 rows, no torch.compile column (minutes)
+      stage "bench_unmask.py quick" 120 bench.log python3 profiling/bench_unmask.py --no-compile --rows 32,1024,8192 \
+        --modes greedy,sample,sample-flat ;;
     attn_full)
       stage bench_block_attn 420 bench_attn_full.log python3 profiling/bench_block_attn.py ;;
     decode)

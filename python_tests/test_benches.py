@@ -175,3 +175,34 @@ def test_gpu_session_prebuilt_stage_and_budget(tmp_path):
     # script starts, cannot fit into 45 s and is skipped with a line instead of the call being killed
     assert re.search(r"=== bench_unmask\.py( \(limit \d+s\)|: skipped)", bench), bench[:500]
     assert re.search(r"=== bench_grpo_loss.py: skipped, -?\d+s left of the 45s budget", bench), bench[-2000:]
+
+
+def test_gpu_session_build_is_skipped_on_a_warm_machine_and_presets_keep_the_budget(tmp_path):
+    """A second call on the same warm machine: `build` does nothing when the installed package was built from
+    these sources (and would build otherwise); the lease presets expand to their stages and keep to the budget."""
+    import shutil
+
+    _installed_extension()
+    repo = tmp_path / "repo"
+    for item in ("csrc", "profiling"):
+        shutil.copytree(REPO / item, repo / item, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copy(REPO / "setup.py", repo / "setup.py")
+    src_hash = subprocess.run(["bash", "-c", "find csrc setup.py -type f | LC_ALL=C sort | xargs sha256sum | "
+                               "sha256sum | cut -c1-12"], cwd=str(repo), capture_output=True, text=True,
+                              check=True).stdout.strip()
+    hash_file = tmp_path / "installed_hash"
+    hash_file.write_text(src_hash + "\n")
+    out = tmp_path / "out"
+    # budget 30: every stage after the (skipped) build gets < 30 s and is skipped, none of them runs here
+    proc = _session(["lease2"], repo, out, LRF_INSTALLED_HASH_FILE=str(hash_file), GPU_SESSION_BUDGET_S="30")
+    assert proc.returncode == 124, proc.stdout + proc.stderr  # the last stage's status: skipped for the budget
+    assert f"build: skipped, this machine has lightningrl_fast installed from these sources ({src_hash})" \
+        in proc.stdout
+    for name in ("bench_decode1", "bench_block_attn.py --quick", "bench_unmask.py quick"):
+        assert f"=== {name}: skipped" in proc.stdout, proc.stdout
+    assert "pip install" not in (out / "build.log").read_text()
+    # other sources installed: the stage would build (checked without building: budget too small to start it)
+    hash_file.write_text("000000000000\n")
+    proc = _session(["build"], repo, out, LRF_INSTALLED_HASH_FILE=str(hash_file), GPU_SESSION_BUDGET_S="30")
+    assert "build: skipped, this machine" not in proc.stdout
+    assert "=== build: skipped" in proc.stdout and proc.returncode == 1
