@@ -124,13 +124,36 @@ for s in "${stages[@]}"; do
           case " ${files[*]} " in *" $f "*) ;; *) files+=("$f") ;; esac
         done
       fi
+      # $GPU_TEST_JOBS files at a time (default 4: the machine has 16 cores and the tests are small on the GPU),
+      # each under its own limit (at most $GPU_TEST_LIMIT_S, at most what the budget has left when it starts);
+      # -v, so a file cut off at its limit still reports each test it finished. Logs are joined in file order.
+      parts=$OUT/tests_parts; mkdir -p "$parts"
+      # per-test time limits when pytest-timeout is there (it is on the lent image; the stage runs without it too)
+      per_test=(); python3 -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout 100)
       for f in "${files[@]}"; do
         grep -q "mark.gpu" "$f" 2>/dev/null || continue
-        (cd /tmp && stage "tests $(basename "$f")" "$TEST_LIMIT" tests.log python3 -m pytest "$f" -m gpu -q -rfE --durations 5 \
-            -p no:cacheprovider --timeout 100 -k "not launcher_checks")
+        while [ "$(jobs -rp | wc -l)" -ge "${GPU_TEST_JOBS:-4}" ]; do wait -n; done
+        name=$(basename "$f"); left=$((BUDGET - SECONDS - 5)); limit=$TEST_LIMIT
+        if [ "$left" -lt 30 ]; then
+          echo "=== tests $name: skipped, ${left}s left of the ${BUDGET}s budget" | tee "$parts/$name.log"
+          continue
+        fi
+        [ "$limit" -gt "$left" ] && limit=$left
+        echo "=== tests $name (limit ${limit}s)"
+        ( t0=$(date +%s)
+          cd /tmp && timeout -k 10 "$limit" python3 -m pytest "$f" -m gpu -v -rfE --durations 5 -p no:cacheprovider \
+            "${per_test[@]}" -k "not launcher_checks" >"$parts/$name.log" 2>&1
+          rc=$?
+          echo "=== tests $name: rc=$rc in $(($(date +%s) - t0))s (limit ${limit}s)" | tee -a "$parts/$name.log"
+        ) &
       done
+      wait
+      for f in "${files[@]}"; do
+        [ -f "$parts/$(basename "$f").log" ] && cat "$parts/$(basename "$f").log" >>"$OUT/tests.log"
+      done
+      rm -rf "$parts"
       (cd /tmp && stage "launcher checks" 120 tests.log python3 -m pytest "${files[@]}" -q -rfE \
-          -p no:cacheprovider --timeout 60 -k "launcher_checks")
+          -p no:cacheprovider "${per_test[@]/100/60}" -k "launcher_checks")
       grep -E "^=== tests|passed|failed|error" "$OUT/tests.log" | tail -n 30 ;;
     sass)
       so=$(so_path)

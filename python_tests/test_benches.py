@@ -206,3 +206,19 @@ def test_gpu_session_build_is_skipped_on_a_warm_machine_and_presets_keep_the_bud
     proc = _session(["build"], repo, out, LRF_INSTALLED_HASH_FILE=str(hash_file), GPU_SESSION_BUDGET_S="30")
     assert "build: skipped, this machine" not in proc.stdout
     assert "=== build: skipped" in proc.stdout and proc.returncode == 1
+
+
+def test_gpu_session_tests_stage_runs_files_in_parallel_and_joins_their_logs(tmp_path):
+    """The tests stage runs one pytest per file, several at once, and joins their logs in file order (here without
+    a GPU: every GPU test skips, so each file's run ends at once with rc 0)."""
+    _installed_extension()
+    out = tmp_path / "out"
+    proc = _session(["tests"], REPO, out, GPU_TESTS="rms_norm silu_mul linear", GPU_TEST_JOBS="2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = (out / "tests.log").read_text()
+    heads = [line.split()[2] for line in log.splitlines() if line.startswith("=== tests ") and "rc=" in line]
+    assert heads == ["test_rms_norm.py:", "test_silu_mul.py:", "test_linear.py:"], log[-3000:]
+    assert sum(line.startswith("=== tests ") and "rc=0 in" in line for line in log.splitlines()) == 3
+    assert "skipped" in log
+    assert "=== launcher checks: rc=" in log
+    assert not (out / "tests_parts").exists()
