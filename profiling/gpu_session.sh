@@ -6,8 +6,8 @@
 #
 # A lease is 15 minutes of device time in all (machine start, every call, idle time; profiling/README.md §5), and
 # one call at most 600 s. Two presets fill it, in order of value:
-#   lease1  build, the GPU tests of the decode path (sampler, unmask, block_attn, linear, kv_cache, rms_norm,
-#           silu_mul) and their launcher checks, the SASS mix                                  (~540 s budget)
+#   lease1  build, the SASS mix, the launcher checks, then every GPU test file, 4 at a time, the decode path
+#           first, the files that compile FlexAttention or run whole CLIs last                 (~540 s budget)
 #   lease2  build (skipped on the same warm machine), the sdar-8b batch-1 decode row (#3's target), the quick
 #           block-attention and unmask benches                             (budget: what the lease has left)
 # Stages: build, prebuilt, tests, sass, kernels (unmask, linear, kv_cache, rms_norm, silu_mul, block_attn --quick,
@@ -40,11 +40,10 @@ export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export MAX_JOBS=${MAX_JOBS:-12} NVCC_THREADS=${NVCC_THREADS:-4} LRF_PTXAS_VERBOSE=1
 REPO=$PWD
 stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(build tests sass kernels)
-DECODE_TESTS="sampler unmask block_attn linear kv_cache rms_norm silu_mul"
 expanded=()
 for s in "${stages[@]}"; do
   case $s in
-    lease1) expanded+=(build tests sass); export GPU_TESTS=${GPU_TESTS:-$DECODE_TESTS} ;;
+    lease1) expanded+=(build sass tests) ;;
     lease2) expanded+=(build decode1 attn_quick unmask_quick) ;;
     *) expanded+=("$s") ;;
   esac
@@ -111,12 +110,12 @@ for s in "${stages[@]}"; do
     tests)
       # One pytest process per file, from a directory outside the checkout (so the installed package with _C is
       # the one imported): a crash in one file loses only that file's results.
-      # The launcher-check tests run last, on their own: on the lent image a launcher error message with a number
-      # in it crashed the process (RESULTS.md, 2026-11-22), which would lose the tests after it.
+      # The launcher-check tests run first, in a process of their own: on the lent image a launcher error message
+      # with a number in it crashed the process (RESULTS.md, 2026-11-22), which would lose the tests beside it.
       # $GPU_TESTS narrows the files (e.g. "unmask block_attn"); the default is every file with GPU tests, the
       # decode path first (its CUDA-graph tests have not all run on hardware) and last the files that compile
       # FlexAttention per shape or run whole CLIs (minutes): a budget spent early skips those, not the decode tests
-      order="sampler unmask block_attn kv_cache rms_norm silu_mul linear generate checkpoint grpo_loss masked_attn rl
+      order="sampler unmask block_attn linear kv_cache rms_norm silu_mul grpo_loss generate checkpoint masked_attn rl
              sft train distributed"
       files=(); for t in ${GPU_TESTS:-$order}; do files+=("$REPO/python_tests/test_$t.py"); done
       if [ -z "${GPU_TESTS:-}" ]; then  # any other file with GPU tests, after those
@@ -124,12 +123,14 @@ for s in "${stages[@]}"; do
           case " ${files[*]} " in *" $f "*) ;; *) files+=("$f") ;; esac
         done
       fi
+      # per-test time limits when pytest-timeout is there (it is on the lent image; the stage runs without it too)
+      per_test=(); python3 -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout 100)
+      (cd /tmp && stage "launcher checks" 120 tests.log python3 -m pytest "${files[@]}" -q -rfE \
+          -p no:cacheprovider "${per_test[@]/100/60}" -k "launcher_checks")
       # $GPU_TEST_JOBS files at a time (default 4: the machine has 16 cores and the tests are small on the GPU),
       # each under its own limit (at most $GPU_TEST_LIMIT_S, at most what the budget has left when it starts);
       # -v, so a file cut off at its limit still reports each test it finished. Logs are joined in file order.
       parts=$OUT/tests_parts; mkdir -p "$parts"
-      # per-test time limits when pytest-timeout is there (it is on the lent image; the stage runs without it too)
-      per_test=(); python3 -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout 100)
       for f in "${files[@]}"; do
         grep -q "mark.gpu" "$f" 2>/dev/null || continue
         while [ "$(jobs -rp | wc -l)" -ge "${GPU_TEST_JOBS:-4}" ]; do wait -n; done
@@ -152,8 +153,6 @@ for s in "${stages[@]}"; do
         [ -f "$parts/$(basename "$f").log" ] && cat "$parts/$(basename "$f").log" >>"$OUT/tests.log"
       done
       rm -rf "$parts"
-      (cd /tmp && stage "launcher checks" 120 tests.log python3 -m pytest "${files[@]}" -q -rfE \
-          -p no:cacheprovider "${per_test[@]/100/60}" -k "launcher_checks")
       grep -E "^=== tests|passed|failed|error" "$OUT/tests.log" | tail -n 30 ;;
     sass)
       so=$(so_path)
