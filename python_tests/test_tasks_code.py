@@ -180,7 +180,31 @@ def test_stdlib_only_by_default_site_packages_on_request():
     prog.solution = "import json, heapq, collections, fractions, re\n"
     assert run_program(prog).passed
     prog.solution = "import pytest\n"
+    from lightningrl_fast.tasks.code import hidden_site_dirs
+
+    if hidden_site_dirs():  # an environment under /tmp: refused with an error (the next test)
+        pytest.skip(f"this interpreter's site-packages {hidden_site_dirs()[0]} is under the sandbox's private /tmp")
     assert run_program(prog, SandboxConfig(allow_site_packages=True, python_guard=False)).passed
+
+
+def test_site_packages_hidden_by_the_private_tmp_is_a_clear_error(monkeypatch, tmp_path):
+    """allow_site_packages with an environment under /tmp (a venv made there): the namespaced run covers /tmp with
+    a private tmpfs, so every import from it would fail as the program's fault; the config is refused instead."""
+    import site
+
+    import lightningrl_fast.tasks.code as code_mod
+
+    if not code_mod.sandbox_capabilities()["unshare"]:
+        pytest.skip("no mount namespaces here: nothing is hidden")
+    fake = tmp_path / "venv" / "lib" / "site-packages"
+    fake.mkdir(parents=True)
+    assert str(fake).startswith("/tmp/")  # pytest's tmp_path lives under /tmp here
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(fake)])
+    prog = CodeProgram("import json\n", ["assert True"])
+    with pytest.raises(ValueError, match=r"site-packages .*venv/lib/site-packages lies under /tmp, /var/tmp, /dev/shm"):
+        run_program(prog, SandboxConfig(allow_site_packages=True, python_guard=False))
+    assert run_program(prog).passed  # without site-packages nothing is refused
+    assert run_program(prog, SandboxConfig(allow_site_packages=True, python_guard=False, use_namespaces=False)).passed
 
 
 def test_a_sandbox_that_cannot_start_is_an_error_not_a_pass(monkeypatch, tmp_path):

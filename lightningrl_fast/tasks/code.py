@@ -124,6 +124,17 @@ __all__ = [
 ]
 
 _HARNESS = str(Path(__file__).with_name("_sandbox_harness.py"))
+_PRIVATE_MOUNTS = ("/tmp", "/var/tmp", "/dev/shm")  # the harness mounts a private tmpfs over each (namespaced runs)
+
+
+def hidden_site_dirs() -> list[str]:
+    """This interpreter's site-packages folders that a namespaced run cannot see (they lie under a folder the
+    sandbox covers with a private tmpfs: a virtual environment created in /tmp, say)."""
+    import site
+
+    dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
+    return [d for d in dirs if os.path.isdir(d) and any(
+        os.path.realpath(d) == m or os.path.realpath(d).startswith(m + "/") for m in _PRIVATE_MOUNTS)]
 _NS_FLAGS = ["--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
 
 
@@ -436,6 +447,13 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
     n_tests = len(program.tests)
     layers = ["rlimits", "session", "clean_env"]
     prefix = caps["unshare"] if cfg.use_namespaces else None
+    if prefix and cfg.allow_site_packages:
+        hidden = hidden_site_dirs()
+        if hidden:
+            raise ValueError(
+                f"SandboxConfig(allow_site_packages=True): this interpreter's site-packages {hidden[0]} lies under "
+                f"{', '.join(_PRIVATE_MOUNTS)}, which the sandbox covers with a private tmpfs, so programs could not "
+                "import from it; use an environment installed elsewhere, or use_namespaces=False")
     slot: _UidSlot | None = None
     tmp: str | None = None
     proc = None
