@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (copy_bandwidth_gbs, device_name, emit_json, graph_time_us, print_table, rotation,  # noqa: E402
+from common import (RowLog, copy_bandwidth_gbs, device_name, emit_json, graph_time_us, print_table, rotation,  # noqa: E402
                     time_fn)
 
 from lightningrl_fast import _ext  # noqa: E402
@@ -313,7 +313,8 @@ def main() -> None:
     bw = copy_bandwidth_gbs(device)
     print(f"device: {device_name(device)}; copy bandwidth {bw:.0f} GB/s; Hq={HQ} Hkv={HKV} D={D} {str(dtype)[6:]}")
 
-    rows = []
+    rows = RowLog("block_attention", device=device_name(device), copy_gbs=round(bw, 1), dtype=str(dtype)[6:],
+                  hq=HQ, hkv=HKV, head_dim=D)
     for B, L, bs, C in decode:
         rows.append(bench_row("decode", B, L, bs, C, dtype, device, kernels, bw, not args.no_baselines))
     for B, P, bs in prefill:

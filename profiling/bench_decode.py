@@ -64,7 +64,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, device_name, emit_json, ints, print_table  # noqa: E402
+from common import RowLog, copy_bandwidth_gbs, device_name, emit_json, ints, print_table  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import SDARConfig, SDARForCausalLM, build_model  # noqa: E402
@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> None:
         for n in notes:
             print(f"note: {n}")
 
-    rows = []
+    rows = RowLog("decode", device=device_name(device), config=args.config, dtype=str(dtype)[6:], tpf=args.tpf,
+                  prompt_len=args.prompt_len, new_tokens=args.new_tokens, copy_gbs=round(args.copy_gbs, 1))
     trace = args.torch_trace
     for impl in local:
         combos = ([(a, m, d) for a in args.attn for m in args.gemm for d in args.pdl] if impl == "kernels"
@@ -318,7 +319,6 @@ def main(argv: list[str] | None = None) -> None:
                         with env_setting(ATTN_ENV, attn), env_setting(GEMM_ENV, gemm), env_setting(PDL_ENV, pdl_env):
                             rows.append({**run_combo(model, device, batch, block, g, impl, args, trace), "attn": attn,
                                          "gemm": gemm, "pdl": pdl})
-                        print(f"done: {rows[-1]}", file=sys.stderr, flush=True)  # progress, if a later one hangs
                         trace = None
     if args.child:
         emit_json("decode", rows=rows)

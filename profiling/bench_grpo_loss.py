@@ -28,7 +28,7 @@ import torch
 import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_name, emit_json, print_table, time_fn  # noqa: E402
+from common import RowLog, device_name, emit_json, print_table, time_fn  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops import grpo_loss as gl  # noqa: E402
@@ -145,7 +145,7 @@ def main() -> None:
     print(f"device: {device_name(device)}; T={T} H={H} V={V} {str(dtype)[6:]}; {nseq} sequences; "
           f"useful work 6 T H V = {flops / 1e12:.2f} TFLOP")
 
-    rows = []
+    rows = RowLog("grpo_loss", device=device_name(device), dtype=str(dtype)[6:])
 
     def add(name, fn, chunk=None):
         try:

@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (copy_bandwidth_gbs, device_name, emit_json, graph_time_us, print_table, rotation,  # noqa: E402
+from common import (RowLog, copy_bandwidth_gbs, device_name, emit_json, graph_time_us, print_table, rotation,  # noqa: E402
                     time_fn)
 
 from lightningrl_fast import _ext  # noqa: E402
@@ -63,7 +63,7 @@ def main() -> None:
     bw = copy_bandwidth_gbs(device)
     print(f"device: {device_name(device)}; copy bandwidth {bw:.0f} GB/s; Hkv={H} D={D} {str(dtype)[6:]}")
 
-    rows = []
+    rows = RowLog("kv_cache_write", device=device_name(device), copy_gbs=round(bw, 1), dtype=str(dtype)[6:])
     for B, C, L in GPU_SHAPES if on_gpu else CPU_SHAPES:
         t = make(B, C, L, H, D, dtype, device)
         nbytes = 2 * 2 * t[2].numel() * t[2].element_size()  # k and v, read + write

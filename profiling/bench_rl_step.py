@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import make_model  # noqa: E402  (random weights of a named config, straight on the device)
-from common import device_name, emit_json, ints, print_table, time_fn  # noqa: E402
+from common import RowLog, device_name, emit_json, ints, print_table, time_fn  # noqa: E402
 
 from lightningrl_fast.ops.grpo_loss import fused_linear_grpo_loss, linear_logprobs  # noqa: E402
 from lightningrl_fast.ops.masked_attn import MaskLayout  # noqa: E402
@@ -171,7 +171,8 @@ def main() -> None:
     seqs, smap, plens, rlens = synthetic_batch(samples, prompt, response, block, tpf, args.truncated,
                                                cfg.vocab_size, cfg.mask_token_id)
     g = torch.Generator().manual_seed(1)
-    rows, out_modes = [], {}
+    rows, out_modes = RowLog("rl_step", device=device_name(device), config=config,
+                             dtype=str(dtype).replace("torch.", "")), {}
     for mode in modes:
         lb = build_layout_batch(seqs, smap, plens, rlens, block, cfg.mask_token_id, mode)
         packed = list(micro_batches(lb, range(samples), budget, device, cfg.mask_token_id))
@@ -209,16 +210,18 @@ def main() -> None:
         for p in passes:
             if p == "train":
                 model.train()
-            times = {}
+            times, pair = {}, []
             for path in ("padded", "packed"):
                 ms, peak = measure(fns[(p, path)], device, warmup=1, iters=args.iters)
                 model.zero_grad(set_to_none=True)
                 times[path] = ms
                 positions, forwards = geometry[path]
-                rows.append({"mode": mode, "pass": p, "path": path, "forwards": forwards, "positions": positions,
+                pair.append({"mode": mode, "pass": p, "path": path, "forwards": forwards, "positions": positions,
                              "fill": used / positions, "ms": ms,
                              "ktok/s": lb.num_tokens / ms, "x": float("nan"), "peak_GiB": peak})
-            rows[-1]["x"] = times["padded"] / times["packed"]
+            pair[-1]["x"] = times["padded"] / times["packed"]
+            for row in pair:
+                rows.append(row)
             model.eval()
     print(f"device {device_name(device)}, config {config} {str(dtype).replace('torch.', '')}, {samples} samples, "
           f"prompt {prompt}, response {response}, block {block}, tpf {tpf}, budget {budget}"

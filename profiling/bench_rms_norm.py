@@ -26,7 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, device_name, device_time_us, emit_json, print_table, time_fn  # noqa: E402
+from common import RowLog, copy_bandwidth_gbs, device_name, device_time_us, emit_json, print_table, time_fn  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import rope_cos_sin  # noqa: E402
@@ -78,7 +78,7 @@ def main() -> None:
         compiled_rope = torch.compile(qk_norm_rope_reference)
         compiled_add = torch.compile(add_rms_norm_reference)
 
-    rows = []
+    rows = RowLog("rms_norm", device=device_name(device), copy_gbs=round(bw, 1), dtype=str(dtype)[6:])
     for tokens in (8, 256, 2048) if on_gpu else (8,):
         x, w, q, k, wd, cos, sin, r, qk = inputs(tokens, hidden, hq, hkv, d, dtype, device)
         xb, cb = x.numel() * x.element_size(), 2 * cos.numel() * cos.element_size()

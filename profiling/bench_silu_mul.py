@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, device_name, device_time_us, emit_json, print_table, rotation  # noqa: E402
+from common import RowLog, copy_bandwidth_gbs, device_name, device_time_us, emit_json, print_table, rotation  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.silu_mul import silu_mul_reference  # noqa: E402
@@ -49,7 +49,7 @@ def main() -> None:
           f"kernels {'yes' if kernels else 'no (reference only)'}")
     compiled = torch.compile(silu_mul_reference) if on_gpu and not args.no_compile else None
 
-    rows = []
+    rows = RowLog("silu_mul", device=device_name(device), copy_gbs=round(bw, 1), dtype=str(dtype)[6:])
     for tokens in (8, 256, 2048, 16384) if on_gpu else (8, 64):
         g = torch.Generator(device=device).manual_seed(tokens)
         one = torch.randn(tokens, 2 * inner, generator=g, device=device).mul_(3).to(dtype)

@@ -34,7 +34,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, device_name, emit_json, ints, print_table, time_fn  # noqa: E402
+from common import RowLog, copy_bandwidth_gbs, device_name, emit_json, ints, print_table, time_fn  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.unmask import threshold_unmask, threshold_unmask_reference  # noqa: E402
@@ -169,7 +169,8 @@ def main() -> None:
     if modes:
         plan = [(rows, m) for rows, m in plan if m in modes]
 
-    rows_out = []
+    rows_out = RowLog("threshold_unmask", device=device_name(device), copy_gbs=round(bw, 1), dtype=str(dtype)[6:],
+                        vocab=vocab)
     compiled = None
     if not args.no_compile:
         for knob in ("recompile_limit", "cache_size_limit"):  # one compilation per (shape, mode): keep them all

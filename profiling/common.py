@@ -12,6 +12,9 @@
 * `ints("1,8,64")`: an argparse type for comma-separated positive integers (a clear usage error otherwise).
 * `print_table(rows)`: one aligned table; `emit_json(bench, **fields)`: the ONE final JSON line a script ends
   with (`python profiling/bench_x.py | tail -n 1` is machine-readable).
+* `RowLog(bench, **fields)`: the list a script collects its rows in; each row is also written to stderr as it is
+  measured (`{"bench_row": ...}`), so a script stopped at a time limit (gpu_session.sh) leaves what it measured,
+  and profiling/results_rows.py uses those lines where the final one is missing. stdout stays one table + one line.
 
 Run a script as `python profiling/bench_<op>.py` from the repository root (the package must be installed
 with its extension to time the kernels).
@@ -143,6 +146,21 @@ def print_table(rows: Sequence[dict], file=sys.stdout) -> None:
     print("  ".join("-" * w for w in widths), file=file)
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)), file=file)
+
+
+class RowLog(list):
+    """A benchmark's rows; `append` also writes the row at once to stderr as one JSON line
+    `{"bench_row": bench, "line": fields, "row": row}` (fields: what the final line says of every row: device,
+    copy_gbs, dtype, ...), flushed, for a run that does not reach its final line."""
+
+    def __init__(self, bench: str, **fields) -> None:
+        super().__init__()
+        self.bench, self.fields = bench, fields
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        print(json.dumps({"bench_row": self.bench, "line": self.fields, "row": row}, default=str), file=sys.stderr,
+              flush=True)
 
 
 def emit_json(bench: str, **fields) -> None:

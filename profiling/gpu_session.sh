@@ -178,7 +178,7 @@ for s in "${stages[@]}"; do
           bench_grpo_loss.py; do
         stage "$b" 150 bench.log python3 profiling/$b
       done
-      grep -E '^\{' "$OUT/bench.log" | cut -c1-400 ;;
+      grep -E '^\{"bench"' "$OUT/bench.log" | cut -c1-400 ;;
     decode1)
       # #3's target row: sdar-8b, batch 1, block 4, graphs on, both decode GEMMs, steady-state rate included
       stage bench_decode1 200 bench_decode1.log python3 profiling/bench_decode.py --config sdar-8b --batches 1 \

@@ -14,7 +14,9 @@ and speed-ups (`%...`, `... %bw`, `x_...`, `..._x`, `vs_...`) to **ratio**, text
 **notes**, everything else (sizes, modes, implementation names) to **shapes**, after the line's own shape fields
 (dtype, config, vocab, heads, ...). The rows are drafts: read them against the log, then add what a number means
 (met / not met, the target) in the notes before pasting them into RESULTS.md. Rows of a CPU run are dropped
-unless `--cpu` is given (RESULTS.md holds GPU figures only).
+unless `--cpu` is given (RESULTS.md holds GPU figures only). A bench stopped before its final line (a stage's
+time limit) still has the rows it wrote to stderr as it measured them (`{"bench_row": ...}` lines,
+common.RowLog): those become rows with the note "partial".
 """
 
 from __future__ import annotations
@@ -61,8 +63,12 @@ def fmt(value: Any) -> str:
 
 
 def json_lines(paths: Iterable[Path]) -> Iterable[tuple[Path, dict]]:
-    """(file, object) for every line of the files that parses as a JSON object with a "bench" key."""
+    """(file, object) for every benchmark JSON line of the files: each final line (a "bench" key) as it is, and
+    the rows a bench wrote as it measured them (`{"bench_row": ...}`, common.RowLog) gathered into one line of
+    their own where no final line of that bench follows them in the file: a bench stopped at its time limit.
+    Such a line carries `"partial": true` and each of its rows a note saying so."""
     for path in paths:
+        pending: dict[str, dict] = {}  # bench -> a line made of its rows so far
         for line in path.read_text(errors="replace").splitlines():
             line = line.strip()
             if not line.startswith("{"):
@@ -71,8 +77,17 @@ def json_lines(paths: Iterable[Path]) -> Iterable[tuple[Path, dict]]:
                 obj = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(obj, dict) and "bench" in obj:
+            if not isinstance(obj, dict):
+                continue
+            if "bench_row" in obj and isinstance(obj.get("line"), dict) and isinstance(obj.get("row"), dict):
+                bench = str(obj["bench_row"])
+                part = pending.setdefault(bench, {"bench": bench, **obj["line"], "partial": True, "rows": []})
+                part["rows"].append({**obj["row"], "note": "partial: the bench stopped before its final line"})
+            elif "bench" in obj:
+                pending.pop(str(obj["bench"]), None)  # the final line holds every row
                 yield path, obj
+        for part in pending.values():
+            yield path, part
 
 
 def rows_of(obj: dict, commit: str, date: str) -> list[str]:

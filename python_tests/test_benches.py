@@ -53,6 +53,18 @@ def test_bench_runs_on_cpu_and_ends_with_one_json_line(script, args, name, timin
     if rows is None:  # bench_grpo_loss: one entry per implementation
         rows = [v for v in result.values() if isinstance(v, dict)] or result.get("results", [])
     assert rows, f"{script}: no rows in {sorted(result)}"
+    # each row was also written to stderr as it was measured (common.RowLog): what a stopped bench leaves
+    progress = [json.loads(ln) for ln in proc.stderr.splitlines() if ln.startswith('{"bench_row"')]
+    def same(a, b):  # the final line may round what the row line gives in full
+        if isinstance(a, float) and isinstance(b, (int, float)):
+            return math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-3) or (math.isnan(a) and math.isnan(b))
+        return a == b
+
+    assert len(progress) == len(result["rows"]), (script, proc.stderr[-2000:])
+    for p, row in zip(progress, result["rows"]):
+        assert p["row"].keys() == row.keys() and all(same(p["row"][k], row[k]) for k in row), (p["row"], row)
+    assert {p["bench_row"] for p in progress} == {name} and all(p["line"]["device"] == result["device"]
+                                                                 for p in progress)
     if name == "grpo_loss":  # the CPU run times the reference and the dense loss
         assert {"reference", "dense"} <= {row.get("path") for row in rows}, rows
     if timing is not None:
@@ -97,6 +109,23 @@ def test_results_rows_turns_json_lines_into_results_md_rows(tmp_path):
     assert shapes.startswith("config sdar-8b; dtype bfloat16; tpf 4") and "batch 1" in shapes and "impl kernels" in shapes
     assert result == "fwd/s 151.2; tok/s 604.9; steady fwd/s 160.0"
     assert bound == "bound 196.8" and ratio == "%bw 76.8; steady %bw 81.3" and notes == "on"
+    # a bench stopped before its final line: the rows it wrote as it measured them, noted "partial"; rows of a
+    # bench whose final line follows them are not repeated
+    part = tmp_path / "bench.log"
+    line = {"device": "NVIDIA H200", "copy_gbs": 4100.0, "dtype": "bfloat16", "hq": 32}
+    part.write_text("\n".join(json.dumps(x) for x in [
+        {"bench_row": "threshold_unmask", "line": {"device": "NVIDIA H200"}, "row": {"rows": 32, "kernel_us": 9.0}},
+        {"bench": "threshold_unmask", "device": "NVIDIA H200", "rows": [{"rows": 32, "kernel_us": 9.0}]},
+        {"bench_row": "block_attention", "line": line, "row": {"B": 1, "block": 4, "kernel_us": 20.5}},
+        {"bench_row": "block_attention", "line": line, "row": {"B": 32, "block": 32, "kernel_us": 99.0}},
+    ]) + "\n=== bench_block_attn.py --quick: rc=124 in 150s\n")
+    objs = [obj for _, obj in results_rows.json_lines([part])]
+    assert [(o["bench"], o.get("partial", False), len(o["rows"])) for o in objs] == [
+        ("threshold_unmask", False, 1), ("block_attention", True, 2)]
+    rows = results_rows.rows_of(objs[1], "abc1234", "2026-11-28")
+    assert len(rows) == 2 and all("partial: the bench stopped before its final line" in r for r in rows)
+    assert rows[0].startswith("| NVIDIA H200 (4100) |") and "dtype bfloat16; hq 32; B 1; block 4" in rows[0]
+    assert "block 32" in rows[1] and "kernel_us 99.0" in rows[1]
     # the CLI drops CPU rows unless asked, and names a missing file
     cli = [sys.executable, str(REPO / "profiling" / "results_rows.py"), str(log), "--commit", "3d3d72e"]
     out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
