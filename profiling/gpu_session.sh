@@ -6,10 +6,11 @@
 #
 # A lease is 15 minutes of device time in all (machine start, every call, idle time; profiling/README.md §5), and
 # one call at most 600 s. Two presets fill it, in order of value:
-#   lease1  build, the SASS mix, the launcher checks, then every GPU test file, 4 at a time, the decode path
-#           first, the files that compile FlexAttention or run whole CLIs last                 (~540 s budget)
-#   lease2  build (skipped on the same warm machine), the sdar-8b batch-1 decode row (#3's target), the quick
-#           block-attention and unmask benches                             (budget: what the lease has left)
+#   lease1  build, the SASS mix, the sdar-8b batch-1 decode row (#3's target), the launcher checks, then every
+#           GPU test file, 4 at a time, the decode path first, the files that compile FlexAttention or run whole
+#           CLIs last                                                                             (~540 s budget)
+#   lease2  build (skipped on the same warm machine), the quick block-attention and unmask benches
+#                                                                           (budget: what the lease has left)
 # Stages: build, prebuilt, tests, sass, kernels (unmask, linear, kv_cache, rms_norm, silu_mul, block_attn --quick,
 # grpo_loss), decode1 (sdar-8b batch 1, block 4, graphs on, cuBLAS and the skinny-GEMM kernel), attn_quick,
 # unmask_quick, decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32, graphs on, cuBLAS and the skinny-GEMM
@@ -43,8 +44,8 @@ stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(build tests sass kernels)
 expanded=()
 for s in "${stages[@]}"; do
   case $s in
-    lease1) expanded+=(build sass tests) ;;
-    lease2) expanded+=(build decode1 attn_quick unmask_quick) ;;
+    lease1) expanded+=(build sass decode1 tests) ;;
+    lease2) expanded+=(build attn_quick unmask_quick) ;;
     *) expanded+=("$s") ;;
   esac
 done
