@@ -17,7 +17,7 @@ def _params(dtype, seed=0):
 def _grads(params, step):
     g = torch.Generator().manual_seed(100 + step)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        p.grad = torch.randn(p.shape, generator=g).to(device=p.device, dtype=p.dtype)
 
 
 def test_fp32_parameters_follow_torch_adamw():
@@ -84,3 +84,97 @@ def test_bad_hyper_parameters_are_named():
     with pytest.raises(ValueError, match="lr > 0"):
         MasterAdamW(_params(torch.bfloat16), lr=0.0)
     assert isinstance(make_optimizer(_params(torch.float32), lr=1e-3), torch.optim.AdamW)
+
+
+# ------------------------------------------------------------------------------------------ optimizer offload
+
+def _mixed_params(dtype, seed=0):
+    """Odd sizes, and one parameter that is a strided (transposed) view."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(97, 13, generator=g) * 0.5).to(dtype)),
+            torch.nn.Parameter(torch.randn(123, generator=g).to(dtype)),
+            torch.nn.Parameter(torch.randn(11, 7, generator=g).to(dtype).t())]
+
+
+def _run(params, opt, steps, first=0):
+    for step in range(first, first + steps):
+        _grads(params, step)
+        opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_offloaded_state_is_bit_identical_to_the_resident_one(dtype):
+    """The offloaded step streams the state chunk by chunk (here 10 elements: chunks straddle rows, the last one
+    short) with the resident step's arithmetic: weights, moments and masters equal bit for bit, fp32 included
+    (offloaded fp32 parameters are their own master). The strided parameter goes as one chunk."""
+    a, b = _mixed_params(dtype), _mixed_params(dtype)
+    assert not a[2].is_contiguous()
+    res = MasterAdamW(a, lr=3e-3, betas=(0.9, 0.98), weight_decay=0.1)
+    off = MasterAdamW(b, lr=3e-3, betas=(0.9, 0.98), weight_decay=0.1, offload=True, chunk_elems=10)
+    _run(a, res, 6)
+    _run(b, off, 6)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+        for k in ("exp_avg", "exp_avg_sq", "master"):
+            assert (k in res.state[x]) == (k in off.state[y]) == (k != "master" or dtype != torch.float32)
+            if k in off.state[y]:
+                assert off.state[y][k].device.type == "cpu" and off.state[y][k].is_contiguous()
+                assert torch.equal(res.state[x][k], off.state[y][k].view(x.shape)), k
+
+
+def test_offloaded_state_dict_round_trips_both_ways():
+    """A checkpoint of an offloaded optimizer resumes into a resident one and back, continuing exactly; the
+    loaded state is fp32, in host memory when offloaded and with the parameter otherwise."""
+    a = _params(torch.bfloat16)
+    off = MasterAdamW(a, lr=1e-3, offload=True, chunk_elems=64)
+    _run(a, off, 3)
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    res = MasterAdamW(b, lr=1e-3)
+    res.load_state_dict(copy.deepcopy(off.state_dict()))
+    c = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    off2 = MasterAdamW(c, lr=1e-3, offload=True, chunk_elems=7)
+    off2.load_state_dict(copy.deepcopy(res.state_dict()))
+    assert off2.state[c[0]]["master"].dtype == torch.float32 and off2.state[c[0]]["master"].shape == c[0].shape
+    for params, opt in ((a, off), (b, res), (c, off2)):
+        _run(params, opt, 3, first=3)
+    for x, y, z in zip(a, b, c):
+        assert torch.equal(x, y) and torch.equal(x, z)
+        assert torch.equal(off.state[x]["exp_avg_sq"], off2.state[z]["exp_avg_sq"])
+
+
+def test_offload_options_are_checked_and_chosen():
+    with pytest.raises(ValueError, match="chunk_elems must be a positive int"):
+        MasterAdamW(_params(torch.bfloat16), offload=True, chunk_elems=0)
+    opt = make_optimizer(_params(torch.float32), lr=1e-3, offload=True)  # fp32 too: torch's AdamW keeps it resident
+    assert isinstance(opt, MasterAdamW) and opt.offload
+
+
+@pytest.mark.gpu
+def test_gpu_offloaded_state_lives_in_pinned_host_memory_and_matches():
+    """On a GPU: the offloaded state is pinned host memory, the step equals the resident one bit for bit, and the
+    GPU holds one chunk's state at a time (peak well under the resident state's size)."""
+    dev = torch.device("cuda")
+    a = [torch.nn.Parameter(p.detach().to(dev)) for p in _mixed_params(torch.bfloat16)]
+    a.append(torch.nn.Parameter(torch.randn(1 << 20, device=dev).to(torch.bfloat16)))
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    res = MasterAdamW(a, lr=3e-3, weight_decay=0.1)
+    off = MasterAdamW(b, lr=3e-3, weight_decay=0.1, offload=True, chunk_elems=1 << 16)
+    _run(a, res, 3)
+    _run(b, off, 1)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    _run(b, off, 2, first=1)
+    torch.cuda.synchronize()
+    resident_state = sum(12 * p.numel() for p in b)
+    assert torch.cuda.max_memory_allocated() - base < resident_state / 4
+    sd = off.state_dict()  # waits for the copies back
+    c = [torch.nn.Parameter(p.detach().clone()) for p in b]
+    off2 = MasterAdamW(c, lr=3e-3, weight_decay=0.1, offload=True, chunk_elems=1 << 16)
+    off2.load_state_dict(copy.deepcopy(sd))
+    for x, y, z in zip(a, b, c):
+        assert torch.equal(x, y)
+        for st in (off.state[y], off2.state[z]):  # made by the steps, and loaded from a checkpoint
+            assert all(st[k].device.type == "cpu" and st[k].is_pinned() for k in ("exp_avg", "exp_avg_sq", "master"))
+        assert torch.equal(res.state[x]["master"].cpu(), off.state[y]["master"].view(x.shape))
+    assert len(sd["state"]) == len(b)
