@@ -39,6 +39,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -454,7 +455,9 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     from .rl.trainer import make_state, train_step
 
     cfg, rl, env = ctx.cfg, ctx.cfg.rl, ctx.env
-    check_training_memory(ctx.model, ctx.device, env.world, reference=rl.kl_beta > 0 and not rl.reference_offload)
+    check_training_memory(ctx.model, ctx.device, env.world, reference=rl.kl_beta > 0 and not rl.reference_offload,
+                          optimizer_offload=rl.optimizer_offload, reference_offload=rl.kl_beta > 0 and rl.reference_offload,
+                          ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", env.world)))
     state = make_state(ctx.model, rl, env)
     extra: dict[str, Any] = {}
     metrics_len = None
@@ -681,10 +684,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _load_errors() -> tuple[type[BaseException], ...]:
     from .checkpoint import CheckpointError
+    from .rl.distributed import HostMemoryError
     from .rl.logging import MetricsFileError
     from .tasks.data import DataFormatError
 
-    return (FileNotFoundError, CheckpointError, DataFormatError, MetricsFileError, torch.cuda.OutOfMemoryError)
+    return (FileNotFoundError, CheckpointError, DataFormatError, MetricsFileError, torch.cuda.OutOfMemoryError,
+            HostMemoryError)
 
 
 if __name__ == "__main__":

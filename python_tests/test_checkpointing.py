@@ -340,3 +340,24 @@ def test_write_text_atomic_keeps_the_earlier_file_on_failure(tmp_path, monkeypat
     _jsonfile.write_text_atomic(target, "ünïcode\n", sync_dir=True)
     assert target.read_text(encoding="utf-8") == "ünïcode\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_optimizer_offload_steps_and_resumes_like_the_resident_optimizer(tmp_path):
+    """RL steps with the optimizer state offloaded (RLConfig.optimizer_offload) equal the resident optimizer's bit
+    for bit (bf16 weights: fp32 master + moments either way), and an offloaded run's checkpoint resumes into a
+    resident one exactly (the state dict is the same)."""
+    cfg, cfg_off = rl_cfg(), rl_cfg(optimizer_offload=True)
+    a = make_state(tiny_model().to(torch.bfloat16), cfg)
+    b = make_state(tiny_model().to(torch.bfloat16), cfg_off)
+    assert b.optimizer.offload and not a.optimizer.offload
+    for _ in range(2):
+        step(a, cfg)
+        step(b, cfg_off)
+    assert_same(params(a.model), params(b.model))
+    save_checkpoint(tmp_path, b, config=cfg_off, tokenizer=TOK)
+    c = fresh_state_from(tmp_path / "checkpoint-2", cfg)  # resumed without the offload
+    load_checkpoint(tmp_path, c, config=cfg)
+    assert not c.optimizer.offload
+    m3, m3c = step(a, cfg), step(c, cfg)
+    assert_same(params(c.model), params(a.model))
+    assert m3c["loss"] == m3["loss"] and m3c["grad_norm"] == m3["grad_norm"]

@@ -95,6 +95,32 @@ def test_memory_problem_names_sizes_and_options():
     assert D.memory_problem(4_410_000_000, 2, 1, True, 139 * gib) is None  # SDAR-4B on one H200
 
 
+def test_optimizer_offload_in_the_memory_plan():
+    gib = 2**30
+    n4, n8 = 4_410_000_000, 8_190_000_000
+    b = D.training_bytes(n8, 2, 1, reference=False, optimizer_offload=True)
+    assert b["optimizer"] == D.OFFLOAD_STAGING_BYTES == 256 * 2**20  # one 16M-element chunk of fp32 g, m, v, w
+    assert round(sum(b.values()) / gib, 1) == 30.8  # SDAR-8B on one GPU with both offloads (README table)
+    assert D.host_bytes(n8, 2, 4, reference_offload=True, optimizer_offload=True) == -(-n8 * 12 // 4) + 2 * n8
+    assert D.host_bytes(n8, 2, 4, reference_offload=False, optimizer_offload=False) == 0
+    assert D.training_bytes(100, 2, 1, False, optimizer_offload=True)["optimizer"] == 1200  # smaller than a chunk
+    # SDAR-4B on one 80 GB GPU with a reference: offloading the optimizer is the suggestion that fits
+    msg = D.memory_problem(n4, 2, 1, True, 70 * gib)
+    assert "--optimizer-offload (the fp32 optimizer state in host memory" in msg
+    assert D.memory_problem(n4, 2, 1, True, 70 * gib, optimizer_offload=True) is None
+    # SDAR-8B on a 40 GB GPU: only both offloads together fit
+    msg = D.memory_problem(n8, 2, 1, True, 40 * gib)
+    assert "--optimizer-offload together with --reference-offload" in msg
+    assert D.memory_problem(n8, 2, 1, False, 40 * gib, optimizer_offload=True) is None
+    # pinned host memory: counted for every rank on the machine, refused with the sizes, unknown = not checked
+    assert D.host_memory_problem(0, 8, 1, "") is None and D.host_memory_problem(10 * gib, 8, None, "x") is None
+    assert D.host_memory_problem(10 * gib, 8, 100 * gib, "optimizer state") is None  # 80 <= 90
+    msg = D.host_memory_problem(12 * gib, 8, 100 * gib, "optimizer state + frozen reference")
+    assert msg.startswith("the offloaded training state needs 96.0 GiB of pinned host memory (12.0 GiB per rank x 8 "
+                          "rank(s) on this machine: optimizer state + frozen reference) but 100.0 GiB is available")
+    assert isinstance(D.available_host_bytes(), (int, type(None)))
+
+
 def test_memory_check_passes_on_cpu():
     m = tiny_model()
     plan = D.check_training_memory(m, torch.device("cpu"), 1, reference=True)

@@ -39,6 +39,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from .optim import DEFAULT_CHUNK
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -310,29 +312,58 @@ def broadcast_from_owners(env: DistEnv, params: Sequence[torch.nn.Parameter], ow
 # memory plan
 # ------------------------------------------------------------------------------------------------------------
 
-def training_bytes(n_params: int, param_bytes: int, world: int, reference: bool) -> dict[str, int]:
-    """Bytes per rank of what RL training keeps resident, before activations and the rollout KV cache:
-    weights, gradients (transient in backward, full size), optimizer state (fp32 moments, plus fp32 master
-    weights for non-fp32 parameters, 1/world of it per rank) and the frozen reference copy (kl_beta > 0)."""
-    opt_per_param = 8 + (0 if param_bytes == 4 else 4)  # rl/optim.make_optimizer: master copy unless fp32
+OFFLOAD_STAGING_BYTES = 16 * DEFAULT_CHUNK  # GPU bytes of one offloaded optimizer chunk (rl/optim)
+
+
+class HostMemoryError(MemoryError):
+    """The host memory an offloaded run pins (optimizer state, frozen reference) exceeds what the machine has."""
+
+
+def _opt_bytes(n_params: int, param_bytes: int, world: int) -> int:
+    """Optimizer state per rank: fp32 moments, plus fp32 master weights for non-fp32 parameters, 1/world of it."""
+    return -(-n_params * (8 + (0 if param_bytes == 4 else 4)) // world)  # rl/optim: master copy unless fp32
+
+
+def training_bytes(n_params: int, param_bytes: int, world: int, reference: bool,
+                   optimizer_offload: bool = False) -> dict[str, int]:
+    """Bytes per rank of what RL training keeps resident on the GPU, before activations and the rollout KV cache:
+    weights, gradients (transient in backward, full size), optimizer state (1/world of it per rank; with
+    `optimizer_offload` only the chunk it streams through the GPU) and the frozen reference copy (`reference`:
+    kl_beta > 0 and the reference on the GPU)."""
+    opt = _opt_bytes(n_params, param_bytes, world)
     return {"weights": n_params * param_bytes, "gradients": n_params * param_bytes,
-            "optimizer": -(-n_params * opt_per_param // world), "reference": n_params * param_bytes if reference else 0}
+            "optimizer": min(opt, OFFLOAD_STAGING_BYTES) if optimizer_offload else opt,
+            "reference": n_params * param_bytes if reference else 0}
 
 
-def memory_problem(n_params: int, param_bytes: int, world: int, reference: bool, total: int) -> str | None:
+def host_bytes(n_params: int, param_bytes: int, world: int, reference_offload: bool, optimizer_offload: bool) -> int:
+    """Pinned host bytes per rank of the offloaded parts: the optimizer shard and the frozen reference."""
+    return ((_opt_bytes(n_params, param_bytes, world) if optimizer_offload else 0)
+            + (n_params * param_bytes if reference_offload else 0))
+
+
+def memory_problem(n_params: int, param_bytes: int, world: int, reference: bool, total: int,
+                   optimizer_offload: bool = False) -> str | None:
     """Why the resident training state (`training_bytes`) cannot fit `total` bytes of GPU memory, with the options
     that would fit; None when it fits (within 95%)."""
-    plan = training_bytes(n_params, param_bytes, world, reference)
+    plan = training_bytes(n_params, param_bytes, world, reference, optimizer_offload)
     need = sum(plan.values())
     if need <= 0.95 * total:
         return None
     gib = 2.0 ** 30
+
+    def fits(w: int = world, ref: bool = reference, off: bool = optimizer_offload) -> bool:  # 20% left for the rest
+        return sum(training_bytes(n_params, param_bytes, w, ref, off).values()) <= 0.8 * total
+
     parts = ", ".join(f"{k} {v / gib:.1f}" for k, v in plan.items() if v)
     opts = []
-    if reference and sum(training_bytes(n_params, param_bytes, world, False).values()) <= 0.8 * total:
+    if reference and fits(ref=False):
         opts.append("--reference-offload (the frozen reference in host memory) or --kl-beta 0 (no reference)")
-    n_more = next((w for w in range(world + 1, 257)
-                   if sum(training_bytes(n_params, param_bytes, w, reference).values()) <= 0.8 * total), None)
+    if not optimizer_offload and fits(off=True):
+        opts.append("--optimizer-offload (the fp32 optimizer state in host memory, streamed to the GPU per step)")
+    elif reference and not optimizer_offload and fits(ref=False, off=True):
+        opts.append("--optimizer-offload together with --reference-offload (or --kl-beta 0)")
+    n_more = next((w for w in range(world + 1, 257) if fits(w=w)), None)
     if n_more:
         opts.append(f"more GPUs: torchrun --nproc-per-node {n_more} (the optimizer state is sharded over the ranks)")
     return (f"training state needs {need / gib:.1f} GiB per GPU ({parts} GiB; {n_params / 1e9:.2f} B parameters, "
@@ -340,13 +371,48 @@ def memory_problem(n_params: int, param_bytes: int, world: int, reference: bool,
             "options: " + ("; ".join(opts) if opts else "a smaller model"))
 
 
-def check_training_memory(model: torch.nn.Module, device: torch.device, world: int, reference: bool) -> dict[str, int]:
-    """Refuse (torch.cuda.OutOfMemoryError, before the first rollout) a run whose resident training state cannot
-    fit the GPU: an OOM in the first optimizer step would come after a whole step of rollouts. Returns the plan."""
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def host_memory_problem(per_rank: int, ranks_here: int, available: int | None, what: str) -> str | None:
+    """Why `ranks_here` ranks pinning `per_rank` bytes each cannot fit `available` bytes of host memory (within
+    90%), or None (also when nothing is pinned or the available memory is unknown)."""
+    if not per_rank or available is None or per_rank * ranks_here <= 0.9 * available:
+        return None
+    gib = 2.0 ** 30
+    return (f"the offloaded training state needs {per_rank * ranks_here / gib:.1f} GiB of pinned host memory "
+            f"({per_rank / gib:.1f} GiB per rank x {ranks_here} rank(s) on this machine: {what}) but "
+            f"{available / gib:.1f} GiB is available; options: offload less, spread the ranks over more machines, "
+            "or a smaller model")
+
+
+def check_training_memory(model: torch.nn.Module, device: torch.device, world: int, reference: bool,
+                          optimizer_offload: bool = False, reference_offload: bool = False,
+                          ranks_here: int | None = None) -> dict[str, int]:
+    """Refuse, before the first rollout, a run whose resident training state cannot fit the GPU
+    (torch.cuda.OutOfMemoryError) or whose offloaded parts cannot fit this machine's free host memory, counted for
+    the `ranks_here` ranks on this node (HostMemoryError): an OOM in the first optimizer step would come after a
+    whole step of rollouts. Returns the GPU plan, with the host bytes per rank under "host"."""
     n = sum(p.numel() for p in model.parameters())
     pb = next(model.parameters()).element_size()
+    host = host_bytes(n, pb, world, reference_offload, optimizer_offload) if device.type == "cuda" else 0
     if device.type == "cuda":
-        problem = memory_problem(n, pb, world, reference, torch.cuda.get_device_properties(device).total_memory)
+        problem = memory_problem(n, pb, world, reference, torch.cuda.get_device_properties(device).total_memory,
+                                 optimizer_offload)
         if problem:
             raise torch.cuda.OutOfMemoryError(f"{device}: {problem}")
-    return training_bytes(n, pb, world, reference)
+        parts = (("optimizer state", optimizer_offload), ("frozen reference", reference_offload))
+        what = " + ".join(w for w, on in parts if on)
+        problem = host_memory_problem(host, ranks_here or world, available_host_bytes(), what)
+        if problem:
+            raise HostMemoryError(problem)
+    return {**training_bytes(n, pb, world, reference, optimizer_offload), "host": host}

@@ -55,6 +55,7 @@ class RLConfig:
     eps_high: float = 0.2
     kl_beta: float = 0.01  # 0 disables the KL term and the reference model
     reference_offload: bool = False  # keep the frozen reference in host memory, streamed to the GPU per layer
+    optimizer_offload: bool = False  # keep the fp32 optimizer state in host memory, streamed to the GPU per step
     nll_weight: float = 0.1  # mu: NLL on verifier-correct samples
     tpf_weight: float = 1.0  # w_tpf in r = z_acc + w_tpf * z_tpf
     adv_mode: str = "decoupled"  # "decoupled" | "sum" (the ablation)
@@ -122,8 +123,8 @@ def make_state(model: SDARForCausalLM, cfg: RLConfig, env: DistEnv = SINGLE) -> 
     model.zero_grad(set_to_none=True)  # no gradient left over from a warm-up may leak into the first update
     params = list(model.parameters())
     owners = partition([p.numel() for p in params], env.world) if env.active else None
-    opt = make_optimizer(owned(params, owners, env), lr=cfg.lr, betas=cfg.betas,
-                         weight_decay=cfg.weight_decay)  # fp32 state
+    opt = make_optimizer(owned(params, owners, env), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                         offload=cfg.optimizer_offload)  # fp32 state, on the GPU or in host memory
     warm = max(1, cfg.warmup_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     return TrainState(model, ref, opt, sched, env=env, owners=owners)
