@@ -178,3 +178,27 @@ def test_gpu_offloaded_state_lives_in_pinned_host_memory_and_matches():
             assert all(st[k].device.type == "cpu" and st[k].is_pinned() for k in ("exp_avg", "exp_avg_sq", "master"))
         assert torch.equal(res.state[x]["master"].cpu(), off.state[y]["master"].view(x.shape))
     assert len(sd["state"]) == len(b)
+
+
+def test_carve_host_packs_state_into_power_of_two_slabs():
+    """Offloaded state tensors are views into a few slabs whose sizes are powers of two (what torch's pinned
+    allocator would round each allocation to anyway): disjoint, of the asked sizes, first-fit decreasing."""
+    from lightningrl_fast.rl.optim import carve_host
+
+    sizes = [97 * 13, 123, 5, 1 << 20, 77]
+    views = carve_host(sizes, pin=False)
+    assert [v.numel() for v in views] == sizes and all(v.dtype == torch.float32 and v.dim() == 1 for v in views)
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1  # all of it fits one 256 MiB slab
+    spans = sorted((v.storage_offset(), v.storage_offset() + v.numel()) for v in views)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint
+    slab = views[0].untyped_storage().nbytes() // 4
+    assert slab == 1 << (sum(sizes) - 1).bit_length()  # the used part, rounded up to a power of two
+    for i, v in enumerate(views):
+        v.fill_(i)
+    assert all(bool((v == i).all()) for i, v in enumerate(views))
+    # past one slab's capacity (2^26 elements): a second slab; 40M + 20M share the first (untouched memory)
+    big = carve_host([40_000_000, 30_000_000, 20_000_000], pin=False)
+    ptrs = [v.untyped_storage().data_ptr() for v in big]
+    assert ptrs[0] == ptrs[2] != ptrs[1]
+    assert sorted(v.untyped_storage().nbytes() for v in big[:2]) == [4 << 25, 4 << 26]
+    assert carve_host([], pin=False) == []

@@ -11,9 +11,11 @@ Offload (`offload=True`, RLConfig.optimizer_offload): the fp32 state (12 bytes p
 one) lives in pinned host memory instead of the GPU. A step streams it through the GPU in chunks of
 `chunk_elems` elements: the chunk's master and moments are copied in (asynchronously, on the current stream),
 updated there with the same arithmetic, and copied back, and the parameter gets its rounded master; the GPU holds
-only one chunk's state at a time (16 bytes x `chunk_elems`, 256 MiB by default). Every copy and update is ordered
-on one stream, so nothing waits for the host inside a step; `state_dict()` waits for the stream before it hands
-the host tensors out. The cost is PCIe traffic: 2 x 12 bytes per bf16 parameter per step (SDAR-4B: ~106 GB, a few
+only one chunk's state at a time (16 bytes x `chunk_elems`, 256 MiB by default). Every copy and update of a step
+is ordered on the current stream, so nothing waits for the host inside a step; an event after the step's copies
+back orders the next step (on whatever stream) and `state_dict()` (the host waits for it). The host tensors are
+views into a few power-of-two slabs (`carve_host`): torch's pinned allocator rounds each allocation up to a power
+of two, a third more host memory for an SDAR model's state if every tensor were its own allocation. The cost is PCIe traffic: 2 x 12 bytes per bf16 parameter per step (SDAR-4B: ~106 GB, a few
 seconds at 25-50 GB/s), small next to an RL step's rollouts. The result is bit-identical to the resident
 optimizer (the same elementwise operations, chunk by chunk).
 
@@ -43,6 +45,34 @@ def _adamw_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     w.addcdiv_(m, denom, value=-lr / (1.0 - b1 ** t))
 
 
+def carve_host(numels: list[int], pin: bool) -> list[torch.Tensor]:
+    """Flat uninitialized fp32 host tensors of the given sizes, carved from a few slabs (pinned when `pin`).
+
+    torch's pinned-memory allocator rounds every allocation up to a power of two: one allocation per state tensor
+    would take a third more host memory for an SDAR model (a 201 MB MLP-weight moment takes 256 MiB, a 2.5 GB
+    embedding one 4 GiB). The tensors are packed first-fit-decreasing into slabs of 2^k elements (at least 256 MiB
+    and at least the largest tensor), each slab allocated at the power of two its contents round to: the waste is
+    at most part of the last slab."""
+    if not numels:
+        return []
+    cap = max(1 << 26, 1 << (max(numels) - 1).bit_length())  # elements per slab
+    bins: list[list] = []  # [used elements, [(tensor index, offset)]]
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        for b in bins:
+            if b[0] + numels[i] <= cap:
+                b[1].append((i, b[0]))
+                b[0] += numels[i]
+                break
+        else:
+            bins.append([numels[i], [(i, 0)]])
+    out: list[torch.Tensor] = [torch.empty(0)] * len(numels)
+    for used, items in bins:
+        slab = torch.empty(1 << max(0, (used - 1).bit_length()), dtype=torch.float32, pin_memory=pin)
+        for i, off in items:
+            out[i] = slab[off: off + numels[i]]
+    return out
+
+
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected moments) with fp32 state and fp32 master weights; with
     `offload` the state is kept in (pinned) host memory and streamed through the parameter's device per step."""
@@ -58,23 +88,35 @@ class MasterAdamW(torch.optim.Optimizer):
         self.offload, self.chunk_elems = bool(offload), chunk_elems
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
-    def _host(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """`t` as an fp32 contiguous host tensor for offloaded state, pinned when `p` lives on a GPU."""
-        h = t.detach().to("cpu", torch.float32, copy=True).contiguous()
-        return h.pin_memory() if p.device.type == "cuda" else h
-
     def _init_state(self, p: torch.Tensor, st: dict) -> None:
         st["step"] = torch.zeros((), dtype=torch.float32)
-        if self.offload:
-            st["exp_avg"] = self._host(torch.zeros(p.shape, dtype=torch.float32), p)
-            st["exp_avg_sq"] = self._host(torch.zeros(p.shape, dtype=torch.float32), p)
-            if p.dtype != torch.float32:
-                st["master"] = self._host(p, p)
-            return
         st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         if p.dtype != torch.float32:
             st["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
+
+    def _place_offloaded(self, entries: list[tuple[torch.Tensor, str, torch.Tensor | None]]) -> None:
+        """Offloaded state: for each (parameter, key, value) a host tensor in the parameter's shape, carved from
+        shared slabs (`carve_host`), pinned when parameters live on a GPU, holding `value` (None: zeros for a
+        moment, the parameter itself for "master")."""
+        pin = any(p.device.type == "cuda" for p, _, _ in entries)
+        for (p, k, v), h in zip(entries, carve_host([p.numel() for p, _, _ in entries], pin)):
+            h = h.view(p.shape)
+            if v is not None:
+                h.copy_(v.reshape(p.shape))
+            elif k == "master":
+                h.copy_(p.detach())
+            else:
+                h.zero_()
+            self.state[p][k] = h
+
+    def _init_offloaded(self) -> None:
+        """The state of every parameter without one, allocated together (one packing of the slabs)."""
+        new = [p for g in self.param_groups for p in g["params"] if not self.state[p]]
+        for p in new:
+            self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
+        self._place_offloaded([(p, k, None) for p in new for k in STATE_KEYS
+                               if k != "master" or p.dtype != torch.float32])
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -82,6 +124,10 @@ class MasterAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.offload:
+            self._after_last_copies()
+            if any(not self.state[p] for g in self.param_groups for p in g["params"] if p.grad is not None):
+                self._init_offloaded()
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -101,6 +147,8 @@ class MasterAdamW(torch.optim.Optimizer):
                 _adamw_(w, st["exp_avg"], st["exp_avg_sq"], p.grad.float(), lr, b1, b2, eps, wd, t)
                 if w is not p:
                     p.copy_(w)
+        if self.offload:
+            self._record_copies()
         return loss
 
     def _offloaded_step(self, p: torch.Tensor, st: dict, lr: float, b1: float, b2: float, eps: float, wd: float,
@@ -129,11 +177,26 @@ class MasterAdamW(torch.optim.Optimizer):
                 host["master"][a:b].copy_(w.view(-1), non_blocking=True)
                 (flat[a:b] if flat is not None else p).copy_(w)
 
+    def _cuda_devices(self) -> set[torch.device]:
+        return {p.device for g in self.param_groups for p in g["params"] if p.device.type == "cuda"}
+
+    def _record_copies(self) -> None:
+        """An event after this step's copies back to host memory, per device (`_events`)."""
+        self._events = {}
+        for dev in self._cuda_devices():
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            self._events[dev] = ev
+
+    def _after_last_copies(self) -> None:
+        """A step on another stream than the last one reads the host state only after the last copies back."""
+        for dev, ev in getattr(self, "_events", {}).items():
+            torch.cuda.current_stream(dev).wait_event(ev)
+
     def _wait_for_copies(self) -> None:
-        """Offloaded state is written back by asynchronous copies: wait for them before the host reads it."""
-        if self.offload and torch.cuda.is_available():
-            for dev in {p.device for g in self.param_groups for p in g["params"] if p.device.type == "cuda"}:
-                torch.cuda.current_stream(dev).synchronize()
+        """Offloaded state is written back by asynchronous copies: the host waits for them before reading it."""
+        for ev in getattr(self, "_events", {}).values():
+            ev.synchronize()
 
     def state_dict(self) -> dict:
         self._wait_for_copies()
@@ -149,6 +212,7 @@ class MasterAdamW(torch.optim.Optimizer):
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         params = [p for g in self.param_groups for p in g["params"]]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        offloaded = []
         for p, i in zip(params, ids):
             for k, v in state_dict["state"].get(i, {}).items():
                 if not (torch.is_tensor(v) and v.is_floating_point()):
@@ -156,9 +220,10 @@ class MasterAdamW(torch.optim.Optimizer):
                 elif k == "step":
                     self.state[p][k] = v.to(device="cpu", dtype=torch.float32, copy=True)
                 elif self.offload:
-                    self.state[p][k] = self._host(v.reshape(p.shape), p)
+                    offloaded.append((p, k, v))
                 else:
                     self.state[p][k] = v.to(device=p.device, dtype=torch.float32, copy=True)
+        self._place_offloaded(offloaded)
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999),
                    weight_decay: float = 0.0, offload: bool = False) -> torch.optim.Optimizer:
