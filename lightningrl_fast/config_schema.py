@@ -172,8 +172,9 @@ EXTERNAL_HELP: dict[str, str] = {
                          "--micro-batch-tokens positions of the step's batch",
     "optimizer_offload": "keep the fp32 optimizer state (master weights + Adam moments: 12 bytes per bf16 "
                          "parameter, / the number of ranks) in pinned host memory and stream it through the GPU "
-                         "in 16M-element chunks at each optimizer step: frees it on the GPU (SDAR-4B on one GPU: "
-                         "49.3 GiB) for ~24 bytes per parameter of PCIe traffic per step (bit-identical updates)",
+                         "in 16M-element chunks at each optimizer step (RL, and the RFT baseline's fine-tune): frees "
+                         "it on the GPU (SDAR-4B on one GPU: 49.3 GiB) for ~24 bytes per parameter of PCIe traffic "
+                         "per step (bit-identical updates)",
     "nll_weight": "mu: weight of the NLL on verifier-correct samples",
     "tpf_weight": "w_tpf in r = z_acc + w_tpf * z_tpf (speed reward weight)",
     "adv_mode": "advantage normalization: 'decoupled' (per reward, LightningRL) or 'sum' (the ablation)",

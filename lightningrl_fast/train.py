@@ -455,8 +455,9 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     from .rl.trainer import make_state, train_step
 
     cfg, rl, env = ctx.cfg, ctx.cfg.rl, ctx.env
-    check_training_memory(ctx.model, ctx.device, env.world, reference=rl.kl_beta > 0 and not rl.reference_offload,
-                          optimizer_offload=rl.optimizer_offload, reference_offload=rl.kl_beta > 0 and rl.reference_offload,
+    kl = rl.kl_beta > 0
+    check_training_memory(ctx.model, ctx.device, env.world, reference=kl and not rl.reference_offload,
+                          optimizer_offload=rl.optimizer_offload, reference_offload=kl and rl.reference_offload,
                           ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", env.world)))
     state = make_state(ctx.model, rl, env)
     extra: dict[str, Any] = {}
@@ -591,7 +592,8 @@ def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
         losses = train_sft(ctx.model, lambda rng: rng.choice(kept), steps=b.rft_steps, batch_size=b.rft_batch_size,
                            lr=b.rft_lr, pad_id=ctx.tokenizer.pad_token_id, seed=cfg.rl.seed,
                            warmup=max(1, min(20, b.rft_steps // 10)), log_every=max(1, b.rft_steps // 10), log=say,
-                           time_budget_s=remaining, micro_batch_tokens=cfg.rl.micro_batch_tokens)
+                           time_budget_s=remaining, micro_batch_tokens=cfg.rl.micro_batch_tokens,
+                           optimizer_offload=cfg.rl.optimizer_offload)
     elapsed = time.perf_counter() - t_start
     say(f"RFT: {len(losses)} fine-tune steps, phase took {elapsed:.1f}s")
     with open(ctx.out / "metrics.jsonl", "a", encoding="utf-8") as f:

@@ -130,6 +130,22 @@ def test_train_sft_lowers_the_loss():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_train_sft_with_the_optimizer_state_offloaded_is_the_same_run():
+    """`optimizer_offload` (the RFT baseline's fine-tune with --optimizer-offload): bf16 weights, fp32 state in
+    host memory, the same losses and weights bit for bit as with the state resident."""
+    rng0 = random.Random(0)
+    bank = [([rng0.randrange(1, 20) for _ in range(3)], [7, 8, 9, 10, 11, 12]) for _ in range(4)]
+    runs = []
+    for offload in (False, True):
+        model = tiny_model(dtype=torch.bfloat16)
+        losses = train_sft(model, lambda rng: rng.choice(bank), steps=4, batch_size=4, lr=3e-3, pad_id=PAD, warmup=2,
+                           log=None, micro_batch_tokens=64, optimizer_offload=offload)
+        runs.append((losses, {n: q.detach().clone() for n, q in model.named_parameters()}))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
+    assert any(not torch.equal(runs[0][1][n], q) for n, q in tiny_model(dtype=torch.bfloat16).named_parameters())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pack", [True, False])
 def test_gpu_sft_matches_the_cpu(pack):

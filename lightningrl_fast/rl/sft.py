@@ -124,18 +124,20 @@ def _padded_rows(lb: LayoutBatch, r0: int, r1: int, dev: torch.device) -> tuple[
 
 def train_sft(model: SDARForCausalLM, sample_pair, steps: int, batch_size: int, lr: float, pad_id: int, seed: int = 0,
               warmup: int = 20, log_every: int = 50, log=print, time_budget_s: float | None = None,
-              micro_batch_tokens: int = 16384) -> list[float]:
+              micro_batch_tokens: int = 16384, optimizer_offload: bool = False) -> list[float]:
     """Run SFT for `steps` AdamW steps on pairs drawn by `sample_pair(rng) -> (prompt ids, response ids)`.
 
     Cosine decay after `warmup`; stops early at `time_budget_s`. Each step's batch runs as forwards of at most
-    `micro_batch_tokens` positions (packed, or padded rows: `sft_loss`). Returns the loss curve.
+    `micro_batch_tokens` positions (packed, or padded rows: `sft_loss`); `optimizer_offload` keeps the fp32
+    optimizer state in host memory (rl/optim.py). Returns the loss curve.
     """
     import math
     import time
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    opt = make_optimizer(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)  # fp32 state for bf16 models
+    opt = make_optimizer(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0,
+                         offload=optimizer_offload)  # fp32 state for bf16 models
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
     model.train()
