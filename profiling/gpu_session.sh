@@ -116,8 +116,8 @@ for s in "${stages[@]}"; do
       # $GPU_TESTS narrows the files (e.g. "unmask block_attn"); the default is every file with GPU tests, the
       # decode path first (its CUDA-graph tests have not all run on hardware) and last the files that compile
       # FlexAttention per shape or run whole CLIs (minutes): a budget spent early skips those, not the decode tests
-      order="sampler unmask block_attn linear kv_cache rms_norm silu_mul grpo_loss generate checkpoint masked_attn rl
-             sft train distributed"
+      order="sampler unmask block_attn linear kv_cache rms_norm silu_mul grpo_loss optim generate checkpoint
+             masked_attn rl sft train distributed"
       files=(); for t in ${GPU_TESTS:-$order}; do files+=("$REPO/python_tests/test_$t.py"); done
       if [ -z "${GPU_TESTS:-}" ]; then  # any other file with GPU tests, after those
         for f in "$REPO"/python_tests/test_*.py; do
