@@ -166,13 +166,13 @@ UPDATE_CFG = dict(kl_beta=0.05, nll_weight=0.1, tpf_weight=0.5, group_size=2, pr
                   grad_clip=0.05, micro_batch_tokens=10**6)
 
 
-def scenario_update(env: D.DistEnv, out: Path, skewed: bool = False) -> dict:
+def scenario_update(env: D.DistEnv, out: Path, skewed: bool = False, offload: bool = False) -> dict:
     """Two mini-batches (two optimizer steps) on rank r's groups r, r + 2 (world 1: all four); skewed: rank 0
     has all four and rank 1 none (it only joins the collectives). On the rank's device (cpu, or cuda:<rank>)."""
     model = tiny_model(dtype=torch.float64 if env.device == "cpu" else torch.float32).to(env.device)
     groups = fixed_groups(model)
     mine = take_groups(groups, [g for g in range(4) if (env.rank == 0 if skewed else g % env.world == env.rank)])
-    rc = RLConfig(**UPDATE_CFG)
+    rc = RLConfig(**UPDATE_CFG, optimizer_offload=offload)
     state = make_state(model, rc, env)
     m = update_stage(state, mine, rc)
     owned = [i for i, p in enumerate(model.parameters()) if p in state.optimizer.state]
@@ -245,6 +245,7 @@ def scenario_checkpoint(env: D.DistEnv, out: Path) -> dict:
 
 
 SCENARIOS = {"update": scenario_update, "update_skewed": lambda env, out: scenario_update(env, out, skewed=True),
+             "update_offload": lambda env, out: scenario_update(env, out, offload=True),
              "collect": scenario_collect, "checkpoint": scenario_checkpoint, "reshard_up": scenario_reshard_up}
 
 
@@ -289,6 +290,19 @@ def test_two_ranks_update_equals_one_process(tmp_path, name):
     assert m1["grad_norm"] > UPDATE_CFG["grad_clip"]  # the clipping path ran
     n = len(init)
     assert sorted(r0["owned"] + r1["owned"]) == list(range(n)) and r0["owned"] and r1["owned"]  # ZeRO-1 shards
+
+
+def test_two_ranks_with_the_optimizer_state_offloaded_equal_the_resident_run(tmp_path):
+    """ZeRO-1 shards with --optimizer-offload: each rank streams only the state of the parameters it owns, and the
+    two ranks end bit-identical to the same run with the state resident."""
+    torch.set_num_threads(1)
+    (tmp_path / "res").mkdir()
+    (tmp_path / "off").mkdir()
+    res, off = run_ranks("update", tmp_path / "res"), run_ranks("update_offload", tmp_path / "off")
+    for r in range(WORLD):
+        assert off[r]["owned"] == res[r]["owned"] and off[r]["owned"]
+        assert all(torch.equal(a, b) for a, b in zip(off[r]["weights"], res[r]["weights"]))
+        assert off[r]["metrics"]["loss"] == res[r]["metrics"]["loss"]
 
 
 @pytest.mark.gpu
