@@ -15,9 +15,10 @@ only one chunk's state at a time (16 bytes x `chunk_elems`, 256 MiB by default).
 is ordered on the current stream, so nothing waits for the host inside a step; an event after the step's copies
 back orders the next step (on whatever stream) and `state_dict()` (the host waits for it). The host tensors are
 views into a few power-of-two slabs (`carve_host`): torch's pinned allocator rounds each allocation up to a power
-of two, a third more host memory for an SDAR model's state if every tensor were its own allocation. The cost is PCIe traffic: 2 x 12 bytes per bf16 parameter per step (SDAR-4B: ~106 GB, a few
-seconds at 25-50 GB/s), small next to an RL step's rollouts. The result is bit-identical to the resident
-optimizer (the same elementwise operations, chunk by chunk).
+of two, a third more host memory for an SDAR model's state if every tensor were its own allocation. The cost is
+PCIe traffic: 2 x 12 bytes per bf16 parameter per step (SDAR-4B: ~106 GB, a few seconds at 25-50 GB/s), small
+next to an RL step's rollouts. The result is bit-identical to the resident optimizer (the same elementwise
+operations, chunk by chunk).
 
 `make_optimizer` picks torch's AdamW when every parameter is fp32 and nothing is offloaded, `MasterAdamW`
 otherwise.
@@ -52,7 +53,8 @@ def carve_host(numels: list[int], pin: bool) -> list[torch.Tensor]:
     would take a third more host memory for an SDAR model (a 201 MB MLP-weight moment takes 256 MiB, a 2.5 GB
     embedding one 4 GiB). The tensors are packed first-fit-decreasing into slabs of 2^k elements (at least 256 MiB
     and at least the largest tensor), each slab allocated at the power of two its contents round to: the waste is
-    at most part of the last slab."""
+    what first-fit leaves free in the slabs (small next to the whole: most tensors are far smaller than a slab)
+    plus the rounding of the last one."""
     if not numels:
         return []
     cap = max(1 << 26, 1 << (max(numels) - 1).bit_length())  # elements per slab
