@@ -15,9 +15,10 @@
 # grpo_loss), decode1 (sdar-8b batch 1, block 4, graphs on, cuBLAS and the skinny-GEMM kernel), attn_quick,
 # unmask_quick, decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32, graphs on, cuBLAS and the skinny-GEMM
 # kernel, the reference child capped at 240 s), pdl (decode at batch 1 with programmatic dependent launch on and
-# off), attn_full (every bench_block_attn shape), rl_step (bench_rl_step.py: the RL training pass, padded vs packed
-# micro-batches, sdar-1.7b), ncu (Nsight Compute of the unmask and block-attention kernels). Default (no stage
-# named): build tests sass kernels, a whole lease's worth and more.
+# off), optim (bench_optim.py: the optimizer step resident vs offloaded), attn_full (every bench_block_attn
+# shape), rl_step (bench_rl_step.py: the RL training pass, padded vs packed micro-batches, sdar-1.7b), ncu (Nsight
+# Compute of the unmask and block-attention kernels). Default (no stage named): build tests sass kernels, a whole
+# lease's worth and more.
 # The build uses $CC / $CXX when set (RESULTS.md, 2026-11-22: launcher messages crashed in a build made with the
 # lent image's /opt/gcc; try CC=/usr/bin/gcc CXX=/usr/bin/g++). It is skipped when this machine already has the
 # package installed from the same sources (a second call on a warm machine: the install survives between calls;
@@ -190,6 +191,8 @@ for s in "${stages[@]}"; do
       # greedy and two-level sampling (the default) at 32 / 1024 / 8192 rows, no torch.compile column (minutes)
       stage "bench_unmask.py quick" 120 bench.log python3 profiling/bench_unmask.py --no-compile --rows 32,1024,8192 \
         --modes greedy,sample,sample-flat ;;
+    optim)
+      stage bench_optim.py 150 bench.log python3 profiling/bench_optim.py ;;
     attn_full)
       stage bench_block_attn 420 bench_attn_full.log python3 profiling/bench_block_attn.py ;;
     decode)

@@ -29,6 +29,7 @@ BENCHES = [
     ("bench_block_attn.py", ["--cpu", "--quick"], "block_attention", "ref_us"),
     ("bench_grpo_loss.py", ["--cpu", "--no-compile", "--iters", "2"], "grpo_loss", "ms"),
     ("bench_rl_step.py", ["--cpu", "--iters", "1"], "rl_step", "ms"),
+    ("bench_optim.py", ["--cpu", "--iters", "2"], "optim", "ms"),
 ]
 
 
