@@ -556,10 +556,13 @@ def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     the RL budget."""
     from .checkpoint import save_model
     from .rl.checkpointing import nonfinite_parameters
+    from .rl.distributed import check_training_memory
     from .rl.sft import train_sft
     from .sampler import Decoder
 
     cfg, b = ctx.cfg, ctx.cfg.baseline
+    # one process, no reference: weights, gradients and the optimizer state (or, offloaded, its pinned host copy)
+    check_training_memory(ctx.model, ctx.device, 1, reference=False, optimizer_offload=cfg.rl.optimizer_offload)
     budget = cfg.run.rl_time_budget
     tau = ctx.scfg.threshold
     before = _eval_sweep(ctx, "before RFT", say)

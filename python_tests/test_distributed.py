@@ -99,11 +99,31 @@ def test_optimizer_offload_in_the_memory_plan():
     gib = 2**30
     n4, n8 = 4_410_000_000, 8_190_000_000
     b = D.training_bytes(n8, 2, 1, reference=False, optimizer_offload=True)
-    assert b["optimizer"] == D.OFFLOAD_STAGING_BYTES == 256 * 2**20  # one 16M-element chunk of fp32 g, m, v, w
+    assert b["optimizer"] == D.OFFLOAD_STAGING_BYTES == 320 * 2**20  # one 16M-element chunk: fp32 w, m, v, g, denom
     assert round(sum(b.values()) / gib, 1) == 30.8  # SDAR-8B on one GPU with both offloads (README table)
     assert D.host_bytes(n8, 2, 4, reference_offload=True, optimizer_offload=True) == -(-n8 * 12 // 4) + 2 * n8
     assert D.host_bytes(n8, 2, 4, reference_offload=False, optimizer_offload=False) == 0
     assert D.training_bytes(100, 2, 1, False, optimizer_offload=True)["optimizer"] == 1200  # smaller than a chunk
+    # as allocated: the optimizer shard of the largest rank and the reference copy, in power-of-two slabs
+    from lightningrl_fast.rl.optim import MasterAdamW, carve_plan, offloaded_state_bytes
+
+    m = tiny_model(dtype=torch.bfloat16)
+    params = list(m.parameters())
+    assert D.host_plan(m, 1, False, False) == 0
+    one = D.host_plan(m, 1, False, True)
+    assert one == offloaded_state_bytes(params) >= 12 * sum(p.numel() for p in params)
+    owners = D.partition([p.numel() for p in params], 2)
+    shards = [offloaded_state_bytes([p for p, o in zip(params, owners) if o == r]) for r in range(2)]
+    assert D.host_plan(m, 2, False, True) == max(shards) < one
+    ref = 2 * sum(s for s, _, _ in carve_plan([t.numel() for t in m.state_dict().values()]))
+    assert D.host_plan(m, 2, True, True) == max(shards) + ref
+    opt = MasterAdamW(params, offload=True)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()  # what the optimizer pins is what the plan says
+    slabs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for st in opt.state.values()
+             for t in st.values() if t.dim() > 0}
+    assert sum(slabs.values()) == one
     # SDAR-4B on one 80 GB GPU with a reference: offloading the optimizer is the suggestion that fits
     msg = D.memory_problem(n4, 2, 1, True, 70 * gib)
     assert "--optimizer-offload (the fp32 optimizer state in host memory" in msg

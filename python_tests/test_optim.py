@@ -149,6 +149,43 @@ def test_offload_options_are_checked_and_chosen():
     assert isinstance(opt, MasterAdamW) and opt.offload
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_deepcopy_and_pickle_keep_the_optimizer_working(offload):
+    """torch's Optimizer pickles only defaults, state and groups: the offload switch travels too, and a copy made
+    after two steps takes the third exactly as an uninterrupted optimizer does."""
+    import pickle
+
+    ref_params = _params(torch.bfloat16)
+    ref = MasterAdamW(ref_params, lr=1e-3, offload=offload, chunk_elems=33)
+    _run(ref_params, ref, 3)
+    a = _params(torch.bfloat16)
+    opt = MasterAdamW(a, lr=1e-3, offload=offload, chunk_elems=33)
+    _run(a, opt, 2)
+    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert clone.offload == offload and clone.chunk_elems == 33
+        b = [p for g in clone.param_groups for p in g["params"]]
+        _run(b, clone, 1, first=2)
+        for x, y in zip(ref_params, b):
+            assert torch.equal(x, y)
+            assert torch.equal(ref.state[x]["exp_avg"], clone.state[y]["exp_avg"])
+
+
+def test_offloaded_state_comes_with_the_first_gradient():
+    """As in the resident path: a parameter without a gradient gets no state (no pinned memory, no step-0 entry in
+    the checkpoint); its master is taken when its first gradient comes."""
+    a = _params(torch.bfloat16)
+    opt = MasterAdamW(a, lr=1e-3, offload=True)
+    a[0].grad = torch.ones_like(a[0])
+    opt.step()
+    assert opt.state[a[0]] and a[1] not in opt.state
+    assert len(opt.state_dict()["state"]) == 1
+    with torch.no_grad():
+        a[1].add_(1.0)  # changed outside the optimizer before its first gradient
+    a[1].grad = torch.zeros_like(a[1])
+    opt.step()
+    assert torch.equal(opt.state[a[1]]["master"], a[1].float())
+
+
 @pytest.mark.gpu
 def test_gpu_offloaded_state_lives_in_pinned_host_memory_and_matches():
     """On a GPU: the offloaded state is pinned host memory, the step equals the resident one bit for bit, and the
@@ -170,6 +207,37 @@ def test_gpu_offloaded_state_lives_in_pinned_host_memory_and_matches():
         off.step()
         torch.cuda.synchronize()
         assert torch.cuda.max_memory_allocated() - base < resident_state / 4
+    # the copies back of a step that is still running: state_dict() must wait for them (a long GPU sleep first)
+    res_next = MasterAdamW([torch.nn.Parameter(p.detach().clone()) for p in a], lr=3e-3, weight_decay=0.1)
+    res_next.load_state_dict(copy.deepcopy(res.state_dict()))
+    nxt = [p for g in res_next.param_groups for p in g["params"]]
+    _grads(nxt, 3)
+    res_next.step()
+    _grads(b, 3)
+    torch.cuda._sleep(200_000_000)
+    off.step()
+    sd_now = {i: {k: v.clone() for k, v in st.items()} for i, st in off.state_dict()["state"].items()}
+    for i, (x, y) in enumerate(zip(nxt, b)):
+        for k in ("exp_avg", "exp_avg_sq", "master"):
+            assert torch.equal(res_next.state[x][k].cpu(), sd_now[i][k].view(x.shape)), (i, k)
+    # a step on a side stream starts only after the last copies back
+    side = torch.cuda.Stream()
+    _grads(nxt, 4)
+    res_next.step()
+    _grads(b, 4)
+    torch.cuda._sleep(200_000_000)
+    off.step()
+    with torch.cuda.stream(side):
+        _grads(b, 5)
+        off.step()
+    with torch.cuda.stream(side):
+        _grads(nxt, 5)
+        res_next.step()
+    torch.cuda.synchronize()
+    for x, y in zip(nxt, b):
+        assert torch.equal(x, y)
+        assert torch.equal(res_next.state[x]["exp_avg"].cpu(), off.state[y]["exp_avg"].view(x.shape))
+    a, res = nxt, res_next
     sd = off.state_dict()  # waits for the copies back
     c = [torch.nn.Parameter(p.detach().clone()) for p in b]
     off2 = MasterAdamW(c, lr=3e-3, weight_decay=0.1, offload=True, chunk_elems=1 << 16)
@@ -182,10 +250,18 @@ def test_gpu_offloaded_state_lives_in_pinned_host_memory_and_matches():
     assert len(sd["state"]) == len(b)
 
 
-def test_carve_host_packs_state_into_power_of_two_slabs():
+def test_carve_host_packs_state_into_power_of_two_slabs(monkeypatch):
     """Offloaded state tensors are views into a few slabs whose sizes are powers of two (what torch's pinned
     allocator would round each allocation to anyway): disjoint, of the asked sizes, first-fit decreasing."""
     from lightningrl_fast.rl.optim import carve_host
+
+    real_empty = torch.empty
+
+    def garbage_empty(*args, **kwargs):  # fresh memory from the OS is zero: make the slab's slack visible
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", garbage_empty)
 
     sizes = [97 * 13, 123, 5, 1 << 20, 77]
     views = carve_host(sizes, pin=False)
@@ -195,6 +271,8 @@ def test_carve_host_packs_state_into_power_of_two_slabs():
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint
     slab = views[0].untyped_storage().nbytes() // 4
     assert slab == 1 << (sum(sizes) - 1).bit_length()  # the used part, rounded up to a power of two
+    whole = torch.empty(0).set_(views[0].untyped_storage())
+    assert bool((whole[sum(sizes):] == 0).all())  # the slack is zeroed (a checkpoint saves whole slabs)
     for i, v in enumerate(views):
         v.fill_(i)
     assert all(bool((v == i).all()) for i, v in enumerate(views))

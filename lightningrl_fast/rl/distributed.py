@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from .optim import DEFAULT_CHUNK
+from .optim import DEFAULT_CHUNK, STAGING_BYTES_PER_ELEMENT, carve_plan, offloaded_state_bytes
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,7 @@ def broadcast_from_owners(env: DistEnv, params: Sequence[torch.nn.Parameter], ow
 # memory plan
 # ------------------------------------------------------------------------------------------------------------
 
-OFFLOAD_STAGING_BYTES = 16 * DEFAULT_CHUNK  # GPU bytes of one offloaded optimizer chunk (rl/optim)
+OFFLOAD_STAGING_BYTES = STAGING_BYTES_PER_ELEMENT * DEFAULT_CHUNK  # GPU bytes of one offloaded chunk (rl/optim)
 
 
 class HostMemoryError(MemoryError):
@@ -340,6 +340,24 @@ def host_bytes(n_params: int, param_bytes: int, world: int, reference_offload: b
     """Pinned host bytes per rank of the offloaded parts: the optimizer shard and the frozen reference."""
     return ((_opt_bytes(n_params, param_bytes, world) if optimizer_offload else 0)
             + (n_params * param_bytes if reference_offload else 0))
+
+
+def host_plan(model: torch.nn.Module, world: int, reference_offload: bool, optimizer_offload: bool) -> int:
+    """Pinned host bytes of the largest rank, as allocated: its optimizer shard (`optim.offloaded_state_bytes`, the
+    owners as `partition` gives them) and its copy of the frozen reference (`logprobs.host_copy`), both carved
+    from power-of-two slabs; `host_bytes` without the slab rounding."""
+    params = list(model.parameters())
+    total = 0
+    if optimizer_offload:
+        owners = partition([p.numel() for p in params], world) if world > 1 else [0] * len(params)
+        total += max(offloaded_state_bytes([p for p, o in zip(params, owners) if o == r]) for r in range(world))
+    if reference_offload:
+        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+        tensors = [v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]
+        for dtype in {t.dtype for t in tensors}:
+            sizes = [t.numel() for t in tensors if t.dtype == dtype]
+            total += sum(size for size, _, _ in carve_plan(sizes)) * torch.empty((), dtype=dtype).element_size()
+    return total
 
 
 def memory_problem(n_params: int, param_bytes: int, world: int, reference: bool, total: int,
@@ -404,7 +422,7 @@ def check_training_memory(model: torch.nn.Module, device: torch.device, world: i
     whole step of rollouts. Returns the GPU plan, with the host bytes per rank under "host"."""
     n = sum(p.numel() for p in model.parameters())
     pb = next(model.parameters()).element_size()
-    host = host_bytes(n, pb, world, reference_offload, optimizer_offload) if device.type == "cuda" else 0
+    host = host_plan(model, world, reference_offload, optimizer_offload) if device.type == "cuda" else 0
     if device.type == "cuda":
         problem = memory_problem(n, pb, world, reference, torch.cuda.get_device_properties(device).total_memory,
                                  optimizer_offload)

@@ -485,16 +485,20 @@ def batch_logprobs(model: SDARForCausalLM, lb: LayoutBatch, chunk: int = 4096) -
 
 def host_copy(model: SDARForCausalLM, pin: bool | None = None) -> SDARForCausalLM:
     """A frozen copy of `model` in host memory, made one tensor at a time (never a second full copy on the GPU);
-    pinned (page-locked, for fast copies to the GPU) by default when CUDA is available."""
+    pinned (page-locked, for fast copies to the GPU) by default when CUDA is available, the tensors carved from a
+    few power-of-two slabs (`optim.carve_host`: pinning each tensor alone rounds it up to a power of two)."""
+    from .optim import carve_host
+
     pin = torch.cuda.is_available() if pin is None else pin
     with torch.device("meta"):
         ref = SDARForCausalLM(model.config)
-    sd = {}
-    for k, v in model.state_dict().items():
-        if k == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        t = v.detach().to("cpu", copy=True)
-        sd[k] = t.pin_memory() if pin else t
+    src = {k: v.detach() for k, v in model.state_dict().items()
+           if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    sd = {} if pin else {k: v.to("cpu", copy=True) for k, v in src.items()}
+    for dtype in sorted({v.dtype for v in src.values()}, key=str) if pin else ():  # carved from pinned slabs
+        names = [k for k, v in src.items() if v.dtype == dtype]
+        for k, h in zip(names, carve_host([src[k].numel() for k in names], True, dtype)):
+            sd[k] = h.view(src[k].shape).copy_(src[k])
     ref.load_state_dict(sd, assign=True, strict=not model.config.tie_word_embeddings)
     if model.config.tie_word_embeddings:
         ref.lm_head.weight = ref.model.embed_tokens.weight

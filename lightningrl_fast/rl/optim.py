@@ -11,14 +11,16 @@ Offload (`offload=True`, RLConfig.optimizer_offload): the fp32 state (12 bytes p
 one) lives in pinned host memory instead of the GPU. A step streams it through the GPU in chunks of
 `chunk_elems` elements: the chunk's master and moments are copied in (asynchronously, on the current stream),
 updated there with the same arithmetic, and copied back, and the parameter gets its rounded master; the GPU holds
-only one chunk's state at a time (16 bytes x `chunk_elems`, 256 MiB by default). Every copy and update of a step
+only one chunk's working set at a time (20 bytes x `chunk_elems`: 320 MiB by default). Every copy and update of a step
 is ordered on the current stream, so nothing waits for the host inside a step; an event after the step's copies
 back orders the next step (on whatever stream) and `state_dict()` (the host waits for it). The host tensors are
 views into a few power-of-two slabs (`carve_host`): torch's pinned allocator rounds each allocation up to a power
 of two, a third more host memory for an SDAR model's state if every tensor were its own allocation. The cost is
 PCIe traffic: 2 x 12 bytes per bf16 parameter per step (SDAR-4B: ~106 GB, a few seconds at 25-50 GB/s), small
-next to an RL step's rollouts. The result is bit-identical to the resident optimizer (the same elementwise
-operations, chunk by chunk).
+next to an RL step's rollouts. The result is bit-identical to the resident MasterAdamW (the same elementwise
+operations, chunk by chunk): to the resident run of a bf16/fp16 model; an fp32 model without offload gets
+torch's AdamW, equal on the CPU, within the last bit on CUDA (its foreach path divides where this one multiplies
+by the reciprocal).
 
 `make_optimizer` picks torch's AdamW when every parameter is fp32 and nothing is offloaded, `MasterAdamW`
 otherwise.
@@ -32,7 +34,9 @@ from typing import Any, Iterable
 import torch
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
-DEFAULT_CHUNK = 1 << 24  # elements of one offloaded chunk: 16 bytes each on the GPU (g, m, v, master in fp32)
+DEFAULT_CHUNK = 1 << 24  # elements of one offloaded chunk
+# GPU bytes per element of an offloaded chunk: master, m, v, the fp32 gradient and the update's denominator (fp32)
+STAGING_BYTES_PER_ELEMENT = 20
 
 
 def _adamw_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, lr: float, b1: float, b2: float,
@@ -42,19 +46,33 @@ def _adamw_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         w.mul_(1.0 - lr * wd)
     m.lerp_(g, 1.0 - b1)
     v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-    denom = (v.sqrt() / math.sqrt(1.0 - b2 ** t)).add_(eps)
+    denom = v.sqrt().div_(math.sqrt(1.0 - b2 ** t)).add_(eps)  # in place: one temporary, not two
     w.addcdiv_(m, denom, value=-lr / (1.0 - b1 ** t))
 
 
-def carve_host(numels: list[int], pin: bool) -> list[torch.Tensor]:
-    """Flat uninitialized fp32 host tensors of the given sizes, carved from a few slabs (pinned when `pin`).
+def carve_host(numels: list[int], pin: bool, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Flat uninitialized host tensors of `dtype` of the given sizes, carved from a few slabs (pinned when `pin`):
+    the offloaded optimizer state here, the offloaded KL reference's weights (rl/logprobs.host_copy).
 
     torch's pinned-memory allocator rounds every allocation up to a power of two: one allocation per state tensor
     would take a third more host memory for an SDAR model (a 201 MB MLP-weight moment takes 256 MiB, a 2.5 GB
     embedding one 4 GiB). The tensors are packed first-fit-decreasing into slabs of 2^k elements (at least 256 MiB
     and at least the largest tensor), each slab allocated at the power of two its contents round to: the waste is
     what first-fit leaves free in the slabs (small next to the whole: most tensors are far smaller than a slab)
-    plus the rounding of the last one."""
+    plus the rounding of the last one (`offloaded_state_bytes` counts it). A checkpoint of the state saves whole
+    slabs (torch.save writes a view's storage), so it carries the same slack, zeroed."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(numels)
+    for size, used, items in carve_plan(numels):
+        slab = torch.empty(size, dtype=dtype, pin_memory=pin)
+        slab[used:].zero_()  # the slack is saved with the slab in a checkpoint: deterministic bytes
+        for i, off in items:
+            out[i] = slab[off: off + numels[i]]
+    return out
+
+
+def carve_plan(numels: list[int]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """`carve_host`'s packing: per slab (allocated elements, used elements, [(tensor index, offset)]).
+    `sum(size for size, _, _ in carve_plan(numels))` elements is what carving these sizes pins."""
     if not numels:
         return []
     cap = max(1 << 26, 1 << (max(numels) - 1).bit_length())  # elements per slab
@@ -67,12 +85,14 @@ def carve_host(numels: list[int], pin: bool) -> list[torch.Tensor]:
                 break
         else:
             bins.append([numels[i], [(i, 0)]])
-    out: list[torch.Tensor] = [torch.empty(0)] * len(numels)
-    for used, items in bins:
-        slab = torch.empty(1 << max(0, (used - 1).bit_length()), dtype=torch.float32, pin_memory=pin)
-        for i, off in items:
-            out[i] = slab[off: off + numels[i]]
-    return out
+    return [(1 << max(0, (used - 1).bit_length()), used, items) for used, items in bins]
+
+
+def offloaded_state_bytes(params: Iterable[torch.Tensor]) -> int:
+    """Pinned host bytes MasterAdamW(offload=True) allocates for these parameters (moments, plus a master for
+    non-fp32 ones), slab rounding included."""
+    numels = [p.numel() for p in params for k in STATE_KEYS if k != "master" or p.dtype != torch.float32]
+    return 4 * sum(size for size, _, _ in carve_plan(numels))
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -98,7 +118,7 @@ class MasterAdamW(torch.optim.Optimizer):
             st["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
 
     def _place_offloaded(self, entries: list[tuple[torch.Tensor, str, torch.Tensor | None]]) -> None:
-        """Offloaded state: for each (parameter, key, value) a host tensor in the parameter's shape, carved from
+        """Offloaded state: for each (parameter, key, value) an fp32 host tensor in the parameter's shape, carved from
         shared slabs (`carve_host`), pinned when parameters live on a GPU, holding `value` (None: zeros for a
         moment, the parameter itself for "master")."""
         pin = any(p.device.type == "cuda" for p, _, _ in entries)
@@ -113,8 +133,9 @@ class MasterAdamW(torch.optim.Optimizer):
             self.state[p][k] = h
 
     def _init_offloaded(self) -> None:
-        """The state of every parameter without one, allocated together (one packing of the slabs)."""
-        new = [p for g in self.param_groups for p in g["params"] if not self.state[p]]
+        """The state of every parameter with a gradient and no state yet, allocated together (one packing of the
+        slabs); as in the resident path, a parameter gets its state (and its master) at its first gradient."""
+        new = [p for g in self.param_groups for p in g["params"] if p.grad is not None and not self.state[p]]
         for p in new:
             self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
         self._place_offloaded([(p, k, None) for p in new for k in STATE_KEYS
@@ -126,10 +147,19 @@ class MasterAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.offload:
-            self._after_last_copies()
+        if not self.offload:
+            self._update()
+            return loss
+        self._after_last_copies()
+        try:
             if any(not self.state[p] for g in self.param_groups for p in g["params"] if p.grad is not None):
                 self._init_offloaded()
+            self._update()
+        finally:  # also after an error mid-step: what was copied back so far is what the next reader waits for
+            self._record_copies()
+        return loss
+
+    def _update(self) -> None:
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -149,9 +179,6 @@ class MasterAdamW(torch.optim.Optimizer):
                 _adamw_(w, st["exp_avg"], st["exp_avg_sq"], p.grad.float(), lr, b1, b2, eps, wd, t)
                 if w is not p:
                     p.copy_(w)
-        if self.offload:
-            self._record_copies()
-        return loss
 
     def _offloaded_step(self, p: torch.Tensor, st: dict, lr: float, b1: float, b2: float, eps: float, wd: float,
                         t: float) -> None:
@@ -200,13 +227,28 @@ class MasterAdamW(torch.optim.Optimizer):
         for ev in getattr(self, "_events", {}).values():
             ev.synchronize()
 
+    def __getstate__(self) -> dict:
+        """For deepcopy / pickle: torch's keeps only defaults, state and groups; the offload switch is ours, and
+        the host state must not be read while copies back are in flight."""
+        self._wait_for_copies()
+        return {**super().__getstate__(), "offload": self.offload, "chunk_elems": self.chunk_elems}
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        self.offload, self.chunk_elems = bool(state.pop("offload", False)), int(state.pop("chunk_elems", DEFAULT_CHUNK))
+        super().__setstate__(state)
+
     def state_dict(self) -> dict:
+        """torch's state dict, after the copies back of the last step. With offload its tensors are live views of
+        the pinned state: save them before the next step."""
         self._wait_for_copies()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, but the moments and master weights stay fp32 (torch casts state to the parameter's dtype),
-        on the parameter's device, or in (pinned) host memory when offloaded, whichever way they were saved."""
+        on the parameter's device, or in (pinned) host memory when offloaded, whichever way they were saved.
+        Registered load_state_dict pre-/post-hooks see the parameter groups only, not the state (none are used
+        in this package)."""
         self._wait_for_copies()  # no copy of the old state may still be in flight into what gets replaced
         # torch's load_state_dict would first move every state tensor to its parameter's device, cast to its dtype:
         # all the optimizer state on the GPU at once, which an offloaded run has no room for. It gets the groups
