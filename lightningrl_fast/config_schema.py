@@ -174,7 +174,7 @@ EXTERNAL_HELP: dict[str, str] = {
                          "parameter, / the number of ranks) in pinned host memory and stream it through the GPU "
                          "in 16M-element chunks at each optimizer step (RL, and the RFT baseline's fine-tune): frees "
                          "it on the GPU (SDAR-4B on one GPU: 49.3 GiB) for ~24 bytes per parameter of PCIe traffic "
-                         "per step (bit-identical updates)",
+                         "per step (updates bit-identical to the resident optimizer's for bf16/fp16 weights)",
     "nll_weight": "mu: weight of the NLL on verifier-correct samples",
     "tpf_weight": "w_tpf in r = z_acc + w_tpf * z_tpf (speed reward weight)",
     "adv_mode": "advantage normalization: 'decoupled' (per reward, LightningRL) or 'sum' (the ablation)",

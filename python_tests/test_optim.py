@@ -229,7 +229,8 @@ def test_gpu_offloaded_state_lives_in_pinned_host_memory_and_matches():
     off.step()
     with torch.cuda.stream(side):
         _grads(b, 5)
-        off.step()
+        off.step()  # ordered after the default stream's step only by the optimizer's own event
+    side.wait_stream(torch.cuda.current_stream())  # the resident reference has no such event: order it by hand
     with torch.cuda.stream(side):
         _grads(nxt, 5)
         res_next.step()
