@@ -141,6 +141,40 @@ def test_optimizer_offload_in_the_memory_plan():
     assert isinstance(D.available_host_bytes(), (int, type(None)))
 
 
+def _fake_host(tmp_path: Path, cgroup_line: str, files: dict[str, str], mem_available_kb: int = 64 << 20):
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: 999999999 kB\nMemAvailable: {mem_available_kb} kB\n")
+    (proc / "self" / "cgroup").write_text(cgroup_line)
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return str(proc), str(root)
+
+
+def test_available_host_memory_is_capped_by_the_memory_cgroup(tmp_path):
+    """A container or batch job's memory limit caps what the run may pin (MemAvailable shows the whole machine);
+    reclaimable file cache does not count as used; no limit, or nothing readable, leaves MemAvailable."""
+    gib = 2**30
+    # cgroup v2, a job's own folder (no cgroup namespace): 100 GiB limit, 70 GiB used of which 30 GiB inactive cache
+    proc, root = _fake_host(tmp_path / "v2", "0::/slurm/job_7\n", {
+        "slurm/job_7/memory.max": f"{100 * gib}\n", "slurm/job_7/memory.current": f"{70 * gib}\n",
+        "slurm/job_7/memory.stat": f"anon {40 * gib}\ninactive_file {30 * gib}\n"})
+    assert D.cgroup_room(proc, root) == 60 * gib
+    assert D.available_host_bytes(proc, root) == 60 * gib  # below MemAvailable's 64 GiB
+    # cgroup v1 seen from inside a container (its root is the container's group): 8 GiB limit, 2 GiB used
+    proc, root = _fake_host(tmp_path / "v1", "4:memory:/docker/abc\n0::/\n", {
+        "memory/memory.limit_in_bytes": f"{8 * gib}\n", "memory/memory.usage_in_bytes": f"{2 * gib}\n"})
+    assert D.available_host_bytes(proc, root) == 6 * gib
+    # no limit (v2 "max", v1's ~2^63): MemAvailable alone
+    proc, root = _fake_host(tmp_path / "nolimit", "0::/\n", {"memory.max": "max\n", "memory.current": "5\n"})
+    assert D.cgroup_room(proc, root) is None and D.available_host_bytes(proc, root) == 64 * gib
+    proc, root = _fake_host(tmp_path / "v1none", "4:memory:/\n", {
+        "memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "1\n"})
+    assert D.available_host_bytes(proc, root) == 64 * gib
+    assert D.available_host_bytes(str(tmp_path / "none"), str(tmp_path / "none")) is None
+
+
 def test_memory_check_passes_on_cpu():
     m = tiny_model()
     plan = D.check_training_memory(m, torch.device("cpu"), 1, reference=True)

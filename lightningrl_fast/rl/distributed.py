@@ -389,15 +389,59 @@ def memory_problem(n_params: int, param_bytes: int, world: int, reference: bool,
             "options: " + ("; ".join(opts) if opts else "a smaller model"))
 
 
-def available_host_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux), None where it cannot be read."""
+def available_host_bytes(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """Host memory this process can still take: MemAvailable of /proc/meminfo, capped by its memory cgroup's room
+    (a container's or a batch job's limit; pinned memory counts against it); None where neither can be read."""
+    avail = None
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
+        with open(f"{proc}/meminfo", encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
-        return None
+        avail = None
+    room = cgroup_room(proc, cgroup_root)
+    return room if avail is None else avail if room is None else min(avail, room)
+
+
+def cgroup_room(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """limit - usage of this process's memory cgroup (v2: memory.max / memory.current; v1: memory.limit_in_bytes /
+    memory.usage_in_bytes), reclaimable file cache (inactive_file) not counted as used; None when there is no
+    limit or nothing can be read. The cgroup's own folder (from /proc/self/cgroup) is tried first, then the mount's
+    root (what a container with a cgroup namespace sees)."""
+    paths: dict[str, str] = {}
+    try:
+        with open(f"{proc}/self/cgroup", encoding="utf-8") as f:
+            for line in f:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) == 3 and parts[0] == "0" and parts[1] == "":
+                    paths["v2"] = parts[2]
+                elif len(parts) == 3 and "memory" in parts[1].split(","):
+                    paths["v1"] = parts[2]
+    except OSError:
+        pass
+    layouts = (("v2", "", "memory.max", "memory.current", "inactive_file"),
+               ("v1", "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+    for version, sub, limit_f, usage_f, inactive_key in layouts:
+        base = os.path.join(cgroup_root, sub) if sub else cgroup_root
+        for folder in dict.fromkeys([os.path.join(base, paths.get(version, "").lstrip("/")), base]):
+            try:
+                with open(os.path.join(folder, limit_f), encoding="ascii") as f:
+                    limit_s = f.read().strip()
+                with open(os.path.join(folder, usage_f), encoding="ascii") as f:
+                    usage = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            if limit_s == "max" or not limit_s.isdigit() or int(limit_s) >= 1 << 60:  # v1 writes ~2^63 for none
+                return None
+            try:
+                with open(os.path.join(folder, "memory.stat"), encoding="ascii") as f:
+                    stat = dict(line.split()[:2] for line in f if len(line.split()) >= 2)
+                usage -= min(usage, int(stat.get(inactive_key, 0)))
+            except (OSError, ValueError):
+                pass
+            return max(0, int(limit_s) - usage)
     return None
 
 
