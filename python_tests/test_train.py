@@ -330,6 +330,20 @@ def test_cli_resume_is_bit_exact_and_reuses_sft_cache(tmp_path, cache_env, capsy
     assert [m["tokens"] for m in ma] == [m["tokens"] for m in mb]
 
 
+def test_cli_optimizer_offload_trains_the_same_weights(tmp_path, cache_env, capsys):
+    """`--optimizer-offload` on bf16 weights: the same checkpoint as the resident optimizer's run, and a resume
+    may switch it off (the optimizer state is the same either way)."""
+    runs = {}
+    for name, extra in (("res", []), ("off", ["--optimizer-offload"])):
+        runs[name] = tmp_path / name
+        assert T.main(SMOKE + ["--out", str(runs[name]), "--steps", "2", "--dtype", "bfloat16"] + extra) == 0
+    w_res, w_off = weights(runs["res"] / "checkpoint-2"), weights(runs["off"] / "checkpoint-2")
+    assert all(torch.equal(w_res[n], w_off[n]) for n in w_res)
+    assert json.loads((runs["off"] / "config.json").read_text())["rl"]["optimizer_offload"] is True
+    assert T.main(["--resume", str(runs["off"]), "--steps", "3", "--progress", "plain", "--no-optimizer-offload"]) == 0
+    assert [m["step"] for m in L.read_metrics(runs["off"])] == [1, 2, 3]
+
+
 def test_cli_rft_baseline(tmp_path, cache_env, capsys):
     out = tmp_path / "rft"
     assert T.main(SMOKE + ["--out", str(out), "--baseline", "rft", "--rft-max-prompts", "8", "--rft-steps", "2",
