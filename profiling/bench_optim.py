@@ -8,7 +8,7 @@
 Parameters are bf16 (fp32 on the CPU) with SDAR's shapes (embedding, lm_head unless tied, per layer q/k/v/o,
 gate/up/down, the norms); `--layers` limits the decoder layers so the resident baseline fits beside the others,
 and `full_ms` scales the measured step to the whole model by parameter count. Prints one table and ends with one
-JSON line. Columns: `ms` median milliseconds of one `step()` (CUDA events), `Mparams`, `peak_MiB` GPU memory the
+JSON line. Columns: `ms` median milliseconds of one `step()` (CUDA events), `Mparam`, `peak_MiB` GPU memory the
 step allocates above what was allocated before it (offload: one chunk's temporaries), `host_GiB` pinned host
 memory of the offloaded state, `PCIe_GB/s` bytes over PCIe (24 per bf16 parameter: fp32 master + two moments in
 and out) / time, `%bound` the copy-bound time (the same bytes at the measured pinned host-to-device and
@@ -103,7 +103,7 @@ def main() -> None:
             del opt
             if on_gpu:
                 torch.cuda.empty_cache()
-        row = {"variant": name, "ms": ms, "Mparams": n / 1e6, "peak_MiB": peak,
+        row = {"variant": name, "ms": ms, "Mparam": n / 1e6, "peak_MiB": peak,
                "host_GiB": state_bytes / 2**30 if offloaded else 0.0, "full_ms": ms * full / n}
         if offloaded and on_gpu:
             pcie = 2 * state_bytes  # every state byte goes to the GPU and back
@@ -111,7 +111,7 @@ def main() -> None:
             row["%bound"] = 100 * (state_bytes / h2d + state_bytes / d2h) / 1e9 / (ms * 1e-3)
         rows.append(row)
     print_table([{k: ("-" if r.get(k) is None else r[k]) for k in
-                  ("variant", "ms", "Mparams", "peak_MiB", "host_GiB", "PCIe_GB/s", "%bound", "full_ms")} for r in rows])
+                  ("variant", "ms", "Mparam", "peak_MiB", "host_GiB", "PCIe_GB/s", "%bound", "full_ms")} for r in rows])
     emit_json("optim", device=device_name(device), config=config, dtype=str(dtype)[6:], layers=args.layers,
               params=n, full_params=full, h2d_gbs=h2d, d2h_gbs=d2h, kernels=False, rows=rows)
 
