@@ -50,13 +50,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from .model import KVCache, SDARForCausalLM
-from .ops._common import check_float, check_int
+from .ops._common import PDL_ENV, check_float, check_int, pdl_allowed
 from .ops.unmask import NOISE_MODES, check_sampling_args, threshold_unmask
 from .profiling import nvtx_range
 
@@ -331,7 +332,11 @@ class _GraphedStep:
     instead of their sum.
 
     Warm-up, capture and replay run with `stream`'s device (the model's) current: a capture on a stream of
-    another device would record none of the step's kernels (they go to the model's device) and run them."""
+    another device would record none of the step's kernels (they go to the model's device) and run them.
+
+    A capture that fails with programmatic dependent launch on (csrc/launch.h; not yet run under capture on every
+    driver) is retried once with it off for the whole process (LRF_PDL=0, a warning says so); a second failure,
+    or a first one without PDL, leaves the step eager (a warning too)."""
 
     def __init__(self, fn, pool, stream: torch.cuda.Stream) -> None:
         self.fn, self.pool, self.stream, self.graph, self.failed = fn, pool, stream, None, False
@@ -345,18 +350,33 @@ class _GraphedStep:
             self.fn()  # the first call runs eagerly: it warms up kernels and allocator, and does real work
             if self.failed:
                 return
-            prev = torch.cuda.current_stream(self.device)
-            try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                    self.fn()
-                self.graph = graph
-            except Exception as e:  # capture can fail when an op without a CUDA kernel needs a host sync
-                # graph.__exit__ leaves the capture stream current when capture_end raises: restore the old one
-                torch.cuda.set_stream(prev)
-                self.failed = True
-                warnings.warn(f"CUDA graph capture of the denoising step failed ({type(e).__name__}: {e}); "
-                              "decoding continues eagerly", RuntimeWarning, stacklevel=2)
+            pool = self.pool
+            for attempt in (0, 1):
+                prev = torch.cuda.current_stream(self.device)
+                graph = None
+                try:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                        self.fn()
+                    self.graph = graph
+                    return
+                except Exception as e:  # capture can fail when an op without a CUDA kernel needs a host sync
+                    # graph.__exit__ leaves the capture stream current when capture_end raises: restore the old one
+                    torch.cuda.set_stream(prev)
+                    del graph
+                    if attempt == 0 and pdl_allowed():
+                        # programmatic dependent launch under capture has not run on every driver yet: once more
+                        # without it (for the whole process), in a pool of its own (the failed capture's is unsure)
+                        os.environ[PDL_ENV] = "0"
+                        pool = torch.cuda.graph_pool_handle()
+                        warnings.warn(f"CUDA graph capture of the denoising step failed ({type(e).__name__}: {e}) "
+                                      f"with programmatic dependent launch on; retrying with it off ({PDL_ENV}=0 "
+                                      "for this process)", RuntimeWarning, stacklevel=2)
+                        continue
+                    self.failed = True
+                    warnings.warn(f"CUDA graph capture of the denoising step failed ({type(e).__name__}: {e}); "
+                                  "decoding continues eagerly", RuntimeWarning, stacklevel=2)
+                    return
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """The rollout sampler: cache vs no-cache decoding, folded vs separate commits, rules, EOS, TPF, errors."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -506,6 +507,40 @@ def test_gpu_decoder_replays_its_graphs_across_calls(model, monkeypatch):
         assert_same_rollout(dec.generate(prompts, tcfg), want)
         assert dec._graphs and all(g.graph is not None and not g.failed for g in dec._graphs.values())
     assert dec._stream is sampler._capture_stream(next(m.parameters()).device)  # one per device for every Decoder
+
+
+@pytest.mark.gpu
+def test_gpu_capture_that_fails_with_pdl_is_retried_without_it(model, monkeypatch):
+    """A capture failing with programmatic dependent launch on is retried once with it off (LRF_PDL=0 for the
+    process, a warning), in a pool of its own, and then replays the eager tokens; a second failure leaves the step
+    eager with its own warning. (The failure is simulated: the first capture's context raises on entry.)"""
+    import lightningrl_fast.sampler as sampler
+
+    monkeypatch.delenv("LRF_PDL", raising=False)
+    monkeypatch.setenv("LRF_PDL", "1")  # restored after the test, whatever the retry sets
+    real_graph, calls = torch.cuda.graph, []
+
+    def flaky_graph(*args, **kwargs):
+        calls.append(os.environ.get("LRF_PDL"))
+        if len(calls) == 1:
+            raise RuntimeError("simulated capture failure")
+        return real_graph(*args, **kwargs)
+
+    monkeypatch.setattr(sampler.torch.cuda, "graph", flaky_graph)
+    m = _on_cuda(model, torch.bfloat16)
+    prompts = prompts_of([1, 3, 4, 5, 9], seed=12)
+    cfg = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=16, eos_ids=(EOS,))
+    dec = Decoder(m)
+    with pytest.warns(RuntimeWarning, match="with programmatic dependent launch on; retrying with it off"):
+        got = dec.generate(prompts, cfg)
+    assert calls[:2] == ["1", "0"] and os.environ["LRF_PDL"] == "0"
+    assert all(g.graph is not None and not g.failed for g in dec._graphs.values())
+    assert_same_rollout(got, generate(m, prompts, dataclasses.replace(cfg, cuda_graphs=False)))
+    # without PDL to turn off, one failure is final: eager, with the other warning
+    calls.clear()
+    with pytest.warns(RuntimeWarning, match="decoding continues eagerly"):
+        Decoder(m).generate(prompts, cfg)
+    assert calls == ["0"]
 
 
 @pytest.mark.gpu
