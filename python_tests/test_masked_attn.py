@@ -117,6 +117,7 @@ def test_padded_flex_path_matches_reference(n, copies, bs, lengths):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(400)  # compiles FlexAttention (forward, or forward + backward) per shape: minutes
 def test_flex_compiles_past_the_default_recompile_limit():
     """A training run meets many (rows, length) shapes: more than dynamo's default 8 compiles of flex_attention
     must still run the fused kernel (the unfused fallback would warn and materialize the scores)."""
@@ -141,6 +142,7 @@ def test_flex_compiles_past_the_default_recompile_limit():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(400)  # compiles FlexAttention (forward, or forward + backward) per shape: minutes
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flex_matches_reference_on_gpu(dtype):
     torch.manual_seed(1)
@@ -451,6 +453,7 @@ def test_packed_reference_handles_ragged_segments():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(400)  # compiles FlexAttention (forward, or forward + backward) per shape: minutes
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_packed_flex_matches_reference(dtype):
     """The compiled FlexAttention path of a packed micro-batch (one row of 1024 positions: segments of odd sizes,

@@ -563,6 +563,7 @@ def test_reference_offload_state_and_tied_embeddings():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(400)  # compiles FlexAttention (forward, or forward + backward) per shape: minutes
 def test_gpu_reference_stages_on_cuda():
     """The policy on the GPU: the old-policy pass takes the host LayoutBatch to the device, and a host-resident
     reference streamed layer by layer gives the log-probs of the same reference held on the GPU."""
@@ -581,6 +582,7 @@ def test_gpu_reference_stages_on_cuda():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(400)  # compiles FlexAttention (forward, or forward + backward) per shape: minutes
 @pytest.mark.parametrize("mode", ["block_proxy", "trace"])
 def test_gpu_packed_training_pass_matches_the_cpu(mode):
     """The training pass on CUDA (packed rows rounded to packed_length, FlexAttention forward and backward over the
@@ -615,6 +617,7 @@ def test_passes_check_target_ids_once_on_the_host():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(400)  # compiles FlexAttention (forward, or forward + backward) per shape: minutes
 def test_gpu_training_passes_do_not_sync_per_micro_batch():
     """The packed passes upload without blocking and check ids once on the host: the number of host syncs of a
     log-prob pass and of a loss pass does not grow with the number of micro-batches."""

@@ -147,6 +147,7 @@ def test_train_sft_with_the_optimizer_state_offloaded_is_the_same_run():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(400)  # compiles FlexAttention (forward, or forward + backward) per shape: minutes
 @pytest.mark.parametrize("pack", [True, False])
 def test_gpu_sft_matches_the_cpu(pack):
     """On CUDA (packed rows rounded to packed_length and FlexAttention over the token tables, or padded rows under
