@@ -160,6 +160,7 @@ class MasterAdamW(torch.optim.Optimizer):
         return loss
 
     def _update(self) -> None:
+        """One AdamW step of every parameter with a gradient (resident state in place, offloaded state streamed)."""
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
