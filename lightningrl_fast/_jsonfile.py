@@ -52,6 +52,18 @@ def read_json_file(path: Path, expect: type | None = dict, error: type[Exception
     return doc
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file or folder (`path`) to the disk; a file system that cannot (some refuse it for folders) is not
+    an error."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def temp_sibling(path: Path) -> Path:
     """A hidden temporary name next to `path` (same folder, so the rename is atomic), unique to this process and
     call: two writers of one file never share a temporary."""
@@ -76,10 +88,4 @@ def write_text_atomic(path: str | Path, text: str, sync_dir: bool = False) -> No
     finally:
         tmp.unlink(missing_ok=True)
     if sync_dir:
-        fd = os.open(str(path.parent), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        except OSError:  # directories on some file systems
-            pass
-        finally:
-            os.close(fd)
+        fsync_path(path.parent)

@@ -43,6 +43,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ._jsonfile import fsync_path as _fsync
 from ._jsonfile import read_json_file
 from .model import SDARConfig, SDARForCausalLM
 
@@ -322,16 +323,6 @@ def _write_shard(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[st
     """One safetensors file, fsynced (module-level so tests can interrupt a save here)."""
     save_file(tensors, str(file), metadata=metadata)
     _fsync(file)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # directories on some filesystems
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_json(obj: Any, file: Path) -> None:

@@ -101,8 +101,6 @@ def test_optimizer_offload_in_the_memory_plan():
     b = D.training_bytes(n8, 2, 1, reference=False, optimizer_offload=True)
     assert b["optimizer"] == D.OFFLOAD_STAGING_BYTES == 320 * 2**20  # one 16M-element chunk: fp32 w, m, v, g, denom
     assert round(sum(b.values()) / gib, 1) == 30.8  # SDAR-8B on one GPU with both offloads (README table)
-    assert D.host_bytes(n8, 2, 4, reference_offload=True, optimizer_offload=True) == -(-n8 * 12 // 4) + 2 * n8
-    assert D.host_bytes(n8, 2, 4, reference_offload=False, optimizer_offload=False) == 0
     assert D.training_bytes(100, 2, 1, False, optimizer_offload=True)["optimizer"] == 1200  # smaller than a chunk
     # as allocated: the optimizer shard of the largest rank and the reference copy, in power-of-two slabs
     from lightningrl_fast.rl.optim import MasterAdamW, carve_plan, offloaded_state_bytes

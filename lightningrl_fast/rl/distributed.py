@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from .optim import DEFAULT_CHUNK, STAGING_BYTES_PER_ELEMENT, carve_plan, offloaded_state_bytes
+from .optim import DEFAULT_CHUNK, STAGING_BYTES_PER_ELEMENT, offloaded_state_bytes
 
 
 @dataclass(frozen=True)
@@ -336,27 +336,19 @@ def training_bytes(n_params: int, param_bytes: int, world: int, reference: bool,
             "reference": n_params * param_bytes if reference else 0}
 
 
-def host_bytes(n_params: int, param_bytes: int, world: int, reference_offload: bool, optimizer_offload: bool) -> int:
-    """Pinned host bytes per rank of the offloaded parts: the optimizer shard and the frozen reference."""
-    return ((_opt_bytes(n_params, param_bytes, world) if optimizer_offload else 0)
-            + (n_params * param_bytes if reference_offload else 0))
-
-
 def host_plan(model: torch.nn.Module, world: int, reference_offload: bool, optimizer_offload: bool) -> int:
     """Pinned host bytes of the largest rank, as allocated: its optimizer shard (`optim.offloaded_state_bytes`, the
-    owners as `partition` gives them) and its copy of the frozen reference (`logprobs.host_copy`), both carved
-    from power-of-two slabs; `host_bytes` without the slab rounding."""
+    owners as `partition` gives them) and its copy of the frozen reference (`logprobs.host_copy_bytes`), both
+    carved from power-of-two slabs."""
+    from .logprobs import host_copy_bytes
+
     params = list(model.parameters())
     total = 0
     if optimizer_offload:
         owners = partition([p.numel() for p in params], world) if world > 1 else [0] * len(params)
         total += max(offloaded_state_bytes([p for p, o in zip(params, owners) if o == r]) for r in range(world))
     if reference_offload:
-        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-        tensors = [v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]
-        for dtype in {t.dtype for t in tensors}:
-            sizes = [t.numel() for t in tensors if t.dtype == dtype]
-            total += sum(size for size, _, _ in carve_plan(sizes)) * torch.empty((), dtype=dtype).element_size()
+        total += host_copy_bytes(model)
     return total
 
 

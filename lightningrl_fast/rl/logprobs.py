@@ -483,6 +483,29 @@ def batch_logprobs(model: SDARForCausalLM, lb: LayoutBatch, chunk: int = 4096) -
     return linear_logprobs(h, model.lm_head.weight, lb.targets, chunk=chunk, suppress_token=model.config.mask_token_id)
 
 
+def _reference_tensors(model: SDARForCausalLM) -> dict[str, torch.Tensor]:
+    """What `host_copy` copies: the state dict, less a tied lm_head (the embedding serves it)."""
+    return {k: v.detach() for k, v in model.state_dict().items()
+            if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+
+
+def _by_dtype(tensors: dict[str, torch.Tensor]) -> dict[torch.dtype, list[str]]:
+    """Names of `tensors` per dtype (one set of slabs each), dtypes in a fixed order."""
+    out: dict[torch.dtype, list[str]] = {}
+    for k in sorted(tensors, key=lambda k: str(tensors[k].dtype)):
+        out.setdefault(tensors[k].dtype, []).append(k)
+    return out
+
+
+def host_copy_bytes(model: SDARForCausalLM) -> int:
+    """Pinned host bytes `host_copy(model)` allocates, slab rounding included (`optim.carve_plan`)."""
+    from .optim import carve_plan
+
+    src = _reference_tensors(model)
+    return sum(sum(size for size, _, _ in carve_plan([src[k].numel() for k in names])) * src[names[0]].element_size()
+               for names in _by_dtype(src).values())
+
+
 def host_copy(model: SDARForCausalLM, pin: bool | None = None) -> SDARForCausalLM:
     """A frozen copy of `model` in host memory, made one tensor at a time (never a second full copy on the GPU);
     pinned (page-locked, for fast copies to the GPU) by default when CUDA is available, the tensors carved from a
@@ -492,11 +515,9 @@ def host_copy(model: SDARForCausalLM, pin: bool | None = None) -> SDARForCausalL
     pin = torch.cuda.is_available() if pin is None else pin
     with torch.device("meta"):
         ref = SDARForCausalLM(model.config)
-    src = {k: v.detach() for k, v in model.state_dict().items()
-           if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    src = _reference_tensors(model)
     sd = {} if pin else {k: v.to("cpu", copy=True) for k, v in src.items()}
-    for dtype in sorted({v.dtype for v in src.values()}, key=str) if pin else ():  # carved from pinned slabs
-        names = [k for k, v in src.items() if v.dtype == dtype]
+    for dtype, names in _by_dtype(src).items() if pin else ():  # carved from pinned slabs
         for k, h in zip(names, carve_host([src[k].numel() for k in names], True, dtype)):
             sd[k] = h.view(src[k].shape).copy_(src[k])
     ref.load_state_dict(sd, assign=True, strict=not model.config.tie_word_embeddings)
