@@ -88,10 +88,15 @@ def carve_plan(numels: list[int]) -> list[tuple[int, int, list[tuple[int, int]]]
     return [(1 << max(0, (used - 1).bit_length()), used, items) for used, items in bins]
 
 
+def state_keys(p: torch.Tensor) -> tuple[str, ...]:
+    """The fp32 state tensors of parameter `p`: the two moments, and a master copy unless `p` is fp32 itself."""
+    return STATE_KEYS if p.dtype != torch.float32 else STATE_KEYS[:2]
+
+
 def offloaded_state_bytes(params: Iterable[torch.Tensor]) -> int:
-    """Pinned host bytes MasterAdamW(offload=True) allocates for these parameters (moments, plus a master for
-    non-fp32 ones), slab rounding included."""
-    numels = [p.numel() for p in params for k in STATE_KEYS if k != "master" or p.dtype != torch.float32]
+    """Pinned host bytes MasterAdamW(offload=True) allocates for these parameters (`state_keys`), slab rounding
+    included."""
+    numels = [p.numel() for p in params for _ in state_keys(p)]
     return 4 * sum(size for size, _, _ in carve_plan(numels))
 
 
@@ -112,10 +117,9 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor, st: dict) -> None:
         st["step"] = torch.zeros((), dtype=torch.float32)
-        st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        if p.dtype != torch.float32:
-            st["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
+        for k in state_keys(p):
+            st[k] = (p.detach().float().clone(memory_format=torch.preserve_format) if k == "master" else
+                     torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format))
 
     def _place_offloaded(self, entries: list[tuple[torch.Tensor, str, torch.Tensor | None]]) -> None:
         """Offloaded state: for each (parameter, key, value) an fp32 host tensor in the parameter's shape, carved from
@@ -138,8 +142,7 @@ class MasterAdamW(torch.optim.Optimizer):
         new = [p for g in self.param_groups for p in g["params"] if p.grad is not None and not self.state[p]]
         for p in new:
             self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
-        self._place_offloaded([(p, k, None) for p in new for k in STATE_KEYS
-                               if k != "master" or p.dtype != torch.float32])
+        self._place_offloaded([(p, k, None) for p in new for k in state_keys(p)])
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -152,8 +155,7 @@ class MasterAdamW(torch.optim.Optimizer):
             return loss
         self._after_last_copies()
         try:
-            if any(not self.state[p] for g in self.param_groups for p in g["params"] if p.grad is not None):
-                self._init_offloaded()
+            self._init_offloaded()
             self._update()
         finally:  # also after an error mid-step: what was copied back so far is what the next reader waits for
             self._record_copies()
