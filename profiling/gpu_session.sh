@@ -130,25 +130,16 @@ for s in "${stages[@]}"; do
       (cd /tmp && stage "launcher checks" 120 tests.log python3 -m pytest "${files[@]}" -q -rfE \
           -p no:cacheprovider "${per_test[@]/100/60}" -k "launcher_checks")
       # $GPU_TEST_JOBS files at a time (default 4: the machine has 16 cores and the tests are small on the GPU),
-      # each under its own limit (at most $GPU_TEST_LIMIT_S, at most what the budget has left when it starts);
-      # -v, so a file cut off at its limit still reports each test it finished. Logs are joined in file order.
+      # each a `stage` of its own (at most $GPU_TEST_LIMIT_S, at most what the budget has left when it starts) with
+      # its own log under tests_parts/; -v, so a file cut off at its limit still reports each test it finished.
+      # The logs are joined in file order.
       parts=$OUT/tests_parts; mkdir -p "$parts"
       for f in "${files[@]}"; do
         grep -q "mark.gpu" "$f" 2>/dev/null || continue
         while [ "$(jobs -rp | wc -l)" -ge "${GPU_TEST_JOBS:-4}" ]; do wait -n; done
-        name=$(basename "$f"); left=$((BUDGET - SECONDS - 5)); limit=$TEST_LIMIT
-        if [ "$left" -lt 30 ]; then
-          echo "=== tests $name: skipped, ${left}s left of the ${BUDGET}s budget" | tee "$parts/$name.log"
-          continue
-        fi
-        [ "$limit" -gt "$left" ] && limit=$left
-        echo "=== tests $name (limit ${limit}s)"
-        ( t0=$(date +%s)
-          cd /tmp && timeout -k 10 "$limit" python3 -m pytest "$f" -m gpu -v -rfE --durations 5 -p no:cacheprovider \
-            "${per_test[@]}" -k "not launcher_checks" >"$parts/$name.log" 2>&1
-          rc=$?
-          echo "=== tests $name: rc=$rc in $(($(date +%s) - t0))s (limit ${limit}s)" | tee -a "$parts/$name.log"
-        ) &
+        name=$(basename "$f")
+        (cd /tmp && stage "tests $name" "$TEST_LIMIT" "tests_parts/$name.log" python3 -m pytest "$f" -m gpu -v -rfE \
+            --durations 5 -p no:cacheprovider "${per_test[@]}" -k "not launcher_checks") &
       done
       wait
       for f in "${files[@]}"; do
