@@ -6,8 +6,9 @@ package but its sibling `_sandbox_checks` (the result checks, loaded by path at 
 directory off ``sys.path``). Order matters — everything privileged happens before the first line of untrusted code:
 
 1. read the job (JSON) and delete its file;
-2. private mounts (only when the parent put us in a fresh mount namespace): size-capped tmpfs over
-   ``/tmp``, ``/var/tmp`` and ``/dev/shm``, the working directory inside the new ``/tmp``;
+2. private mounts (only when the parent put us in a fresh mount namespace): size-capped tmpfs over the
+   folders the job names (``/tmp``, ``/var/tmp``, ``/dev/shm``: code.py's _PRIVATE_MOUNTS), the working
+   directory inside the new ``/tmp``;
 3. resource limits (address space, CPU seconds, file size, processes, open files, no core dumps),
    soft == hard so they cannot be raised again;
 4. ``PR_SET_NO_NEW_PRIVS`` and, when started as root, a drop to the job's unprivileged uid/gid (the
@@ -305,7 +306,7 @@ def main():
             import ctypes
 
             libc = ctypes.CDLL(None, use_errno=True)
-            ok = all(_mount_tmpfs(libc, t, job["tmpfs_mb"]) for t in ("/tmp", "/var/tmp", "/dev/shm"))
+            ok = all(_mount_tmpfs(libc, t, job["tmpfs_mb"]) for t in job["private_mounts"])
             if not ok:
                 raise OSError(ctypes.get_errno(), "mounting a private tmpfs failed")
             workdir = "/tmp/work"

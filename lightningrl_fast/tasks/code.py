@@ -135,6 +135,8 @@ def hidden_site_dirs() -> list[str]:
     dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
     return [d for d in dirs if os.path.isdir(d) and any(
         os.path.realpath(d) == m or os.path.realpath(d).startswith(m + "/") for m in _PRIVATE_MOUNTS)]
+
+
 _NS_FLAGS = ["--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
 
 
@@ -475,7 +477,8 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
         nonce = secrets.token_hex(16)
         job = {
             "nonce": nonce, "setup": program.setup, "solution": program.solution, "tests": list(program.tests),
-            "uid": slot.uid if slot else None, "private_tmp": bool(prefix), "own_user_ns": caps["user_ns"] and bool(prefix),
+            "uid": slot.uid if slot else None, "private_tmp": bool(prefix), "private_mounts": _PRIVATE_MOUNTS,
+            "own_user_ns": caps["user_ns"] and bool(prefix),
             "tmpfs_mb": cfg.tmpfs_mb, "memory_mb": cfg.memory_mb, "cpu_s": int(math.ceil(cfg.timeout_s)) + 1,
             "file_mb": cfg.file_mb, "max_procs": cfg.max_procs, "python_guard": cfg.python_guard,
         }
