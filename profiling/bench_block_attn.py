@@ -337,8 +337,7 @@ def main() -> None:
     summary["wgmma_speedup_min_max"] = [round(min(wx), 3), round(max(wx), 3)] if wx else None
     print(f"timing: {', '.join(sorted(TIMINGS)) or 'eager'} (graph = CUDA-graph device time over rotating input "
           "copies; eager = CUDA events around one call)")
-    emit_json("block_attention", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:], hq=HQ, hkv=HKV,
-              head_dim=D, copy_gbs=round(bw, 1), cpu_reference_only=not on_gpu, timing=sorted(TIMINGS), **summary,
+    rows.emit(kernels=kernels, cpu_reference_only=not on_gpu, timing=sorted(TIMINGS), **summary,
               rows=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
 
 

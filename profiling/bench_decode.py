@@ -333,9 +333,7 @@ def main(argv: list[str] | None = None) -> None:
         if ref_error:
             print(f"note: reference rows unavailable: {ref_error}")
     print_table(rows)
-    emit_json("decode", device=device_name(device), config=args.config, dtype=str(dtype)[6:], tpf=args.tpf,
-              prompt_len=args.prompt_len, new_tokens=args.new_tokens, copy_gbs=round(args.copy_gbs, 1),
-              weight_gb=round(wb / 1e9, 4), kernels=ks, reference_error=ref_error, notes=notes,
+    rows.emit(weight_gb=round(wb / 1e9, 4), kernels=ks, reference_error=ref_error, notes=notes,
               rows=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, device_name, emit_json, print_table, time_fn  # noqa: E402
+from common import RowLog, device_name, print_table, time_fn  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops import grpo_loss as gl  # noqa: E402
@@ -215,7 +215,7 @@ def main() -> None:
                            not_slower_than_liger=k["ms"] <= lg["ms"], peak_not_above_liger=k["peak_GiB"] <= lg["peak_GiB"])
     if not on_gpu:
         summary["note"] = "the CUDA kernel needs a GPU: PyTorch reference only, tiny size"
-    emit_json("grpo_loss", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:], tokens=T, hidden=H,
+    rows.emit(kernels=kernels, tokens=T, hidden=H,
               vocab=V, gemm_tflops=round(gemm_tflops, 1) if gemm_tflops else None, **summary,
               rows=[{k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in r.items()} for r in rows])
 

@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RowLog, copy_bandwidth_gbs, device_name, emit_json, graph_time_us, print_table, rotation,  # noqa: E402
+from common import (RowLog, copy_bandwidth_gbs, device_name, graph_time_us, print_table, rotation,  # noqa: E402
                     time_fn)
 
 from lightningrl_fast import _ext  # noqa: E402
@@ -85,8 +85,7 @@ def main() -> None:
             row["speedup"] = row["ref_us"] / row["op_us"]
         rows.append(row)
     print_table(rows)
-    emit_json("kv_cache_write", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:],
-              heads=H, head_dim=D, copy_gbs=round(bw, 1),
+    rows.emit(kernels=kernels, heads=H, head_dim=D,
               rows=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, copy_bandwidth_gbs, device_name, device_time_us, emit_json, ints, print_table, rotation  # noqa: E402
+from common import RowLog, copy_bandwidth_gbs, device_name, device_time_us, ints, print_table, rotation  # noqa: E402
 
 from bench_decode import CONFIGS  # noqa: E402  (the named model shapes, REFERENCE §1)
 
@@ -63,7 +63,8 @@ def main() -> None:
     print(f"device: {device_name(device)}; copy bandwidth {bw:.0f} GB/s; {args.config if on_gpu else 'tiny'} "
           f"shapes, {str(dtype)[6:]}; kernels {'yes' if kernels else 'no (reference only)'}")
 
-    rows = RowLog("linear", device=device_name(device), copy_gbs=round(bw, 1), dtype=str(dtype)[6:])
+    rows = RowLog("linear", device=device_name(device), copy_gbs=round(bw, 1), dtype=str(dtype)[6:],
+                  config=args.config if on_gpu else "tiny")
     for name, n, k in projections(cfg):
         g = torch.Generator(device=device).manual_seed(n + k)
         w0 = (torch.randn(n, k, generator=g, device=device) / k**0.5).to(dtype)
@@ -85,8 +86,7 @@ def main() -> None:
             rows.append(row)
         del weights
     print_table(rows)
-    emit_json("linear", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:],
-              config=args.config if on_gpu else "tiny", copy_gbs=round(bw, 1),
+    rows.emit(kernels=kernels,
               rows=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
 
 

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import CONFIGS  # noqa: E402
-from common import RowLog, device_name, emit_json, print_table, time_fn  # noqa: E402
+from common import RowLog, device_name, print_table, time_fn  # noqa: E402
 
 from lightningrl_fast.rl.optim import MasterAdamW  # noqa: E402
 
@@ -112,7 +112,7 @@ def main() -> None:
         rows.append(row)
     print_table([{k: ("-" if r.get(k) is None else r[k]) for k in
                   ("variant", "ms", "Mparam", "peak_MiB", "host_GiB", "PCIe_GB/s", "%bound", "full_ms")} for r in rows])
-    emit_json("optim", device=device_name(device), config=config, dtype=str(dtype)[6:], layers=args.layers,
+    rows.emit(layers=args.layers,
               params=n, full_params=full, h2d_gbs=h2d, d2h_gbs=d2h, kernels=False, rows=rows)
 
 

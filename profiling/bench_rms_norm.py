@@ -26,7 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, copy_bandwidth_gbs, device_name, device_time_us, emit_json, print_table, time_fn  # noqa: E402
+from common import RowLog, copy_bandwidth_gbs, device_name, device_time_us, print_table, time_fn  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import rope_cos_sin  # noqa: E402
@@ -134,8 +134,7 @@ def main() -> None:
                 row["x_per_op"] = row["per_op_us"] / row["kernel_us"]
             rows.append(row)
     print_table(rows)
-    emit_json("rms_norm", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:], hidden=hidden,
-              heads=[hq, hkv], head_dim=d, copy_gbs=round(bw, 1),
+    rows.emit(kernels=kernels, hidden=hidden, heads=[hq, hkv], head_dim=d,
               rows=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
 
 

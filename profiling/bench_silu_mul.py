@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, copy_bandwidth_gbs, device_name, device_time_us, emit_json, print_table, rotation  # noqa: E402
+from common import RowLog, copy_bandwidth_gbs, device_name, device_time_us, print_table, rotation  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.silu_mul import silu_mul_reference  # noqa: E402
@@ -70,8 +70,7 @@ def main() -> None:
                 row["x_compiled"] = row["compiled_us"] / row["kernel_us"]
         rows.append(row)
     print_table(rows)
-    emit_json("silu_mul", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:], inner=inner,
-              copy_gbs=round(bw, 1),
+    rows.emit(kernels=kernels, inner=inner,
               rows=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
 
 

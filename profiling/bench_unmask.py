@@ -34,7 +34,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, copy_bandwidth_gbs, device_name, emit_json, ints, print_table, time_fn  # noqa: E402
+from common import RowLog, copy_bandwidth_gbs, device_name, ints, print_table, time_fn  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.unmask import threshold_unmask, threshold_unmask_reference  # noqa: E402
@@ -220,8 +220,7 @@ def main() -> None:
     cols = ["rows", "B", "mode", "kernel_us", "GB/s", "%copy", "op_us", "ref_us", "compiled_us", "flashinfer_us",
             "x_ref"]
     print_table([{c: r.get(c, "") for c in cols} for r in rows_out])
-    emit_json("threshold_unmask", device=device_name(device), kernels=kernels, dtype=str(dtype)[6:], vocab=vocab,
-              block=BLOCK, copy_gbs=round(bw, 1), flashinfer=fi is not None,
+    rows_out.emit(kernels=kernels, block=BLOCK, flashinfer=fi is not None,
               rows=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows_out])
 
 

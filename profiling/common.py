@@ -14,7 +14,8 @@
   with (`python profiling/bench_x.py | tail -n 1` is machine-readable).
 * `RowLog(bench, **fields)`: the list a script collects its rows in; each row is also written to stderr as it is
   measured (`{"bench_row": ...}`), so a script stopped at a time limit (gpu_session.sh) leaves what it measured,
-  and profiling/results_rows.py uses those lines where the final one is missing. stdout stays one table + one line.
+  and profiling/results_rows.py uses those lines where the final one is missing; `rows.emit(**more)` writes the
+  final line with the same fields. stdout stays one table + one line.
 
 Run a script as `python profiling/bench_<op>.py` from the repository root (the package must be installed
 with its extension to time the kernels).
@@ -161,6 +162,10 @@ class RowLog(list):
         super().append(row)
         print(json.dumps({"bench_row": self.bench, "line": self.fields, "row": row}, default=str), file=sys.stderr,
               flush=True)
+
+    def emit(self, **fields) -> None:
+        """The script's final line (`emit_json`): the bench, the fields every row line carried, then `fields`."""
+        emit_json(self.bench, **{**self.fields, **fields})
 
 
 def emit_json(bench: str, **fields) -> None:
