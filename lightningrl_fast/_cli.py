@@ -128,18 +128,10 @@ def join_ranks(device_name: str):
     from .rl import distributed
 
     try:
-        device = distributed.resolve_device(device_name)
-        check_device_type(device, device_name)
+        device = distributed.resolve_device(device_name)  # cpu / cuda only, present on this machine
         return distributed.init(distributed.env_from_environment(), device)
     except ValueError as e:
         raise CLIError(str(e)) from None
-
-
-def check_device_type(device: torch.device, name: str) -> None:
-    """cpu or cuda only, as train's config check says (`config.py`): the model loads and decodes on those; mps /
-    meta / xla failed after loading (a RuntimeError from torch, or uninitialized "meta" weights)."""
-    if device.type not in ("cpu", "cuda"):
-        raise CLIError(f"--device {name}: only cpu and cuda devices are supported")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

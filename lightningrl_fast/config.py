@@ -421,19 +421,14 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
         if d.task != "synthetic":
             errs.append(f"--task {d.task} needs --model DIR (the embedded default model only knows the "
                         "synthetic task's characters)")
-    # device
-    try:
-        import torch
+    # device: the CLIs' own check (a valid name, cpu or cuda, a GPU this machine has)
+    if d.device != "auto":
+        from .rl.distributed import resolve_device
 
-        dev = d.device
-        if dev != "auto":
-            td = torch.device(dev)
-            if td.type == "cuda" and not torch.cuda.is_available():
-                errs.append(f"--device {dev}: CUDA is not available on this machine (use --device cpu)")
-            elif td.type not in ("cpu", "cuda"):
-                errs.append(f"--device {dev}: only cpu and cuda devices are supported")
-    except RuntimeError as ex:
-        errs.append(f"--device {d.device!r} is not a valid torch device ({ex})")
+        try:
+            resolve_device(d.device)
+        except ValueError as ex:
+            errs.append(str(ex))
     # files and folders
     if check_paths:
         for flag, p in (("--train-data", d.train_data), ("--eval-data", d.eval_data)):

@@ -82,7 +82,7 @@ try:  # torch and the package load for seconds: a Ctrl-C meanwhile is main's one
     from ._jsonfile import write_text_atomic
     from .rl import distributed
     from .rl.distributed import SINGLE, DistEnv, all_gather
-    from .sampler import Decoder, prompt_fit_problem
+    from .sampler import Decoder, prompt_problem
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
@@ -111,8 +111,6 @@ def _encode(tokenizer, task, examples) -> list[list[int]]:
         except ValueError as e:
             ex_id = getattr(ex, "id", i)
             raise ValueError(f"example {ex_id!r}: the prompt cannot be tokenized: {e}") from None
-        if not ids:
-            raise ValueError(f"example {getattr(ex, 'id', i)!r}: the prompt encodes to no tokens")
         out.append(ids)
     return out
 
@@ -125,32 +123,21 @@ def _decoded_block_size(model, sampler_cfg) -> int:
     return bs
 
 
-def _prompt_problem(p: list[int], mc, sampler_cfg, block_size: int) -> str | None:
-    """Why the sampler would refuse prompt `p` with model config `mc` (its own checks, same order), or None."""
-    bad = sorted({t for t in p if not 0 <= t < mc.vocab_size})
-    if bad:
-        return (f"the prompt has token id(s) {bad[:5]} outside the model's vocabulary [0, {mc.vocab_size}) (the "
-                f"tokenizer has more ids than the checkpoint's vocab_size)")
-    if mc.mask_token_id in p:
-        return f"the prompt encodes to the mask token id {mc.mask_token_id} (position {p.index(mc.mask_token_id)})"
-    problem = prompt_fit_problem(len(p), sampler_cfg.max_new_tokens, block_size, sampler_cfg.max_length,
-                                 mc.max_position_embeddings)
-    if problem is not None:
-        return f"the prompt does not fit: {problem} (lower max_new_tokens or leave the example out)"
-    return None
-
-
 def _check_prompts(model, examples: list, ids: list[list[int]], sampler_cfg) -> None:
     """Every prompt decodable with these settings, found before decoding (the sampler finds the same problems
     mid-run and names only a batch-local prompt index): ids inside the model's vocabulary, no mask token, and
     prompt + max_new_tokens with the last block rounded up to the decoded block size within the positions
-    (`sampler.prompt_fit_problem`). ValueError naming the first bad example's id and counting the others."""
+    (`sampler.prompt_problem`, the sampler's rule). ValueError naming the first bad example's id and counting the others."""
     bs = _decoded_block_size(model, sampler_cfg)
     problems = []
     for i, (ex, p) in enumerate(zip(examples, ids)):
-        problem = _prompt_problem(p, model.config, sampler_cfg, bs)
+        mc = model.config
+        problem = prompt_problem(p, mc.vocab_size, mc.mask_token_id, sampler_cfg.max_new_tokens, bs,
+                                 sampler_cfg.max_length, mc.max_position_embeddings)
         if problem is not None:
-            problems.append(f"example {getattr(ex, 'id', i)!r}: {problem}")
+            hint = {"vocab": " (the tokenizer has more ids than the checkpoint's vocab_size)",
+                    "fit": " (lower max_new_tokens or leave the example out)"}.get(problem.kind, "")
+            problems.append(f"example {getattr(ex, 'id', i)!r}: the prompt {problem.text}{hint}")
     if problems:
         more = f" (and {len(problems) - 1} more example(s))" if len(problems) > 1 else ""
         raise ValueError(problems[0] + more)

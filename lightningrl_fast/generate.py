@@ -176,8 +176,8 @@ def encode_prompts(rows: Sequence[PromptRow], tokenizer, path: str | Path, chat:
                    max_len: int, max_new_tokens: int, mask_id: int, *, block_size: int) -> list[list[int]]:
     """Token ids per row; CLIError naming `file:line` for rows that cannot be decoded with this checkpoint:
     `max_len` is its max_position_embeddings and `block_size` the decoding block size (the last block, aligned at
-    position 0, must end within the positions: `sampler.prompt_fit_problem`, the sampler's own rule)."""
-    from .sampler import prompt_fit_problem
+    position 0, must end within the positions: `sampler.prompt_problem`, the sampler's own rule)."""
+    from .sampler import prompt_problem
     from .tokenizer import chat_prompt
 
     out, errors = [], []
@@ -190,19 +190,9 @@ def encode_prompts(rows: Sequence[PromptRow], tokenizer, path: str | Path, chat:
             hint = " (try --no-chat)" if chat else ""
             errors.append(f"{where}: cannot tokenize{hint}: {e}")
             continue
-        if not ids:
-            errors.append(f"{where}: the prompt encodes to no tokens")
-            continue
-        bad = sorted({t for t in ids if t >= vocab_size})
-        if bad:
-            errors.append(f"{where}: token id(s) {bad[:5]} are outside the model's vocabulary [0, {vocab_size})")
-            continue
-        if mask_id in ids:
-            errors.append(f"{where}: the prompt contains the mask token (id {mask_id})")
-            continue
-        problem = prompt_fit_problem(len(ids), max_new_tokens, block_size, None, max_len)
+        problem = prompt_problem(ids, vocab_size, mask_id, max_new_tokens, block_size, None, max_len)
         if problem is not None:
-            errors.append(f"{where}: {problem}")
+            errors.append(f"{where}: the prompt {problem.text}")
             continue
         out.append(ids)
     _fail_rows(Path(path), errors, "prompt(s) that cannot be decoded")

@@ -53,6 +53,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -220,21 +221,37 @@ def _validate(model: SDARForCausalLM, prompts, cfg: SamplerConfig, bs: int) -> i
     for i, p in enumerate(prompts):
         if not isinstance(p, (list, tuple)):
             raise TypeError(f"prompt {i} must be a list of int token ids, got {type(p).__name__}")
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty")
-        bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]  # one pass
-        not_int = [t for t in bad if isinstance(t, bool) or not isinstance(t, int)]
+        not_int = [t for t in p if isinstance(t, bool) or not isinstance(t, int)]
         if not_int:
             raise TypeError(f"prompt {i} has token id(s) that are not ints: {not_int[:5]}")
-        if bad:
-            raise ValueError(f"prompt {i} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if mask_id in p:
-            raise ValueError(f"prompt {i} contains the mask token id {mask_id} at position {p.index(mask_id)}")
-        problem = prompt_fit_problem(len(p), cfg.max_new_tokens, bs, cfg.max_length,
-                                     model.config.max_position_embeddings)
+        problem = prompt_problem(p, vocab, mask_id, cfg.max_new_tokens, bs, cfg.max_length,
+                                 model.config.max_position_embeddings)
         if problem is not None:
-            raise ValueError(f"prompt {i}: {problem}")
+            raise ValueError(f"prompt {i} {problem.text}")
     return max_len
+
+
+class PromptProblem(NamedTuple):
+    """Why a prompt cannot be decoded. kind: "empty", "vocab" (ids outside the vocabulary), "mask" (the mask token
+    id inside the prompt) or "fit" (`prompt_fit_problem`); text: a predicate for "the prompt ..." / "prompt 3 ..."."""
+    kind: str
+    text: str
+
+
+def prompt_problem(ids: Sequence[int], vocab_size: int, mask_id: int, max_new_tokens: int, block_size: int,
+                   max_length: int | None, max_positions: int) -> PromptProblem | None:
+    """The sampler's checks of one prompt's int token ids, in its order, or None when it decodes: the one rule and
+    wording for the sampler, the generate / eval CLIs and the trainer's up-front checks (each names its prompt its
+    own way: `prompt 3`, `file:line: the prompt`, `example 'id': the prompt`)."""
+    if len(ids) == 0:
+        return PromptProblem("empty", "is empty (no tokens)")
+    bad = sorted({t for t in ids if not 0 <= t < vocab_size})
+    if bad:
+        return PromptProblem("vocab", f"has token id(s) {bad[:5]} outside the model's vocabulary [0, {vocab_size})")
+    if mask_id in ids:
+        return PromptProblem("mask", f"contains the mask token id {mask_id} (position {list(ids).index(mask_id)})")
+    fit = prompt_fit_problem(len(ids), max_new_tokens, block_size, max_length, max_positions)
+    return None if fit is None else PromptProblem("fit", f"does not fit: {fit}")
 
 
 def prompt_fit_problem(prompt_len: int, max_new_tokens: int, block_size: int, max_length: int | None,

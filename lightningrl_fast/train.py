@@ -230,9 +230,9 @@ def fit_examples(examples: list, task: Any, tokenizer: Any, model_cfg: Any, max_
     """Encode every templated prompt once, before the first rollout: a prompt the tokenizer cannot encode, that
     encodes to the mask token or to ids outside the model's vocabulary, is an error naming its example (it would
     stop the run at whatever step drew it); a prompt that does not fit the model's positions with `max_new_tokens`
-    of response (the sampler's rule, sampler.prompt_fit_problem, with the decoded block size) is dropped, with a
+    of response (the sampler's rule, sampler.prompt_problem, with the decoded block size) is dropped, with a
     count (an error when none is left)."""
-    from .sampler import prompt_fit_problem
+    from .sampler import prompt_problem
     from .tasks.data import DataFormatError
 
     bs = block_size or model_cfg.block_size
@@ -244,18 +244,13 @@ def fit_examples(examples: list, task: Any, tokenizer: Any, model_cfg: Any, max_
             ids = tokenizer.encode(task.build_prompt(ex))
         except (ValueError, TypeError) as e:  # TypeError: the Rust tokenizer on text it cannot take
             raise DataFormatError(f"{label} example {name}: its prompt cannot be encoded by the tokenizer: {e}") from None
-        if not ids:
-            raise DataFormatError(f"{label} example {name}: the prompt encodes to no tokens")
-        if mask_id in ids:
-            raise DataFormatError(f"{label} example {name}: the prompt encodes to the mask token id {mask_id} "
-                                  f"(position {ids.index(mask_id)}); remove the literal mask token from the text")
-        outside = sorted({t for t in ids if not 0 <= t < vocab})
-        if outside:
-            raise DataFormatError(f"{label} example {name}: the prompt encodes to token id(s) {outside[:5]} outside "
-                                  f"the model's vocabulary [0, {vocab}) (a tokenizer that does not match the model?)")
-        problem = prompt_fit_problem(len(ids), max_new_tokens, bs, max_length, model_cfg.max_position_embeddings)
+        problem = prompt_problem(ids, vocab, mask_id, max_new_tokens, bs, max_length, model_cfg.max_position_embeddings)
+        if problem is not None and problem.kind != "fit":
+            hint = {"mask": "; remove the literal mask token from the text",
+                    "vocab": " (a tokenizer that does not match the model?)"}.get(problem.kind, "")
+            raise DataFormatError(f"{label} example {name}: the prompt {problem.text}{hint}")
         if problem is not None:
-            too_long.append((name, problem))
+            too_long.append((name, f"the prompt {problem.text}"))
         else:
             kept.append(ex)
     if too_long:

@@ -250,7 +250,7 @@ def test_fit_rules_rounding_vocabulary_and_eval_cap():
     kept = T.fit_examples(exs[:1] + [SimpleNamespace(id="c", text="x")], Task(), Tok(30), mc32, 30, 60, "d",
                           said.append)
     assert len(kept) == 2
-    with pytest.raises(DataFormatError, match=r"example z: the prompt encodes to token id\(s\) \[99\] outside"):
+    with pytest.raises(DataFormatError, match=r"example z: the prompt has token id\(s\) \[99\] outside the model's vocabulary \[0, 50\) \(a tokenizer"):
         T.fit_examples([SimpleNamespace(id="z", text="big")], Task(), Tok(3), mc, 4, None, "d", said.append)
 
 

@@ -429,7 +429,7 @@ def test_the_last_block_must_end_within_the_positions(ckpt, tmp_path, capsys, ex
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "1+2?"})])  # 23 tokens with ChatML
     assert gen.main(["--model", str(broken), "--prompts", str(prompts), "--max-new-tokens", "233", *extra]) == 2
     block = int(extra[1]) if extra else config["block_size"]
-    _one_line_error(capsys.readouterr().err, f"{prompts}:1: 23 prompt tokens + max_new_tokens 233: with block_size "
+    _one_line_error(capsys.readouterr().err, f"{prompts}:1: the prompt does not fit: 23 prompt tokens + max_new_tokens 233: with block_size "
                     f"{block} the last block ends at position {-(-256 // block) * block}, past the model's "
                     "max_position_embeddings 256")
     # one token less fits the positions with blocks of 4: the same folder gets to the model load

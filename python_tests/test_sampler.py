@@ -348,11 +348,11 @@ def test_bad_requests(model):
     cfg = SamplerConfig(temperature=0, max_new_tokens=8, eos_ids=(EOS,))
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         generate(model, [[5], []], cfg)
-    with pytest.raises(ValueError, match="300 prompt tokens \+ max_new_tokens 8 = 308 positions, more than the 256 the cache holds"):
+    with pytest.raises(ValueError, match=r"300 prompt tokens \+ max_new_tokens 8 = 308 positions, more than the 256 the cache holds"):
         generate(model, [[5] * 300], cfg)
-    with pytest.raises(ValueError, match=r"prompt 0 has token id\(s\) outside the vocabulary \[0, 111\): \[111\]"):
+    with pytest.raises(ValueError, match=r"prompt 0 has token id\(s\) \[111\] outside the model's vocabulary \[0, 111\)"):
         generate(model, [[5, 111]], cfg)
-    with pytest.raises(ValueError, match="mask token id 110"):
+    with pytest.raises(ValueError, match=r"prompt 0 contains the mask token id 110 \(position 1\)"):
         generate(model, [[5, MASK]], cfg)
     with pytest.raises(ValueError, match="no prompts"):
         generate(model, [], cfg)
@@ -570,3 +570,25 @@ def test_gpu_decoder_refuses_a_cache_that_cannot_fit(model):
     with pytest.raises(torch.cuda.OutOfMemoryError, match="KV cache.*fewer"):
         _check_memory(cfg, 4096, 8192, 4, torch.bfloat16, torch.device("cuda"))
     _check_memory(model.config, 2, 256, 4, torch.bfloat16, torch.device("cuda"))  # a small one passes
+
+
+def test_prompt_problem_order_and_kinds():
+    """One rule for sampler, generate, eval and train: empty, then ids outside the vocabulary, then the mask token,
+    then the fit (the last block, aligned at position 0, within the positions)."""
+    from lightningrl_fast.sampler import prompt_problem
+
+    def kind(ids, new=8, bs=4, max_length=None, pos=64):
+        p = prompt_problem(ids, 111, 110, new, bs, max_length, pos)
+        return None if p is None else p.kind
+
+    assert kind([]) == "empty"
+    assert kind([111, 110]) == "vocab" and kind([-1]) == "vocab"  # before the mask token
+    assert kind([5, 110] * 40) == "mask"  # 80 tokens do not fit 64 positions either: the mask token comes first
+    assert kind([5] * 57) == "fit"  # 57 + 8 = 65 > 64
+    assert kind([5] * 56) is None  # 56 + 8 = 64, the last block ends at 64
+    assert kind([5] * 53, new=8, bs=6, pos=64) == "fit"  # 61 positions fit, but blocks of 6 end at 66 > 64
+    assert kind([5] * 53, new=8, bs=6, max_length=66, pos=64) is None  # a longer cache holds the last block
+    p = prompt_problem([5, 110, 7], 111, 110, 8, 4, None, 64)
+    assert p.text == "contains the mask token id 110 (position 1)"
+    assert prompt_problem([7, 200, 300], 111, 110, 8, 4, None, 64).text == \
+        "has token id(s) [200, 300] outside the model's vocabulary [0, 111)"

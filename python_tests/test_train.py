@@ -188,6 +188,8 @@ def _bad_cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1"),
         (["--num-heads", "3", "--num-kv-heads", "2"], "must be a multiple of --num-kv-heads"),
         (["--dtype", "int8"], "dtype: 'int8' is not one of"),
+        (["--device", "meta"], "--device meta: only cpu and cuda devices are supported"),  # the CLIs' one check
+        (["--device", "gpu7"], "--device 'gpu7' is not a valid torch device"),
     ] + ([(["--device", "cuda"], "CUDA is not available")] if not torch.cuda.is_available() else [])
 
 

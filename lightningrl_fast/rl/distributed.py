@@ -81,13 +81,17 @@ def env_from_environment(environ: dict[str, str] | None = None) -> DistEnv:
 
 def resolve_device(name: str) -> torch.device:
     """The torch device a `--device` value names ('auto': cuda when available, else cpu). ValueError (which the
-    CLIs report as a usage error) for a malformed name or a CUDA device this machine does not have."""
+    CLIs and train's config check report as a usage error) for a malformed name, a device other than cpu / cuda
+    (the model loads and decodes on those; mps / meta / xla failed after loading) or a CUDA device this machine
+    does not have. The one device check of every CLI."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(name)
     except RuntimeError as e:
-        raise ValueError(f"--device {name!r}: {e}") from None
+        raise ValueError(f"--device {name!r} is not a valid torch device ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: only cpu and cuda devices are supported")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
