@@ -396,6 +396,21 @@ def test_sharded_checkpoint_resumes_per_rank(tmp_path):
         load_checkpoint(folder, one, config=rc)
     assert_same_opt(opt_by_index(one), every)
     assert one.optimizer.param_groups[0]["lr"] == pytest.approx(UPDATE_CFG["lr"] * 2 / 10)  # warm-up: step 2 of 10
+    # the gathered state is the shards' loaded tensors, not copies (was: cloned, so a resume that resharded an
+    # offloaded optimizer held this rank's state twice in host memory until it was placed)
+    from lightningrl_fast.rl.checkpointing import _reshard_optimizer, read_trainer_state
+
+    ts = read_trainer_state(folder)
+    n = len(list(one.model.parameters()))
+    got = _reshard_optimizer(Path(ts["path"]), ts, 2, n, None, D.SINGLE)["state"]
+    held0 = [i for i, o in enumerate(ts["owners"]) if o == 0]
+    checked = 0
+    for local, entry in ts["optimizer"]["state"].items():
+        for k, v in entry.items():
+            if torch.is_tensor(v) and v.numel() > 1:
+                assert got[held0[int(local)]][k].data_ptr() == v.data_ptr(), (local, k)
+                checked += 1
+    assert checked >= 2
     # and back to two ranks from a one-process checkpoint
     save_checkpoint_ranks(D.SINGLE, tmp_path / "one-run", one, config=rc)
     (tmp_path / "one").symlink_to(tmp_path / "one-run" / "checkpoint-1")

@@ -538,7 +538,8 @@ def _read_shard(ck: Path, rank: int, step: int) -> dict[str, Any]:
 def _reshard_optimizer(ck: Path, ts: dict[str, Any], saved_world: int, n_params: int,
                        owners: list[int] | None, env: DistEnv) -> dict[str, Any]:
     """This rank's optimizer state dict under the current partition, gathered from the shards of a checkpoint
-    saved by another number of ranks (each saved shard lists its parameters in model order)."""
+    saved by another number of ranks (each saved shard lists its parameters in model order). Its tensors are the
+    shards' memory-mapped ones, read when the optimizer places them (an offloaded one into its pinned slabs)."""
     saved_owners = ts.get("owners") or [0] * n_params
     if len(saved_owners) != n_params:
         raise CheckpointError(f"{ck}: the optimizer state covers {len(saved_owners)} parameter tensors, the model has "
@@ -554,8 +555,8 @@ def _reshard_optimizer(ck: Path, ts: dict[str, Any], saved_world: int, n_params:
             group = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
         for local, entry in sd["state"].items():
             g = held[int(local)]
-            if g in where:
-                state[where[g]] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in entry.items()}
+            if g in where:  # the loaded (memory-mapped) tensors themselves: the optimizer's load_state_dict copies
+                state[where[g]] = dict(entry)  # each into place, so this rank's shard is never held twice in memory
     return {"state": state, "param_groups": [dict(group or {}, params=list(range(len(mine))))]}
 
 
