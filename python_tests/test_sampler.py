@@ -26,12 +26,17 @@ def prompts_of(lengths, seed=0):
     return [torch.randint(10, 100, (n,), generator=g).tolist() for n in lengths]
 
 
-def nocache_decode(model, prompt, cfg: SamplerConfig):
-    """Recompute the whole sequence every step (no KV cache), one row at a time, greedy."""
+def nocache_decode(model, prompt, cfg: SamplerConfig, row=0, rows=1):
+    """Recompute the whole sequence every step (no KV cache), one prompt at a time. Greedy, or sampled as the
+    sampler's row `row` of a working set of `rows` (never compacted): the op's noise is keyed by the row's index
+    (the other rows are inactive here: quota 0), the seed and the step's Philox offset, which starts at 0 and
+    advances by one per denoising step of the batch (= per step of this row: every row is active from step 0)."""
     bs = cfg.block_size or model.config.block_size
+    mask, vocab = model.config.mask_token_id, model.config.vocab_size
+    temp = cfg.temperature if cfg.temperature > 0 else 1.0  # greedy: confidences under the plain softmax
     total = len(prompt) + cfg.max_new_tokens
     last = (total - 1) // bs
-    seq = torch.full((1, (last + 1) * bs), MASK)
+    seq = torch.full((1, (last + 1) * bs), mask)
     seq[0, : len(prompt)] = torch.tensor(prompt)
     step_map = torch.full((1, seq.shape[1]), -1, dtype=torch.int32)
     masked = torch.arange(seq.shape[1])[None] >= len(prompt)
@@ -41,21 +46,28 @@ def nocache_decode(model, prompt, cfg: SamplerConfig):
         sl = slice(blk * bs, blk * bs + bs)
         with torch.no_grad():
             logits = model(seq[:, : blk * bs + bs])[:, sl].clone()
-        logits[..., MASK] = float("-inf")
-        tok, msk, sm = seq[:, sl].clone(), masked[:, sl].clone(), step_map[:, sl].clone()
+        logits[..., mask] = float("-inf")
         s = cfg.steps_per_block or bs
         quota = 1
         if cfg.rule == "quota":
             k = nocache_decode.blk_steps
             quota = bs if k >= s - 1 else bs // s + (k < bs % s)
-        done, eos = threshold_unmask(logits, tok, msk, sm, torch.zeros(1, bs), torch.zeros(1, bs),
-                                     torch.tensor([step], dtype=torch.int32), torch.tensor([quota], dtype=torch.int32),
-                                     torch.tensor(cfg.eos_ids), torch.tensor([0]), torch.tensor([0]),
-                                     threshold=cfg.threshold, greedy=True)
+        # the op on `rows` rows, this prompt's at index `row`, the others inactive (quota 0, nothing masked)
+        big = torch.zeros(rows, bs, vocab, dtype=logits.dtype)
+        big[row] = logits[0]
+        tok, msk = torch.zeros(rows, bs, dtype=torch.int64), torch.zeros(rows, bs, dtype=torch.bool)
+        sm, q = torch.full((rows, bs), -2, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32)
+        tok[row], msk[row], sm[row], q[row] = seq[0, sl], masked[0, sl], step_map[0, sl], quota
+        done, eos = threshold_unmask(big, tok, msk, sm, torch.zeros(rows, bs), torch.zeros(rows, bs),
+                                     torch.full((rows,), step, dtype=torch.int32), q, torch.tensor(cfg.eos_ids),
+                                     torch.tensor([cfg.seed]), torch.tensor([step]), threshold=cfg.threshold,
+                                     temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                     greedy=cfg.greedy, noise=cfg.noise)
+        tok, msk, sm, done, eos = tok[row : row + 1], msk[row : row + 1], sm[row : row + 1], done[row], eos[row]
         # the log-prob of each token at the step that unmasked it: log-softmax of the full forward's float64 logits
-        # (the mask token left out), computed here rather than read back from the op
+        # over the temperature (the mask token left out), computed here rather than read back from the op
         new = (masked[0, sl] & ~msk[0]).nonzero().squeeze(1)
-        lsm = torch.log_softmax(logits[0].double(), -1)
+        lsm = torch.log_softmax(logits[0].double() / temp, -1)
         logp_map[blk * bs + new] = lsm[new, tok[0, new]]
         seq[:, sl], masked[:, sl], step_map[:, sl] = tok, msk, sm
         step += 1
@@ -160,10 +172,13 @@ def test_eos_stops_after_its_block_and_pads(model):
     assert (ro.sequences[i, (eos_pos // 4 + 1) * 4 :] == MASK).all()
     for i in range(4):  # every row, not only the first: EOS rows stop at their EOS's block, the others run to the cap
         n = int(ro.lengths[i])
+        assert (ro.logp[i, n:] == 0).all() and (ro.conf[i, n:] == 0).all()  # padding: no log-prob, no confidence
         if bool(ro.eos_found[i]):
             assert ro.finish_reason[i] == "eos" and ro.tokens[i, n - 1] == eos
             assert eos not in ro.tokens[i, : n - 1].tolist() and (ro.tokens[i, n:] == eos).all()
-            assert (ro.sequences[i, ((5 + n - 1) // 4 + 1) * 4 :] == MASK).all()
+            end = ((5 + n - 1) // 4 + 1) * 4  # the end of the EOS's block
+            assert (ro.sequences[i, end:] == MASK).all()
+            assert float(ro.tpf[i]) == pytest.approx(n / len(set(ro.seq_step_map[i, 5 : 5 + n].tolist())), rel=1e-6)
         else:
             assert ro.finish_reason[i] == "length" and n == 16 and eos not in ro.tokens[i].tolist()
     assert not ro.eos_found.all()  # the rows differ: both branches above ran
@@ -183,6 +198,139 @@ def test_tpf_consistent_with_step_map_and_forwards(model):
         assert int(ro.forwards[i]) >= len(torch.unique(sm))
         assert torch.isfinite(ro.logp[i][ro.response_mask[i]]).all()
         torch.testing.assert_close(ro.conf[i][ro.response_mask[i]], ro.logp[i][ro.response_mask[i]].exp())
+
+
+
+def test_tpf_counts_only_the_steps_up_to_the_first_eos(model):
+    """TPF = tokens up to and including the FIRST EOS / distinct steps that unmasked THOSE tokens (REFERENCE §2):
+    the EOS block's positions after the EOS, unmasked at later steps, count in neither. The EOS is chosen as a
+    token of a decode without EOS whose block has such later steps and holds the token again after it (an EOS
+    changes only where a row stops)."""
+    prompts = prompts_of([5, 2, 7], seed=3)
+    cfg = SamplerConfig(threshold=0.9, temperature=0, max_new_tokens=16, eos_ids=(1,))
+    base = generate(model, prompts, cfg)
+    assert not base.eos_found.any()
+    pick = None
+    for i, p in enumerate(prompts):
+        resp, steps = base.tokens[i].tolist(), base.step_map[i].tolist()
+        for x, t in enumerate(resp):
+            end = min(((len(p) + x) // 4 + 1) * 4 - len(p), len(resp))  # the end of x's block, in the response
+            if t not in resp[:x] and t in resp[x + 1 : end] and set(steps[x + 1 : end]) - set(steps[: x + 1]):
+                pick = (i, x, t, len(set(steps[: x + 1])))
+                break
+        if pick:
+            break
+    assert pick is not None
+    i, x, t, n_steps = pick
+    ro = generate(model, prompts, dataclasses.replace(cfg, eos_ids=(t, 1)))  # 1: never produced, the default pad
+    assert bool(ro.eos_found[i]) and int(ro.lengths[i]) == x + 1
+    assert ro.tokens[i, : x + 1].tolist() == base.tokens[i, : x + 1].tolist()
+    assert float(ro.tpf[i]) == pytest.approx((x + 1) / n_steps, rel=1e-6)
+    # the decoded positions after the EOS are padding in the per-token fields: the last EOS id, step -1, no
+    # log-prob or confidence (the sequence keeps them as decoded)
+    assert ro.tokens[i, x + 1 :].tolist() == [1] * (16 - x - 1) and (ro.step_map[i, x + 1 :] == -1).all()
+    assert (ro.logp[i, x + 1 :] == 0).all() and (ro.conf[i, x + 1 :] == 0).all()
+    assert (ro.seq_step_map[i, len(prompts[i]) + x + 1 :] >= 0).any()
+
+
+@pytest.mark.parametrize("fold_commit", [True, False])
+def test_forward_counts_are_exact(model, monkeypatch, fold_commit):
+    """`forwards` per row = its prefill (only with a full prompt block) + one per denoising step it was active
+    + (separate commits) one per block it finished and moved on from; `total_forwards` = one prefill (if any row
+    has a full prompt block) + the batch's denoising steps (the CPU checks "all finished?" every step) + one per
+    step at which some row's commit was due. All derived from the recorded step maps (a row's step k is the
+    batch's step k: every row is active from step 0 until it finishes). The positions the forwards run over
+    (their chunk lengths) are those and no more: finished rows cost nothing."""
+    bs = 4
+    cfg = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=13, eos_ids=(EOS,), fold_commit=fold_commit)
+    real, positions = model.hidden_cached, []
+
+    def spy(input_ids, cache, cache_lens, chunk_lens, *args, **kwargs):
+        positions.append(int(chunk_lens.sum()))
+        return real(input_ids, cache, cache_lens, chunk_lens, *args, **kwargs)
+
+    monkeypatch.setattr(model, "hidden_cached", spy)
+    for prompts in (prompts_of([1, 3, 4, 5, 9, 2, 7], seed=11), prompts_of([1, 3, 2], seed=12)):  # no prefill
+        positions.clear()
+        ro = generate(model, prompts, cfg)
+        want_positions, commit_steps = 0, set()
+        for i, p in enumerate(prompts):
+            smap = ro.seq_step_map[i]
+            decoded = [b for b in range(smap.shape[0] // bs) if (smap[b * bs : (b + 1) * bs] >= 0).any()]
+            assert decoded == list(range(len(p) // bs, decoded[-1] + 1))
+            ends = [int(smap[b * bs : (b + 1) * bs].max()) for b in decoded[:-1]]  # the row moved on after these
+            commit_steps |= set(ends)
+            want = int(len(p) >= bs) + int(smap.max()) + 1 + (0 if fold_commit else len(ends))
+            assert int(ro.forwards[i]) == want, (i, int(ro.forwards[i]), want)
+            # prefill: the full prompt blocks; a step: the block (+ the folded finished one); a commit: a block
+            want_positions += len(p) // bs * bs + (int(smap.max()) + 1 + len(ends)) * bs
+        assert len(set(ro.seq_step_map.amax(1).tolist())) > 1  # rows finished at different steps
+        prefill = int(any(len(p) >= bs for p in prompts))
+        want_total = prefill + int(ro.seq_step_map.max()) + 1 + (0 if fold_commit else len(commit_steps))
+        assert ro.total_forwards == want_total and sum(positions) == want_positions
+
+
+@pytest.mark.parametrize("bs,s,schedule", [(4, 3, [2, 1, 1]), (8, 3, [3, 3, 2]), (4, 6, [1, 1, 1, 1])])
+def test_quota_rule_spreads_the_remainder_over_the_first_steps(model, bs, s, schedule):
+    """SDAR's quota rule: step k of a block unmasks at least B // S + (k < B % S) positions (REFERENCE §2), here
+    exactly that many (the threshold is unreachable) until the block's masked positions run out."""
+    prompts = prompts_of([3, 6, 8, 1], seed=4)
+    cfg = SamplerConfig(block_size=bs, rule="quota", steps_per_block=s, threshold=1.01, temperature=0,
+                        max_new_tokens=13, eos_ids=(1,))
+    ro = generate(model, prompts, cfg)
+    assert not ro.eos_found.any()  # every block decoded
+    for i, p in enumerate(prompts):
+        smap = ro.seq_step_map[i].tolist()
+        step, blocks = 0, 0
+        for b in range(len(p) // bs, len(smap) // bs):
+            got = [smap[x] for x in range(max(b * bs, len(p)), b * bs + bs)]
+            if all(x == -2 for x in got):  # not decoded (after the EOS block)
+                break
+            want, left = [], len(got)
+            for k, n in enumerate(schedule):
+                n = min(n, left)
+                want += [step + k] * n
+                left -= n
+            assert left == 0 and sorted(got) == want, (i, b, got, want)
+            step = want[-1] + 1
+            blocks += 1
+        assert blocks >= 2
+
+
+@pytest.fixture(scope="module")
+def wide_model():
+    """A vocabulary of two sampling buckets (1301 > 1024): two-level and per-token noise pick differently."""
+    cfg = SDARConfig(vocab_size=1301, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=16, block_size=4, mask_token_id=1300, torch_dtype="float32",
+                     max_position_embeddings=64)
+    return build_model(cfg, dtype=torch.float64, seed=3).eval()
+
+
+@pytest.mark.parametrize("which,kw", [
+    ("model", dict(temperature=0.7, threshold=0.4, seed=1)),
+    ("model", dict(temperature=1.3, top_k=9, top_p=0.85, threshold=0.2, noise="per_token", seed=5)),
+    ("wide_model", dict(temperature=1.0, threshold=0.02, noise="per_token", seed=2)),
+    ("wide_model", dict(temperature=0.8, top_p=0.9, threshold=0.02, seed=2)),
+])
+def test_sampled_decoding_equals_nocache_decoding(request, which, kw):
+    """Sampling through the sampler (KV cache, folded commits, rows at different blocks) equals the no-cache
+    oracle that calls the op with the config's temperature / top-k / top-p / noise / seed, the row's index and
+    the step's Philox offset: tokens, step map, log-probs and confidences under the tempered distribution."""
+    m = request.getfixturevalue(which)
+    prompts = prompts_of([3, 6, 1, 9], seed=13)
+    cfg = SamplerConfig(max_new_tokens=10, eos_ids=(EOS,), compact=False, **kw)  # rows keep their index
+    ro = generate(m, prompts, cfg)
+    greedy = generate(m, prompts, dataclasses.replace(cfg, temperature=0))
+    assert not torch.equal(ro.tokens, greedy.tokens)
+    for i, p in enumerate(prompts):
+        nocache_decode.blk_steps = 0
+        resp, smap, lp = nocache_decode(m, p, cfg, row=i, rows=len(prompts))
+        want = truncate_at_eos(resp.tolist())
+        n = len(want)
+        assert ro.response_ids(i) == want, i
+        assert ro.step_map[i, :n].tolist() == smap[:n].tolist()
+        torch.testing.assert_close(ro.logp[i, :n].double(), lp[:n], rtol=2.4e-7, atol=1e-9)
+        torch.testing.assert_close(ro.conf[i, :n].double(), lp[:n].exp(), rtol=2.4e-7, atol=1e-9)
 
 
 def test_sampling_is_deterministic_per_seed(model):

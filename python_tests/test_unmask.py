@@ -250,6 +250,102 @@ def test_top_k_and_top_p_restrict_support():
         torch.testing.assert_close(cf[tokens == 0], torch.softmax(logits[0, 0], 0)[0].expand(int((tokens == 0).sum())))
 
 
+def _sample_once(logits, offset, **kw):
+    """One threshold_unmask step on fully masked rows (quota 1, tau 2: exactly one position unmasked per row when
+    S = 1). Returns (tokens, conf, logp)."""
+    b, s, _ = logits.shape
+    tokens = torch.zeros(b, s, dtype=torch.long)
+    masked = torch.ones(b, s, dtype=torch.bool)
+    logp, conf = torch.zeros(b, s), torch.zeros(b, s)
+    ones = torch.ones(b, dtype=torch.int32)
+    threshold_unmask(logits, tokens, masked, torch.zeros(b, s, dtype=torch.int32), logp, conf, ones, ones,
+                     torch.tensor([0]), torch.tensor([11]), torch.tensor([offset]), threshold=2.0, **kw)
+    assert not masked.any()
+    return tokens, conf, logp
+
+
+def nucleus(row, temperature, top_k, top_p):
+    """The token ids a top-k-then-top-p sampler may draw, in plain float64 Python: the tempered softmax, its top_k
+    most likely tokens renormalized, then the smallest prefix (most likely first) whose mass reaches top_p."""
+    xs = [x / temperature for x in row]
+    m = max(xs)
+    w = [math.exp(x - m) for x in xs]
+    order = sorted(range(len(row)), key=lambda t: -w[t])
+    if top_k > 0:
+        order = order[:top_k]
+    total = sum(w[t] for t in order)
+    keep, mass = set(), 0.0
+    for t in order:
+        if mass >= top_p:
+            break
+        keep.add(t)
+        mass += w[t] / total
+    return keep
+
+
+@pytest.mark.parametrize("noise", ["two_level", "per_token"])
+@pytest.mark.parametrize("temperature,top_k,top_p,want", [
+    (0.5, 0, 0.9, {5, 17, 40}),  # T = 1 would keep 77 and 90 too: the nucleus is the tempered distribution's
+    (2.0, 4, 0.7, {5, 17, 40}),  # top-k alone (and top-p alone at T = 2) would keep 77 too
+    (2.0, 3, 0.5, {5, 17}),
+    (1.3, 2, 1.0, {5, 17}),
+])
+def test_top_k_then_top_p_of_the_tempered_distribution(noise, temperature, top_k, top_p, want):
+    """Sampling draws exactly from the nucleus of softmax(logits / T) after top-k (REFERENCE §2: temperature, then
+    top-k / top-p); the confidence and log-prob are the pick's UNtruncated tempered probability (float64 oracle)."""
+    vocab, n = 111, 600
+    row = [-30.0] * vocab
+    for t, x in zip([5, 17, 40, 77, 90, 109], [2.0, 1.6, 1.2, 0.8, 0.4, 0.0]):
+        row[t] = x
+    assert nucleus(row, temperature, top_k, top_p) == want  # the oracle agrees with the hand-written set
+    logits = torch.tensor(row).expand(n, 1, vocab).contiguous()
+    tokens, conf, logp = _sample_once(logits, 3, temperature=temperature, top_k=top_k, top_p=top_p, noise=noise)
+    assert set(tokens.view(-1).tolist()) == want  # every kept token drawn (each has >= 12% of the nucleus)
+    probs = torch.softmax(torch.tensor(row, dtype=torch.float64) / temperature, 0)
+    torch.testing.assert_close(conf.view(-1).double(), probs[tokens.view(-1)], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(logp.view(-1).double(), probs[tokens.view(-1)].log(), rtol=1e-5, atol=1e-6)
+
+
+def test_top_p_at_an_exact_boundary_keeps_the_smallest_set_reaching_it():
+    """Four equally likely tokens (probabilities exactly 1/4): top_p 0.5 keeps exactly two of them (the smallest set
+    whose mass reaches top_p), top_p 0.5 + 1e-6 three. Checked on one row, over many offsets."""
+    row = torch.full((1, 1, 13), float("-inf"))
+    row[0, 0, [2, 5, 6, 11]] = 0.75
+    for top_p, size in ((0.5, 2), (0.5 + 1e-6, 3), (0.25, 1), (1.0, 4)):
+        seen = set()
+        for off in range(60):
+            seen |= set(_sample_once(row, off, top_p=top_p, temperature=1.0)[0].view(-1).tolist())
+        assert len(seen) == size and seen <= {2, 5, 6, 11}, (top_p, seen)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_threshold_is_inclusive_conf_exactly_one(greedy):
+    """conf >= threshold unmasks (REFERENCE §2): positions whose row has one finite logit have conf exactly 1.0
+    and all pass tau = 1.0 in one step; a row without such positions unmasks only its most confident one."""
+    b, s, vocab = 2, 5, 111
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(b, s, vocab, generator=g) * 2
+    sure = {(0, 1): 17, (0, 3): 104, (0, 4): 0}  # (row, position): the only finite token
+    for (r, i), t in sure.items():
+        logits[r, i] = float("-inf")
+        logits[r, i, t] = 3.5 - i
+    masked = torch.ones(b, s, dtype=torch.bool)
+    masked[0, 4] = False  # not masked: untouched even though its conf would be 1
+    tokens = torch.full((b, s), -3)
+    step_map = torch.full((b, s), -2, dtype=torch.int32)
+    logp, conf = torch.full((b, s), 7.0), torch.full((b, s), 7.0)
+    step, quota = torch.tensor([4, 9], dtype=torch.int32), torch.ones(b, dtype=torch.int32)
+    done, _ = threshold_unmask(logits, tokens, masked, step_map, logp, conf, step, quota, torch.tensor([200]),
+                               torch.tensor([1]), torch.tensor([2]), threshold=1.0, greedy=greedy)
+    assert masked[0].tolist() == [True, False, True, False, False]
+    assert tokens[0].tolist() == [-3, 17, -3, 104, -3] and step_map[0].tolist() == [-2, 4, -2, 4, -2]
+    assert conf[0].tolist() == [7.0, 1.0, 7.0, 1.0, 7.0] and logp[0].tolist() == [7.0, 0.0, 7.0, 0.0, 7.0]
+    assert int((~masked[1]).sum()) == 1 and not done.any()
+    if greedy:  # the unmasked position of row 1 is its most confident one (float64 oracle)
+        best = torch.softmax(logits[1].double(), -1).amax(-1).argmax()
+        assert not masked[1, best]
+
+
 def test_determinism_and_opcheck():
     state = make_state(2, 4, 33, seed=9)
     step = torch.ones(2, dtype=torch.int32)
