@@ -74,3 +74,51 @@ def test_padded_traces_have_a_length_fixed_by_the_phrasing():
     assert trace(ArithExample((6, 4, 5)), swap=(True, False), style=1, width=2) == "04+06 = 10,10+05 = 15#15"
     with pytest.raises(ValueError, match="style must be 0"):
         trace(ArithExample((6, 4, 5)), style=2)
+
+
+# ---- mutation-testing gaps: each case failed on a mutant of the verifier / generator that the tests above let through
+
+
+def test_answer_is_the_true_sum_with_zeros_and_more_operands():
+    assert ArithExample((6, 4, 5)).answer == 15
+    assert ArithExample((0, 0, 7)).answer == 7 and ArithExample((9, 0, 0)).answer == 9
+    assert ArithExample((1, 2, 3, 4)).answer == 10 and ArithExample((0, 0)).answer == 0
+    t = SyntheticArithmetic(num_operands=4, min_operand=0, max_operand=3)
+    ex = ArithExample((3, 0, 2, 1))
+    assert t.is_correct("3+0=3,3+2=5,5+1=6#6", ex) and not t.is_correct("3+0=3,3+2=5,5+1=6#5", ex)
+    assert t.is_correct("03+00=03,02+03=05,05+01=06#06", ex)
+
+
+def test_min_operand_bounds_the_prompts():
+    t = SyntheticArithmetic(min_operand=0, max_operand=3)
+    every = {e.operands for e in t.train} | {e.operands for e in t.test}
+    assert len(every) == 4**3 and (0, 0, 0) in every and (3, 3, 3) in every
+    t2 = SyntheticArithmetic(min_operand=2, max_operand=4)
+    assert {x for e in t2.train + t2.test for x in e.operands} == {2, 3, 4}
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("6+4=10,10+5=15#15", 15),
+    ("6+4=10,10+5=15# 15 ", 15),  # whitespace around the answer is not part of it
+    ("1#2#15", 15),  # the text after the LAST '#'
+    ("6+4=10,10+5=15#15 3", None),  # trailing junk: no answer
+    ("6+4=10,10+5=15#1 5", None),
+    ("6+4=10,10+5=15#", None),
+    ("6+4=10,10+5=15", None),
+])
+def test_final_answer_is_the_whole_text_after_the_last_hash(response, expected):
+    assert final_answer(response) == expected
+
+
+def test_well_formed_rejects_wrong_sums_extra_text_and_stray_hashes():
+    ex = ArithExample((6, 4, 5))
+    assert well_formed("6+4=10,10+5=15#15", ex)
+    for bad in (
+        "6+4=9,9+5=15#15",  # a wrong partial sum, chained on: every step checks its own sum
+        "6+4=10,10+5=14#15",  # the last step's sum is wrong, the answer right
+        "6+4=10+1,10+5=15#15",  # extra text in a step
+        "6+4=10,10+5=15 7#15",
+        "6+4=10,10+5=15#9#15",  # a stray '#': the trace is the text before the LAST '#'
+    ):
+        assert not well_formed(bad, ex), bad
+        assert not SyntheticArithmetic().is_correct(bad, ex), bad

@@ -538,3 +538,55 @@ def test_registry_builds_the_synthetic_task_when_present():
         pytest.skip("tasks/synthetic.py is not there")
     task = get_task("synthetic")
     assert task.name == "synthetic" and isinstance(task, TaskLike)
+
+
+# ---- mutation-testing gaps: each case failed on a mutant of the row parsing / task registry that the tests above
+# let through
+
+
+def test_gsm8k_reference_is_after_the_last_marker():
+    assert parse_gsm8k_reference("first try #### 3\nno, redo\n#### 5") == "5"
+
+
+def test_row_id_prefers_id_then_task_id(tmp_path):
+    rows = [dict(PLAIN[0], id="a1", task_id="t1", idx=3), dict(PLAIN[0], task_id="t2", idx=4), dict(PLAIN[0], idx=5),
+            dict(PLAIN[0])]
+    assert [e.id for e in load_examples(write_jsonl(tmp_path / "ids.jsonl", rows))] == ["a1", "t2", "5", "ids/4"]
+
+
+def test_detect_format_needs_the_answer_key():
+    assert detect_format({"question": "q"}) is None and detect_format({"problem": "p"}) is None
+    assert detect_format({"prompt": "p"}) is None
+
+
+class _Partial:
+    """A duck-typed task with partial credit: score 0.5 means "not correct"."""
+
+    name = "partial"
+
+    def build_prompt(self, example):
+        return example.prompt
+
+    def score(self, response, example):
+        return {"right": 1.0, "half": 0.5}.get(response, 0.0)
+
+    def is_correct(self, response, example):
+        return response == "right"
+
+
+def test_batch_helpers_keep_score_and_is_correct_apart():
+    ex = Example("e", "q", "a", "math")
+    task = _Partial()
+    assert score_batch(task, ["right", "half", "no"], [ex] * 3) == [1.0, 0.5, 0.0]
+    assert is_correct_batch(task, ["right", "half", "no"], [ex] * 3) == [True, False, False]
+
+    class Sub(Task):  # the base class: is_correct means a full score; its batch methods check the lengths
+        score = _Partial.score
+
+    sub = Sub()
+    assert [sub.is_correct(r, ex) for r in ("right", "half", "no")] == [True, False, False]
+    assert sub.score_batch(["half", "right"], [ex, ex]) == [0.5, 1.0]
+    assert is_correct_batch(sub, ["half", "right"], [ex, ex]) == [False, True]
+    for method in (sub.score_batch, sub.is_correct_batch):
+        with pytest.raises(ValueError, match="1 responses for 2 examples"):
+            method(["right"], [ex, ex])

@@ -294,3 +294,177 @@ def test_verify_math_batch_gives_verify_math_verdicts_in_parallel(monkeypatch):
         verify_math_batch(["a"], ["1"], mode="fast")
     ex = Example("m/1", "x?", "(x+1)^2", "math", "math500")
     assert MathTask().is_correct_batch([r"\boxed{x^2+2x+1}", r"\boxed{x^2+1}"], [ex, ex]) == [True, False]
+
+
+# ------------------------------------------------------------------------------------------ mutation-testing gaps
+# Each case below is hand-written with its expected verdict; each one failed on a mutant of the reward code that
+# the tests above let through (the mutant named in the comment).
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"\boxed5", None),  # a space or a brace must follow the command (mutant: the check dropped)
+        # an escaped brace is a literal, also when it is unbalanced (mutant: "\{" counted as a group)
+        (r"\boxed{\left\{ \frac{1}{2} \right.} done", r"\left\{ \frac{1}{2} \right."),
+    ],
+)
+def test_extract_boxed_edge_cases(text, expected):
+    assert extract_boxed(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The answer is 5. Wait, no: the answer is 6.", "6"),  # the last "answer is" (mutant: the first)
+        ("Answer: 12 (we used 3 boxes)", "12"),  # "Answer" capitalized (mutant: case-sensitive)
+        ("so x is -5", "-5"),  # the sign belongs to the number (mutant: dropped)
+        ("the answer is -4", "-4"),
+        ("in total 1,234 apples", "1,234"),  # a digit group (mutant: only "234")
+        ("x is 3.5", "3.5"),  # a decimal (mutant: ".5")
+        # a comma after the number ends the sentence (was "12,", which only math-verify could match)
+        ("The answer is 12, since 5 + 7 = 12", "12"),
+        ("Tom ends up with 12, and stops.", "12"),
+    ],
+)
+def test_extract_answer_non_strict_cases(text, expected):
+    assert extract_answer(text, strict=False) == expected
+
+
+@pytest.mark.parametrize(
+    "response, reference, expected",
+    [
+        ("the answer is -5", "5", False),
+        ("the answer is -5", "-5", True),
+        ("we had 3.5 liters", "5", False),
+        ("we had 3.5 liters", "3.5", True),
+        ("in total 1,234 apples", "234", False),
+        # a correct answer followed by the sentence's comma: right without math-verify too (it was wrong in "off")
+        ("The answer is 12, since 5 + 7 = 12 and", "12", True),
+        ("She earned 1,200, so she is happy", "1200", True),
+    ],
+)
+def test_non_strict_verdicts_without_math_verify(response, reference, expected):
+    assert verify_math(response, reference, strict=False, mode="off") is expected
+
+
+@pytest.mark.parametrize(
+    "raw, norm",
+    [
+        ("50%", "50"),  # a bare percent sign (mutant: only "\%" dropped)
+        (r"\tfrac{1}{2}", r"\frac{1}{2}"),
+        (r"\frac{1}2", r"\frac{1}{2}"),
+        (r"90^{\circ}", "90"),
+        ("90°", "90"),
+        (r"1\,000", "1000"),  # thin space as a digit group separator
+        ("+5", "5"),
+        (r"\boxed{5}", "5"),  # nested boxes are unwrapped
+        (r"\boxed{\boxed{x+1}}", "x+1"),
+    ],
+)
+def test_normalize_answer_more(raw, norm):
+    assert normalize_answer(raw) == norm
+
+
+def test_one_letter_units_need_a_space():
+    """Was: "2m" normalized to "2" (the unit m), so \\boxed{2} matched an algebraic reference 2m (2 times m) and
+    the reverse. One-letter units (m, g, l) are stripped only after a space or inside \\text{}."""
+    for algebra in ("2m", "3l", "5g", "-4m"):
+        assert normalize_answer(algebra) == algebra
+        assert verify_math(r"\boxed{" + algebra + "}", algebra.rstrip("mlg"), mode="off") is False
+    for length, num in (("2 m", "2"), ("5 g", "5"), (r"6\text{ m}", "6"), ("3 l", "3"), ("12cm", "12")):
+        assert normalize_answer(length) == num
+
+
+def test_numbers_are_exact_and_signed_without_math_verify():
+    assert answers_match("-0.5", r"-\frac{1}{2}") is True
+    assert answers_match("-3", "3") is False  # both numbers: decided here, not left to math-verify
+    assert answers_match("0.3333333", "1/3") is False  # exact, no tolerance
+    assert answers_match("1.0000001", "1") is False
+    assert answers_match(r"\$", "$") is False  # nothing left of the answer: never a match
+    for response, reference in [(r"\boxed{\boxed{5}}", "5"), (r"\boxed{\tfrac{1}{2}}", "0.5"),
+                                (r"\boxed{90^{\circ}}", "90"), (r"\boxed{50%}", "50")]:
+        assert verify_math(response, reference, mode="off") is True, response
+
+
+def test_overlong_answer_is_wrong_without_asking_math_verify(monkeypatch):
+    def never(*args):
+        raise AssertionError("math-verify asked about an answer over the length cap")
+
+    monkeypatch.setattr(lm, "_symbolic_equal", never)
+    answer = "0" * 1000 + "5"  # equals 5, but is longer than any reference answer
+    assert verify_math(r"\boxed{" + answer + "}", "5") is False
+    assert verify_math_batch([r"\boxed{" + answer + "}"], ["5"]) == [False]
+
+
+class _FakePool:
+    def __init__(self, result):
+        self.result = result
+
+    def ask(self, gold, pred, timeout_s):
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+@pytest.mark.parametrize("result", [None, RuntimeError("math-verify worker failed to start")])
+def test_math_verify_timeout_or_failure_scores_wrong(monkeypatch, result):
+    """A timed-out (None) or failed math-verify call is "not equivalent", never a reward."""
+    monkeypatch.setattr(lm, "_MV_AVAILABLE", True)
+    monkeypatch.setattr(lm, "_pool", lambda: _FakePool(result))
+    assert verify_math(r"\boxed{x^2+2x+1}", "(x+1)^2") is False
+    assert verify_math_batch([r"\boxed{x^2+2x+1}", r"\boxed{2x}"], ["(x+1)^2", "x+x"], workers=2) == [False, False]
+    monkeypatch.setattr(lm, "_pool", lambda: _FakePool(True))
+    assert verify_math(r"\boxed{x^2+2x+1}", "(x+1)^2") is True  # the fake is consulted at all
+
+
+@needs_mv
+def test_math_verify_worker_error_is_not_equivalent():
+    """A request that raises inside the helper process answers ok=False (it is not an equivalence)."""
+    pool = lm._pool()
+    worker = pool._acquire()
+    try:
+        worker.proc.stdin.write(b'{"p": "$1$", "t": 1}\n')  # no "g": a KeyError inside the worker
+        worker.proc.stdin.flush()
+        assert worker._read_line(time.monotonic() + 30) == {"ok": False, "error": "KeyError"}
+    finally:
+        pool._release(worker)
+
+
+@needs_mv
+def test_reference_is_math_verify_gold():
+    """math-verify is not symmetric: the reference is its gold, the response its prediction."""
+    assert verify_math(r"\boxed{(1,3)}", "1<x<3") is True
+    assert verify_math(r"\boxed{1<x<3}", "(1,3)") is False
+
+
+@needs_mv
+def test_batch_same_answer_different_references():
+    """One answer against two references: each pair gets its own verdict (de-duplication keys on both)."""
+    responses = [r"\boxed{x^2+2x+1}", r"\boxed{x^2+2x+1}", r"\boxed{x^2+2x+1}"]
+    assert verify_math_batch(responses, ["(x+1)^2", "x^2+1", "(x+1)^2"], workers=2) == [True, False, True]
+
+
+def test_math_task_batch_uses_each_examples_reference_and_mode():
+    ex7, ex8 = (Example(f"g/{a}", "q", a, "math", "gsm8k") for a in ("7", "8"))
+    task = MathTask()
+    assert task.is_correct_batch([r"\boxed{7}", r"\boxed{8}", r"\boxed{7}"], [ex7, ex8, ex8]) == [True, True, False]
+    assert task.score_batch([r"\boxed{8}", r"\boxed{8}"], [ex7, ex8]) == [0.0, 1.0]
+    sym = Example("m/1", "x?", "(x+1)^2", "math", "math500")
+    off = MathTask(mode="off")  # no symbolic check: only strings / numbers can match
+    assert off.is_correct_batch([r"\boxed{x^2+2x+1}", r"\boxed{(x+1)^2}"], [sym, sym]) == [False, True]
+
+
+def test_math_task_passes_its_settings_to_the_symbolic_check(monkeypatch):
+    seen = []
+
+    def record(answer, reference, timeout_s, mode):
+        seen.append((answer, reference, timeout_s, mode))
+        return False
+
+    monkeypatch.setattr(lm, "_symbolic_equal", record)
+    sym = Example("m/1", "x?", "(x+1)^2", "math", "math500")
+    task = MathTask(timeout_s=0.25, mode="inline")
+    assert task.is_correct_batch([r"\boxed{x^2+2x+1}"], [sym]) == [False]
+    assert task.is_correct(r"\boxed{x^2+2x+1}", sym) is False
+    assert seen == [("x^2+2x+1", "(x+1)^2", 0.25, "inline")] * 2

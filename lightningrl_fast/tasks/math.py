@@ -141,23 +141,26 @@ def extract_answer(text: str, strict: bool = True) -> str | None:
         if got:
             return got
     found = _ANSWER_IS_RE.findall(text)
+    # a comma right after the number ends the sentence ("the answer is 12, since ..."), it is no digit group
     if found:
-        return found[-1]
+        return found[-1].rstrip(",")
     nums = _LAST_NUM_RE.findall(text)
-    return nums[-1] if nums else None
+    return nums[-1].rstrip(",") if nums else None
 
 
 # ------------------------------------------------------------------------------------------ normalization
 
 _UNIT_WORDS = (
-    "degrees?|cm|mm|km|m|meters?|centimeters?|kilometers?|inch(?:es)?|feet|foot|ft|yards?|miles?|"
+    "degrees?|cm|mm|km|meters?|centimeters?|kilometers?|inch(?:es)?|feet|foot|ft|yards?|miles?|"
     "units?|sq|square|cubic|hours?|hrs?|minutes?|mins?|seconds?|secs?|days?|weeks?|months?|years?|"
-    "dollars?|cents?|pounds?|lbs?|kg|grams?|g|liters?|l|ml|gallons?|mph|percent|points?|people|students?"
+    "dollars?|cents?|pounds?|lbs?|kg|grams?|liters?|ml|gallons?|mph|percent|points?|people|students?"
 )
+_UNIT_LETTERS = "m|g|l"  # one-letter units only after a space: "2m" / "3l" are algebra (2 times m), "2 m" a length
 # a number followed by unit words, bare or in \text{} (words only: "6\text{ or }2" keeps its "or 2"), and
 # an optional ^2 / ^3 on the unit (with its caret: a bare trailing digit is another number)
 _TRAILING_UNITS_RE = re.compile(
-    r"^([-+]?(?:\d|\.\d)[\d.,/]*)\s*(?:(?:\\text|\\mbox|\\mathrm)\{[^{}\d]*\}|(?:" + _UNIT_WORDS + r")\b)+"
+    r"^([-+]?(?:\d|\.\d)[\d.,/]*)\s*(?:(?:\\text|\\mbox|\\mathrm)\{[^{}\d]*\}|(?:" + _UNIT_WORDS + r")\b"
+    r"|(?<=\s)(?:" + _UNIT_LETTERS + r")\b)+"
     r"(?:\^\{?[23]\}?)?$",
     re.IGNORECASE,
 )
