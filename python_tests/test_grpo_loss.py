@@ -274,6 +274,39 @@ def test_loss_weights_reproduce_the_reduction(red, with_totals):
     assert abs(float(terms[2].mean()) - float(wstats["ratio"])) < 1e-12
 
 
+def test_reductions_average_over_the_sequences_present_only():
+    """num_seqs (the LayoutBatch's rows) counts sequences with no token in this call (an empty response, or a
+    micro-batch without `totals`): a 'seq' mean is over the sequences that have tokens, the NLL's over the correct
+    ones among them, in grpo_token_loss and in the per-token weights of the fused kernel (_loss_weights) alike.
+    Oracle: naive_loss, which sees only the sequences present (15 of 23 absent here, correct ones among them)."""
+    g = torch.Generator().manual_seed(23)
+    T, nseq, V, H = 97, 23, 111, 16
+    present = torch.tensor([1, 4, 5, 9, 12, 17, 20, 22])
+    seq = torch.sort(present[torch.randint(0, len(present), (T,), generator=g)]).values
+    assert set(seq.tolist()) == set(present.tolist())
+    correct = torch.rand(nseq, generator=g) < 0.5
+    correct[[0, 2, 3, 6, 7]] = True  # absent and correct
+    correct[[1, 4, 5]] = torch.tensor([True, False, True])  # present: correct and wrong ones
+    hidden = torch.randn(T, H, generator=g, dtype=torch.float64) / H ** 0.25
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) / H ** 0.25
+    y = torch.randint(0, V, (T,), generator=g)
+    logp = torch.log_softmax(hidden @ weight.t(), -1).gather(-1, y[:, None]).squeeze(-1)
+    old = logp + 0.3 * torch.randn(T, generator=g, dtype=torch.float64)
+    ref = logp + 0.3 * torch.randn(T, generator=g, dtype=torch.float64)
+    adv = torch.randn(nseq, generator=g, dtype=torch.float64)[seq]
+    for red in ("seq-seq-seq", "seq-tok-seq", "tok-seq-tok"):
+        kw = dict(eps_low=0.2, eps_high=0.28, beta=0.04, mu=0.1, reduction=red)
+        want = naive_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), seq.tolist(), nseq,
+                          correct.tolist(), 0.2, 0.28, 0.04, 0.1, red)
+        got, _ = grpo_token_loss(logp, old, ref, adv, seq, nseq, correct, **kw)
+        assert abs(float(got) - want) < 1e-12, red
+        w = _gl._loss_weights(seq, nseq, correct, _gl._parse_reduction(red), None, torch.float64)
+        _, terms = _gl._grpo_dlogp(logp, old, ref, adv, *w, 0.2, 0.28, 0.04, 0.1)
+        assert abs(float(_gl._loss_from_terms(logp, terms, *w, 0.04, 0.1)[0]) - want) < 1e-12, red
+        loss = _gl._fused_linear_grpo_chunked(hidden, weight, y, old, ref, adv, seq, nseq, correct, chunk=10, **kw)[0]
+        assert abs(float(loss) - want) < 1e-12, red
+
+
 # (T, V, adv_mode, correct_frac, beta, mu, spread, reduction, suppress)
 FUSED_CASES = [
     (97, 111, "random", 0.5, 0.01, 0.1, 0.3, "seq-tok-tok", None),

@@ -7,8 +7,9 @@ import torch
 
 from lightningrl_fast.model import SDARConfig, build_model
 from lightningrl_fast.rl.advantages import Scored, compute_advantages, keep_groups, score_rollout
-from lightningrl_fast.rl.logprobs import (batch_logprobs, build_layout_batch, host_copy, micro_batch_logprobs,
-                                          pack_micro_batches, packed_length, streamed_logprobs)
+from lightningrl_fast.ops.masked_attn import MaskLayout
+from lightningrl_fast.rl.logprobs import (LayoutBatch, batch_logprobs, build_layout_batch, host_copy,
+                                          micro_batch_logprobs, pack_micro_batches, packed_length, streamed_logprobs)
 from lightningrl_fast.rl.trainer import (
     Groups,
     RLConfig,
@@ -510,6 +511,38 @@ def test_packing_keeps_only_the_blocks_the_targets_need(mode):
         assert int(noisy.sum()) % bs == 0
 
 
+@pytest.mark.parametrize("mode", ["block_proxy", "trace"])
+def test_packing_masks_the_keys_past_a_length_inside_a_block(mode):
+    """Valid lengths that end inside a block (a hand-made LayoutBatch: check_layout_batch accepts it, build_layout_batch
+    makes whole blocks): in every packed row a position is a valid key exactly when it lies in a segment and its
+    position in the copy is below its sample's length (key_ok, checked position by position), and the packed
+    log-probs are those of the padded forward, whose mask drops the keys at or past the length (REFERENCE §3: pad
+    keys are masked)."""
+    model = tiny_model(dtype=torch.float64, peaky=20.0)
+    lb = varied_batch(model, mode)
+    n, bs = lb.layout.n, lb.layout.block_size
+    last = torch.zeros(12, dtype=torch.long).scatter_reduce(0, lb.tgt_row, lb.tgt_col % n, "amax")
+    lengths = torch.minimum(last + 2, lb.layout.lengths.long())  # one position past each row's last target
+    assert int((lengths % bs != 0).sum()) >= 4 and int((lengths < lb.layout.lengths).sum()) >= 4
+    cut = LayoutBatch(lb.x0, lb.rnd, lb.mask_id, MaskLayout(n, lb.layout.num_copies, bs, lengths), lb.tgt_row,
+                      lb.tgt_col, lb.targets, lb.resp_pos)
+    with torch.no_grad():
+        want = batch_logprobs(model, cut)
+        assert (want - batch_logprobs(model, lb)).abs().max() > 1e-6  # the cut keys mattered to some targets
+    for budget in (1, 100, 10**6):
+        got, past = torch.empty_like(want), 0
+        for mb in pack_micro_batches(cut, range(12), budget, pad_shapes=budget == 100, pad_id=MASK):
+            seg = mb.layout.seg[0].long()
+            inside = seg >= 0
+            sample = mb.samples[seg.clamp_min(0)]
+            assert torch.equal(mb.layout.key_ok[0], inside & (mb.position_ids[0] < lengths[sample]))
+            past += int((inside & (mb.position_ids[0] >= lengths[sample])).sum())
+            with torch.no_grad():
+                got[mb.sel] = micro_batch_logprobs(model, mb)
+        assert past > 0  # packed positions past a length (in the blocks the length ends in) exist and are masked
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_packed_length_is_a_few_multiples_of_128():
     seen = set()
     for used in range(1, 20000, 37):
@@ -810,3 +843,176 @@ def test_update_stage_equals_a_hand_written_lightningrl_objective(monkeypatch, a
     assert float(want_kl.detach()) > 1e-4
     for a, b in zip(grads[0], want_grads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def hand_loss(logp, old, ref, adv, row, correct, beta, mu, red, eps_low=0.2, eps_high=0.2):
+    """REFERENCE §4 with any seq/tok reduction per term, looping over sequences (float64): rho = exp(clamp(logp - old,
+    -10, 10)), pg = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A); k3 = exp(-d) - 1 + d, d = logp - ref; NLL =
+    -logp over the tokens of verifier-correct sequences. "tok": mean over the tokens, "seq": mean over the sequences of
+    the mean over their tokens. Returns (loss, the KL mean without beta, the fraction of tokens the clip decided)."""
+    red_pg, red_kl, red_nll = red.split("-")
+
+    def mean(vals, how, keep):
+        seqs = sorted(set(row[keep].tolist()))
+        if not seqs:
+            return vals.sum() * 0.0
+        if how == "tok":
+            return vals[keep].mean()
+        return sum(vals[keep & (row == s)].mean() for s in seqs) / len(seqs)
+
+    rho = torch.exp((logp - old).clamp(-10.0, 10.0))
+    u, c = rho * adv, rho.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    d = logp - ref
+    every = torch.ones_like(row, dtype=torch.bool)
+    kl = mean(torch.exp(-d) - 1.0 + d, red_kl, every)
+    loss = mean(-torch.minimum(u, c), red_pg, every) + beta * kl + mu * mean(-logp, red_nll, correct[row])
+    return loss, kl, float((c < u).double().mean())
+
+
+def padded_logp(model, lb):
+    """Per-target log-probs from the padded LayoutBatch forward's log-softmax, the mask token left out."""
+    logits = model(lb.input_ids, lb.position_ids, lb.layout)[lb.tgt_row, lb.tgt_col].double()
+    logits[:, MASK] = float("-inf")
+    return torch.log_softmax(logits, -1).gather(1, lb.targets[:, None])[:, 0]
+
+
+def test_loss_backward_stage_on_a_mini_batch_equals_the_hand_written_objective():
+    """A mini-batch (rows 3..8 of 12) in several packed micro-batches, off-policy (some ratios clipped), with each
+    reduction: the micro-batch losses add up to REFERENCE §4 over exactly those rows (the totals count their
+    sequences, tokens, correct sequences and correct tokens; the rows around them stay out), the reported KL and
+    clip fraction are the mini-batch's, and the gradients are the hand objective's."""
+    model = tiny_model(dtype=torch.float64, peaky=20.0)
+    lb = varied_batch(model, "trace", seed=6)
+    rows = range(3, 9)
+    assert len(list(micro_batches(lb, rows, 40, torch.device("cpu"), MASK))) >= 2
+    g = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        base = padded_logp(model, lb)
+    old = base + 0.3 * torch.randn(lb.num_tokens, generator=g, dtype=torch.float64)
+    ref = base + 0.3 * torch.randn(lb.num_tokens, generator=g, dtype=torch.float64)
+    adv_tok = torch.randn(12, generator=g, dtype=torch.float64)[lb.tgt_row]
+    correct = torch.tensor([True, False, False] * 4)  # rows 3 and 6 correct, 4, 5, 7, 8 wrong
+    mine = (lb.tgt_row >= 3) & (lb.tgt_row < 9)
+    assert int(mine.sum()) < lb.num_tokens and bool(mine[lb.tgt_row == 9].sum() == 0)
+    for red in ("seq-seq-seq", "tok-seq-tok", "seq-tok-tok"):
+        cfg = RLConfig(micro_batch_tokens=40, kl_beta=0.05, nll_weight=0.1, group_size=2, prompts_per_step=6,
+                       eps_low=0.2, eps_high=0.28, reduction=red)
+        model.zero_grad()
+        agg = loss_backward_stage(model, lb, rows, adv_tok, old, ref, correct, cfg)
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        logp = padded_logp(model, lb)
+        want, want_kl, frac = hand_loss(logp[mine], old[mine], ref[mine], adv_tok[mine], lb.tgt_row[mine], correct,
+                                        0.05, 0.1, red, 0.2, 0.28)
+        assert 0.05 < frac < 0.95
+        assert agg["loss"] == pytest.approx(float(want.detach()), rel=1e-10), red
+        assert agg["kl"] == pytest.approx(float(want_kl.detach()), rel=1e-10), red
+        assert agg["clip_frac"] == pytest.approx(frac, abs=1e-6), red
+        for a, b in zip(got, torch.autograd.grad(want, list(model.parameters()))):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_update_stage_reports_the_mean_over_its_updates(monkeypatch):
+    """2 epochs x 2 mini-batches of 2 groups: the reported loss and KL are the means over the 4 updates of each
+    mini-batch's objective (the optimizer is stubbed out, so the policy stays the rollout policy: old = policy,
+    ratio 1 up to the float32 rounding of the old log-probs the trainer keeps), each mini-batch's objective written out
+    over its own rows."""
+    import lightningrl_fast.rl.trainer as trainer_mod
+
+    model = tiny_model(dtype=torch.float64, peaky=20.0)
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(10, 100, (n,), generator=g).tolist() for n in [2, 9, 4, 5]]
+    ro = generate(model, [p for p in prompts for _ in range(3)],
+                  SamplerConfig(threshold=0.3, temperature=1.0, max_new_tokens=15, eos_ids=(3, 7), seed=5))
+    acc = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    groups = Groups(sequences=list(ro.sequences), step_maps=list(ro.seq_step_map),
+                    prompt_lens=ro.prompt_lens.tolist(), resp_lens=ro.lengths.tolist(), accuracy=acc,
+                    tpf=(ro.tpf + torch.rand(12, generator=g)).tolist(), group_ids=[k // 3 for k in range(12)],
+                    texts=[""] * 12)
+    rc = RLConfig(kl_beta=0.05, nll_weight=0.1, group_size=3, prompts_per_step=4, micro_batch_tokens=64,
+                  updates_per_step=2, epochs_per_step=2)
+    state = make_state(model, rc)
+    with torch.no_grad():
+        for p in state.ref_model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    calls = []
+
+    def no_step(st, cfg):
+        calls.append(1)
+        st.optimizer.zero_grad(set_to_none=True)
+        return True, 0.0
+
+    monkeypatch.setattr(trainer_mod, "optimizer_stage", no_step)
+    m = update_stage(state, groups, rc, 4)
+    assert m["updates"] == 4 and len(calls) == 4
+    lb = layout_stage(groups, 4, MASK, rc.logprob_mode)
+    adv = trainer_mod.advantage_stage(groups, rc).double()[lb.tgt_row]
+    correct = torch.tensor(acc) > 0
+    with torch.no_grad():
+        logp = padded_logp(model, lb)
+        ref = padded_logp(state.ref_model, lb).float().double()
+    losses, kls = [], []
+    for lo in (0, 6):
+        sel = (lb.tgt_row >= lo) & (lb.tgt_row < lo + 6)
+        old = logp[sel].float().double()  # the trainer keeps the old log-probs in float32
+        loss, kl, _ = hand_loss(logp[sel], old, ref[sel], adv[sel], lb.tgt_row[sel], correct, 0.05, 0.1, "seq-tok-tok")
+        losses.append(float(loss))
+        kls.append(float(kl))
+    assert abs(losses[0] - losses[1]) > 1e-3
+    assert m["loss"] == pytest.approx(sum(losses) / 2, rel=1e-9)
+    assert m["kl"] == pytest.approx(sum(kls) / 2, rel=1e-9)
+    assert m["clip_frac"] == 0.0
+
+
+def test_optimizer_stage_clips_the_global_norm_and_skips_nonfinite_updates(monkeypatch):
+    """The step sees the gradients scaled by min(1, grad_clip / ||g||) (global L2 norm over every parameter), and
+    reports the norm before clipping; a non-finite norm skips the update and clears the gradients, so the next
+    backward starts afresh (not NaN + g); max_nonfinite_steps non-finite updates in a row stop the run."""
+    from lightningrl_fast.rl.trainer import optimizer_stage
+
+    model = tiny_model(dtype=torch.float32, peaky=1.0)
+    rc = RLConfig(kl_beta=0.0, group_size=2, grad_clip=0.5, lr=1e-3, max_nonfinite_steps=2)
+    state = make_state(model, rc)
+    params = list(model.parameters())
+    seen = []
+    real_step = state.optimizer.step
+
+    def spy(*a, **k):
+        seen.append([p.grad.double().clone() for p in params])
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(state.optimizer, "step", spy)
+    g = torch.Generator().manual_seed(31)
+
+    def backward(scale, nan=False):
+        cs = [scale * torch.randn(p.shape, generator=g) for p in params]
+        if nan:
+            cs[3].view(-1)[5] = float("nan")
+        sum((p * c).sum() for p, c in zip(params, cs)).backward()
+        return [c.double() for c in cs]
+
+    cs = backward(0.3)
+    norm = sum((c ** 2).sum() for c in cs).sqrt().item()
+    assert norm > 2 * rc.grad_clip
+    ok, got_norm = optimizer_stage(state, rc)
+    assert ok and got_norm == pytest.approx(norm, rel=1e-5) and len(seen) == 1
+    for a, c in zip(seen[0], cs):
+        torch.testing.assert_close(a, c * (rc.grad_clip / norm), rtol=1e-5, atol=1e-9)
+    assert all(p.grad is None for p in params)
+    before = [p.detach().clone() for p in params]
+    backward(0.3, nan=True)
+    ok, got_norm = optimizer_stage(state, rc)
+    assert not ok and got_norm != got_norm and state.nonfinite_in_row == 1 and len(seen) == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, params)) and all(p.grad is None for p in params)
+    cs = backward(1e-4)  # a small finite gradient: below the clip, stepped as it is
+    ok, got_norm = optimizer_stage(state, rc)
+    assert ok and state.nonfinite_in_row == 0 and len(seen) == 2
+    for a, c in zip(seen[1], cs):
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=0.0)
+    for k in range(2):
+        backward(0.3, nan=True)
+        if k == 0:
+            assert optimizer_stage(state, rc)[0] is False
+        else:
+            with pytest.raises(FloatingPointError, match="2 non-finite updates in a row"):
+                optimizer_stage(state, rc)
