@@ -487,23 +487,27 @@ def test_packed_micro_batches_equal_the_padded_batch(mode):
 
 @pytest.mark.parametrize("mode", ["block_proxy", "trace"])
 def test_packing_keeps_only_the_blocks_the_targets_need(mode):
-    """A sample's segment is its clean copy cut to its own length plus one block per distinct (noisy copy, block)
-    of its targets: fewer positions than whole copies (block proxy: x_t's prompt-only blocks go; trace: a round
-    keeps only the blocks it unmasked something in), and the log-probs stay exact (test above)."""
+    """A sample's segment is its clean copy cut before its last target block (nothing reads a clean block at or
+    after it) and to its own length, plus one block per distinct (noisy copy, block) of its targets: fewer
+    positions than whole copies (block proxy: x_t's prompt-only blocks go; trace: a round keeps only the blocks it
+    unmasked something in), and the log-probs stay exact (test above)."""
     model = tiny_model(dtype=torch.float64, peaky=20.0)
     lb = varied_batch(model, mode)
     n_all, bs = lb.layout.n, lb.layout.block_size
     mbs = pack_micro_batches(lb, range(12), 10**6)
     t_copy, t_blk = lb.tgt_col // n_all, (lb.tgt_col % n_all) // bs
-    want, whole = 0, 0
+    want, whole, cut_blocks = 0, 0, 0
     for i in range(12):
         mine = lb.tgt_row == i
         if not bool(mine.any()):
             continue
-        clean = -(-int(lb.layout.lengths[i]) // bs) * bs
+        decoded = -(-int(lb.layout.lengths[i]) // bs) * bs
+        clean = min(decoded, int(t_blk[mine].max()) * bs)  # clean blocks before the last block with a target
         want += len(set(zip(t_copy[mine].tolist(), t_blk[mine].tolist()))) * bs + clean
-        whole += (int(t_copy[mine].max()) + 2) * clean  # every noisy copy up to the last round, whole
+        whole += (int(t_copy[mine].max()) + 2) * decoded  # every noisy copy up to the last round, whole
+        cut_blocks += (decoded - clean) // bs
     assert sum(mb.used for mb in mbs) == want < whole
+    assert cut_blocks >= 12  # every sample's last block at least (was: kept, read by nothing)
     for mb in mbs:  # each segment: one contiguous run; noisy positions are whole blocks of one copy
         lay = mb.layout
         assert lay.num_segments == mb.samples.numel()

@@ -220,8 +220,9 @@ class MicroBatch:
     """One packed training forward: some samples of a LayoutBatch back to back in one row (a PackedLayout).
 
     Sample i becomes one segment: the noisy blocks that hold its targets (one block of one noisy copy each), then
-    its clean copy cut to its own decoded length (whole blocks). Nothing else is needed: a noisy block attends to
-    itself and to earlier clean blocks, and nothing attends to a noisy block. Its targets are read at columns
+    the blocks of its clean copy before the last of those noisy blocks (within its decoded length). Nothing else
+    is needed: a noisy block attends to itself and to earlier clean blocks, a clean block to clean blocks up to
+    its own, and nothing attends to a noisy block. Its targets are read at columns
     read_col of the row's hidden states; `sel` says which of the LayoutBatch's targets they are
     (lb.targets[sel], lb.tgt_row[sel], ...)."""
 
@@ -379,8 +380,8 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
     """Pack the samples `rows` (distinct) of `lb` into micro-batches of at most `budget` positions (a sample longer
     than the budget gets one of its own); every target of those rows is in exactly one micro-batch.
 
-    Each sample keeps only what its targets need (see MicroBatch): its clean copy cut to its own decoded length,
-    and the noisy blocks holding targets (block proxy: the response blocks of x_t, not its prompt-only blocks;
+    Each sample keeps only what its targets need (see MicroBatch): its clean copy cut before its last noisy
+    block (and to its own decoded length), and the noisy blocks holding targets (block proxy: the response blocks of x_t, not its prompt-only blocks;
     trace: per round only the blocks that unmask something in it), so no sample pays for the longest one or for
     the most rounds. `pad_shapes` (CUDA) rounds each row to `packed_length`: a few shapes per run for the
     compiled attention; otherwise rows are exactly as long as their segments. Samples without targets are left
@@ -418,7 +419,10 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
     pieces, t_piece = torch.unique((t_row * ncopies + t_copy) * nblk + t_pos // bs, return_inverse=True)
     p_sample, p_copy, p_blk = pieces // (ncopies * nblk), (pieces // nblk) % ncopies, pieces % nblk
     n_noisy = torch.bincount(p_sample, minlength=nrows)  # [N]
-    n_clean = -(-valid // bs)  # [N] clean blocks: the decoded length in whole blocks
+    # clean blocks: those before the sample's last noisy block (a noisy block b reads clean blocks < b, and a clean
+    # block only earlier ones: nothing reads the rest), within its decoded length
+    last_blk = torch.zeros(nrows, dtype=torch.int64).scatter_reduce_(0, p_sample, p_blk, reduce="amax")  # [N]
+    n_clean = torch.minimum(-(-valid // bs), last_blk)  # [N]
     seg_len = (n_noisy + n_clean) * bs  # [N]
     cand = rows_t[n_noisy[rows_t] > 0]
     sizes = seg_len.tolist()
