@@ -61,6 +61,34 @@ def test_reference_matches_naive(c, cache_lens, chunk_lens, bs):
     assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
 
 
+def test_reference_honours_softmax_scale_and_gqa_groups_of_three():
+    """A non-default softmax_scale reaches the attention (the other CPU checks use d^-0.5, which SDPA also takes
+    by itself), and q head h reads kv head h // 3 (6 q heads over 2 kv heads), at an odd capacity."""
+    q, k, v, kc, vc, cl, nl = make_inputs(3, 9, 6, 2, 8, 97, [0, 61, 80], [9, 7, 9], seed=5)
+    want, want_kc, want_vc = naive(q, k, v, kc, vc, cl, nl, 4, 0.3)
+    got = block_attention(q, k, v, kc, vc, cl, nl, 4, softmax_scale=0.3)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+
+
+def test_reference_out_of_range_rows_write_nothing_and_output_zeros():
+    """With the host check off (the sampler's hot loop), the CPU reference treats each kind of bad row as the
+    kernel does: it writes nothing and outputs zeros, while the good rows are exact."""
+    # rows: good, cl + nl > capacity, cl < 0, nl < 0, nl > C, good (exactly filling the cache)
+    cache_lens, chunk_lens = [3, 20, -1, 2, 0, 17], [4, 5, 3, -1, 6, 5]
+    B, C, cap = 6, 5, 22
+    q, k, v, kc, vc, cl, nl = make_inputs(B, C, 4, 2, 8, cap, cache_lens, chunk_lens, seed=9)
+    kc0, vc0 = kc.clone(), vc.clone()
+    got = block_attention(q, k, v, kc, vc, cl, nl, 4, check_lengths=False)
+    for b in (1, 2, 3, 4):
+        assert torch.equal(got[b], torch.zeros_like(got[b])), f"row {b}: output not zero"
+        assert torch.equal(kc[b], kc0[b]) and torch.equal(vc[b], vc0[b]), f"row {b}: cache written"
+    good = [0, 5]
+    want, want_kc, want_vc = naive(q[good], k[good], v[good], kc0[good], vc0[good], cl[good], nl[good], 4, 8**-0.5)
+    torch.testing.assert_close(got[good], want, rtol=1e-10, atol=1e-10)
+    assert torch.equal(kc[good], want_kc) and torch.equal(vc[good], want_vc)
+
+
 def test_opcheck():
     q, k, v, kc, vc, cl, nl = make_inputs(2, 4, 4, 2, 8, 12, [0, 4], [4, 3], dtype=torch.float32)
     torch.library.opcheck(torch.ops.lightningrl_fast.block_attention.default, (q, k, v, kc, vc, cl, nl, 4, 0.35))

@@ -452,6 +452,27 @@ def test_packed_reference_handles_ragged_segments():
     assert torch.equal(got[:, :, used:], torch.zeros_like(got[:, :, used:]))
 
 
+def test_packed_reference_query_tiles_match_a_dense_oracle(monkeypatch):
+    """The packed reference split into query tiles of 16 (the other packed tests fit one tile): segments of
+    97 x 2, 13 x 2 and 40 x 3 positions in three length buckets, GQA 6/2, against a dense float64 softmax under
+    the mask built position by position from the naive rule (rows with no key: zeros)."""
+    import lightningrl_fast.ops.masked_attn as ma
+
+    segs, rows, total, bs = [(0, 0, 97, 2, 90), (0, 200, 13, 2, 11), (1, 5, 40, 3, 33)], 2, 230, 4
+    lay = packed_layout(segs, rows=rows, total=total, bs=bs)
+    monkeypatch.setattr(ma, "_TILE_ELEMS", 1)  # tile = the 16-query minimum
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(rows, h, total, 8, generator=g, dtype=torch.float64) for h in (6, 2, 2))
+    got = masked_attention(q, k, v, lay, softmax_scale=0.3)
+    mask = torch.tensor([[[naive_packed_allow(segs, bs, r, i, j) for j in range(total)] for i in range(total)]
+                         for r in range(rows)])  # [rows, total, total]
+    kk, vv = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)  # q head h reads kv head h // 3
+    s = (q @ kk.transpose(-1, -2) * 0.3).masked_fill(~mask[:, None], float("-inf"))
+    want = torch.nan_to_num(torch.softmax(s, -1), nan=0.0) @ vv
+    assert mask.any(-1).sum() > 200 and not mask.any(-1).all()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(400)  # compiles FlexAttention (forward, or forward + backward) per shape: minutes
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

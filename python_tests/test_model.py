@@ -409,3 +409,92 @@ def test_forward_matches_an_independent_float64_oracle(tied):
     for out in (got, cached.double()):
         err = (out - want).abs().max().item()
         assert err <= 2 * err_ref, (err, err_ref)
+
+
+def _scaled(model):
+    """Weights x10 (std 0.2) and random norm weights, as in the oracle test: outputs far from linear."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if name.endswith("norm.weight"):
+                prm.copy_(0.5 + torch.rand(prm.shape, generator=g, dtype=torch.float64))
+            else:
+                prm.mul_(10.0)
+    return model
+
+
+def _err(got, want):
+    """Max abs error relative to the largest logit (the model computes RoPE's cos/sin in float32, ~1e-7)."""
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def test_block_size_override_matches_the_oracle():
+    """A block size other than the config's (a b8 decode of a b4 config): the cached forward's `block_size`
+    and a MaskLayout's block size give the float64 oracle's block-causal mask at that size (chunks of 8 over
+    19 positions, the last one partial), not the config's."""
+    cfg = tiny_config()  # block_size 4
+    model = _scaled(build_model(cfg, dtype=torch.float64, seed=6).eval())
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, MASK, (2, 19), generator=g)
+    want = qwen3_oracle(dict(model.named_parameters()), cfg, ids, 8)
+    cache = KVCache.allocate(cfg, 2, 24, dtype=torch.float64)
+    lens, outs = torch.zeros(2, dtype=torch.int32), []
+    with torch.no_grad():
+        for c0, c1 in ((0, 8), (8, 16), (16, 19)):
+            outs.append(model.forward_cached(ids[:, c0:c1], cache, lens, torch.full((2,), c1 - c0, dtype=torch.int32),
+                                             block_size=8))
+            lens += c1 - c0
+        full = model(ids, layout=MaskLayout.block_causal(19, 8))
+    assert _err(torch.cat(outs, 1), want) < 1e-5, _err(torch.cat(outs, 1), want)
+    assert _err(full, want) < 1e-5, _err(full, want)
+
+
+def test_weights_sharing_a_storage_out_of_order_are_not_a_packed_group():
+    """q/k/v (gate/up) weights that share one storage but do not lie back to back in that order (q, v, k; gate,
+    other rows, up — as parameters assigned from one memory-mapped buffer may) are no packed group: the cached
+    forward runs separate GEMMs and matches the float64 oracle, and pack_decode_weights repacks them in order."""
+    from lightningrl_fast.model import packed_weight
+
+    cfg = tiny_config()
+    model = _scaled(build_model(cfg, dtype=torch.float64, seed=4).eval())
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            junk = torch.ones_like(m.up_proj.weight)
+            for parts in ([a.q_proj.weight, a.v_proj.weight, a.k_proj.weight],
+                          [m.gate_proj.weight, junk, m.up_proj.weight]):
+                buf, row = torch.cat([p.detach() for p in parts]), 0
+                for p in parts:
+                    p.data = buf[row : row + p.shape[0]]
+                    row += p.shape[0]
+            assert packed_weight(a._projections()) is None and packed_weight(m._projections()) is None
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, MASK, (2, 13), generator=g)
+    want = qwen3_oracle(dict(model.named_parameters()), cfg, ids, 4)
+    with torch.no_grad():
+        got, _ = incremental_logits(model, ids, [0, 8, 12, 13], capacity=16, dtype=torch.float64)
+        assert _err(got, want) < 1e-5, _err(got, want)
+        model.pack_decode_weights()
+        a, m = model.model.layers[1].self_attn, model.model.layers[1].mlp
+        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        assert torch.equal(packed_weight(a._projections()), qkv)
+        assert torch.equal(packed_weight(m._projections()), torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        got, _ = incremental_logits(model, ids, [0, 8, 12, 13], capacity=16, dtype=torch.float64)
+    assert _err(got, want) < 1e-5, _err(got, want)
+
+
+def test_rope_tables_at_long_positions_in_bf16():
+    """cos/sin of a bf16 model at positions past 256 (where bf16 cannot hold every integer) equal the float64
+    formula cos(p * theta^(-2i/d)), half-split (frequency i at columns i and i + d/2), up to bf16 rounding: the
+    angles are formed from the exact integer positions, never from positions rounded to the model's dtype."""
+    from lightningrl_fast.model import rope_cos_sin
+
+    d, theta = 16, 1e4
+    pos = torch.arange(997, 997 + 97).view(1, 97)
+    cos, sin = rope_cos_sin(pos, d, theta, torch.bfloat16)
+    assert cos.dtype == sin.dtype == torch.bfloat16 and cos.shape == (1, 97, d)
+    inv = torch.tensor([theta ** (-2.0 * i / d) for i in range(d // 2)], dtype=torch.float64)
+    ang = pos.double()[..., None] * inv  # [1, 97, d/2]
+    for got, f in ((cos, torch.cos), (sin, torch.sin)):
+        want = f(torch.cat([ang, ang], -1))
+        assert (got.double() - want).abs().max().item() < 1e-2
