@@ -361,3 +361,183 @@ def test_optimizer_offload_steps_and_resumes_like_the_resident_optimizer(tmp_pat
     m3, m3c = step(a, cfg), step(c, cfg)
     assert_same(params(c.model), params(a.model))
     assert m3c["loss"] == m3["loss"] and m3c["grad_norm"] == m3["grad_norm"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# counters, RNG, rotation, set-aside, sharded state and changed optimizer settings (mutation audit)
+
+
+def test_counters_and_every_rng_stream_are_restored(tmp_path):
+    """step, cursor, the non-finite counter (nonzero: a run killed after two skipped updates must not get a fresh
+    allowance) and the python, torch and numpy RNG streams all come back as saved."""
+    np = pytest.importorskip("numpy")
+    cfg = rl_cfg(kl_beta=0.0)
+    state = make_state(tiny_model(), cfg)
+    state.step, state.cursor, state.nonfinite_in_row = 5, 13, 2
+    random.seed(21)
+    torch.manual_seed(21)
+    np.random.seed(21)
+    save_checkpoint(tmp_path, state, config=cfg)
+    expect = (random.random(), torch.rand(3), np.random.rand(3))
+    random.seed(0)
+    torch.manual_seed(0)
+    np.random.seed(0)
+    fresh = make_state(tiny_model(seed=5), cfg)
+    got = load_checkpoint(tmp_path, fresh, config=cfg)
+    assert (got.step, fresh.step, fresh.cursor, fresh.nonfinite_in_row) == (5, 5, 13, 2)
+    assert random.random() == expect[0]
+    assert torch.equal(torch.rand(3), expect[1])
+    assert (np.random.rand(3) == expect[2]).all()
+
+
+def test_rotation_orders_by_step_and_never_deletes_the_checkpoint_just_saved(tmp_path):
+    """keep=2 over steps 8..11 keeps checkpoint-10 and -11 (by step: 'checkpoint-10' < 'checkpoint-9' as names);
+    without `latest` the highest step is resumed; re-saving an older step keeps that folder (the one `latest`
+    now names) and deletes nothing newer."""
+    cfg = rl_cfg(kl_beta=0.0)
+    state = make_state(tiny_model(), cfg)
+    for s in (8, 9, 10, 11):
+        state.step = s
+        save_checkpoint(tmp_path, state, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-11", "latest"]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-11"]
+    (tmp_path / "latest").unlink()
+    assert resolve_checkpoint(tmp_path).name == "checkpoint-11"
+    state.step = 9
+    save_checkpoint(tmp_path, state, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-11", "checkpoint-9", "latest"]
+    assert (tmp_path / "latest").read_text() == "checkpoint-9\n"
+    state.step = 12
+    save_checkpoint(tmp_path, state, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-11", "checkpoint-12", "latest"]
+
+
+def test_set_aside_later_moves_the_later_checkpoints_and_records(tmp_path):
+    """Resuming checkpoint-1 (saved when metrics.jsonl had 2 records) of a run at step 3: checkpoint-2 and -3 and
+    records 3..5 go to discarded-1/, `latest` names checkpoint-1; nothing later: nothing moves."""
+    import json
+
+    for s in (1, 2, 3):
+        (tmp_path / f"checkpoint-{s}").mkdir()
+        (tmp_path / f"checkpoint-{s}" / "trainer_state.pt").write_bytes(b"x")
+    records = [{"step": s, "loss": s / 10} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "latest").write_text("checkpoint-3\n")
+    assert ckpt.set_aside_later(tmp_path, tmp_path / "checkpoint-3", 5) == (None, [], 0)
+    dest, moved, n = ckpt.set_aside_later(tmp_path, tmp_path / "checkpoint-1", 2)
+    assert (dest, moved, n) == (tmp_path / "discarded-1", ["checkpoint-2", "checkpoint-3"], 3)
+    assert [json.loads(x) for x in (dest / "metrics.jsonl").read_text().splitlines()] == records[2:]
+    assert sorted(p.name for p in dest.iterdir()) == ["checkpoint-2", "checkpoint-3", "metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "discarded-1", "latest", "metrics.jsonl"]
+    assert (tmp_path / "latest").read_text() == "checkpoint-1\n"
+
+
+def _owned_state(state) -> dict[int, dict]:
+    """The optimizer state of the parameters this state's optimizer holds, by index in model.parameters()."""
+    out = {}
+    for i, p in enumerate(state.model.parameters()):
+        if p in state.optimizer.state:
+            out[i] = {k: torch.as_tensor(v).clone() for k, v in state.optimizer.state[p].items()}
+    return out
+
+
+def test_sharded_checkpoint_loads_per_rank_and_reshards_in_one_process(tmp_path):
+    """A 2-rank checkpoint made in one process (no process group: the two ranks' optimizers over one model, the
+    rank-1 shard staged as save_checkpoint_ranks stages it): each rank gets its own optimizer shard and its own RNG
+    streams back; 1 or 3 ranks get every parameter's state exactly once, from whichever shard held it, rank 1 its
+    saved RNG, the others rank 0's; a shard of another step or rank is refused."""
+    from lightningrl_fast.rl.distributed import DistEnv
+
+    cfg = rl_cfg(kl_beta=0.0)
+    model = tiny_model()
+    envs = [DistEnv(r, 2, r) for r in range(2)]
+    states = [make_state(model, cfg, env) for env in envs]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        for s in states:
+            s.optimizer.step()
+            s.scheduler.step()
+    for s in states:
+        s.step, s.cursor = 2, 6
+    mine = [_owned_state(s) for s in states]
+    assert mine[0] and mine[1] and not set(mine[0]) & set(mine[1])
+    every = {**mine[0], **mine[1]}
+    assert sorted(every) == list(range(len(list(model.parameters()))))
+    random.seed(101)
+    torch.manual_seed(101)
+    staged = tmp_path / "staged-rank1.pt"
+    torch.save({"rank": 1, "world_size": 2, "step": 2, "optimizer": states[1].optimizer.state_dict(),
+                "rng": ckpt.rng_state()}, staged)
+    draws = {1: (random.random(), torch.rand(2))}
+    random.seed(100)
+    torch.manual_seed(100)
+    folder = save_checkpoint(tmp_path / "run", states[0], config=cfg, rank_files={ckpt.shard_file(1): staged},
+                             world_size=2)
+    draws[0] = (random.random(), torch.rand(2))
+    assert sorted(p.name for p in folder.iterdir() if p.suffix == ".pt") == ["optimizer-rank1.pt", "trainer_state.pt"]
+
+    def load(env, warns):
+        fresh = make_state(tiny_model(seed=9), cfg, env)
+        random.seed(0)
+        torch.manual_seed(0)
+        if warns:
+            with pytest.warns(UserWarning, match="redistributed"):
+                load_checkpoint(folder, fresh, config=cfg, env=env)
+        else:
+            load_checkpoint(folder, fresh, config=cfg, env=env)
+        assert (fresh.step, fresh.cursor) == (2, 6)
+        assert fresh.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.lr)  # warm-up done: step 2 of 2
+        rng = (random.random(), torch.rand(2))
+        return _owned_state(fresh), rng
+
+    def same(a, b):
+        assert sorted(a) == sorted(b)
+        for i in a:
+            assert a[i].keys() == b[i].keys() and all(torch.equal(a[i][k], b[i][k]) for k in a[i]), i
+
+    for r, env in enumerate(envs):
+        got, rng = load(env, warns=False)
+        same(got, mine[r])
+        assert rng[0] == draws[r][0] and torch.equal(rng[1], draws[r][1]), r
+    got, rng = load(DistEnv(), warns=True)
+    same(got, every)
+    assert rng[0] == draws[0][0] and torch.equal(rng[1], draws[0][1])
+    three = [load(DistEnv(r, 3, r), warns=True) for r in range(3)]
+    assert sum(len(x[0]) for x in three) == len(every)
+    same({i: st for x in three for i, st in x[0].items()}, every)
+    for r, (_, rng) in enumerate(three):
+        want = draws[1] if r == 1 else draws[0]
+        assert rng[0] == want[0] and torch.equal(rng[1], want[1]), r
+    shard = torch.load(folder / ckpt.shard_file(1), weights_only=True)
+    torch.save(dict(shard, step=1), folder / ckpt.shard_file(1))  # a stale shard of another save
+    with pytest.raises(CheckpointError, match="holds rank 1 step 1, expected rank 1 step 2"):
+        load(envs[1], warns=False)
+    torch.save(dict(shard, rank=0), folder / ckpt.shard_file(1))  # another rank's shard under this name
+    with pytest.raises(CheckpointError, match="holds rank 0 step 2, expected rank 1 step 2"):
+        load(envs[1], warns=False)
+
+
+
+def test_leftovers_of_dead_saves_are_removed_and_an_orphaned_backup_is_put_back(tmp_path):
+    """The next save cleans what dead saves (a pid that is not alive) left: temporary and deleting folders go, a
+    `.checkpoint-<s>.old-*` backup whose checkpoint-<s> is missing (killed between the two fallback renames) is
+    renamed back; a live process's temporary folder is left alone."""
+    import shutil
+
+    cfg = rl_cfg(kl_beta=0.0)
+    state = make_state(tiny_model(), cfg)
+    state.step = 3
+    save_checkpoint(tmp_path, state)
+    dead = 999999999
+    shutil.copytree(tmp_path / "checkpoint-3", tmp_path / f".checkpoint-2.old-{dead}-deadbeef")
+    (tmp_path / f".checkpoint-4.tmp-{dead}-cafe0000").mkdir()
+    (tmp_path / f".checkpoint-1.del-{dead}-0000beef").mkdir()
+    alive = tmp_path / f".checkpoint-5.tmp-{os.getpid()}-11110000"
+    alive.mkdir()
+    state.step = 6
+    save_checkpoint(tmp_path, state, keep=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [alive.name, "checkpoint-2", "checkpoint-3", "checkpoint-6", "latest"])
+    assert (tmp_path / "checkpoint-2" / "trainer_state.pt").is_file()

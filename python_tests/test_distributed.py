@@ -180,6 +180,65 @@ def test_memory_check_passes_on_cpu():
     assert plan["weights"] == 8 * n and plan["optimizer"] == 12 * n  # fp64 weights: fp32 master + moments
 
 
+def test_reduce_and_clip_against_a_float64_oracle(monkeypatch):
+    """reduce_and_clip on rank 1 of 2, with the two collectives replaced by their definitions (the other rank's
+    gradient added into the owner's copy; its partial sum of squares added to this rank's): the returned norm is
+    the global L2 norm of the summed gradients, an owner's gradient is that sum scaled by
+    max_norm / (norm + 1e-6) when that is below 1 (torch's clip_grad_norm_ formula), a parameter owned by the other
+    rank keeps no gradient, a missing gradient counts as zeros, and a non-finite norm clears every gradient."""
+    import math
+
+    shapes, owners = [(3, 4), (5,), (2, 2), (7,)], [0, 1, 1, 0]
+    env = D.DistEnv(1, 2, 1)
+
+    def run(scale, max_norm, poison=False):
+        g = torch.Generator().manual_seed(4)
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+        mine = [torch.randn(s, generator=g, dtype=torch.float64) * scale for s in shapes]
+        other = [torch.randn(s, generator=g, dtype=torch.float64) * scale for s in shapes]
+        mine[2] = None  # no gradient on this rank
+        if poison:
+            other[3][1] = float("inf")
+        for p, m in zip(params, mine):
+            p.grad = None if m is None else m.float()
+        total = [(o if m is None else m.float().double() + o.float().double()) for m, o in zip(mine, other)]
+        other_sq = sum(float(t.square().sum()) for t, o in zip(total, owners) if o == 0)
+        norm = math.sqrt(sum(float(t.square().sum()) for t in total))
+        contributions = iter(other)
+
+        def reduce(t, dst=0, **kw):
+            c = next(contributions)
+            if dst == env.rank:
+                t += c.float()
+
+        def all_reduce(t, **kw):
+            t += other_sq
+
+        monkeypatch.setattr(D.dist, "reduce", reduce)
+        monkeypatch.setattr(D.dist, "all_reduce", all_reduce)
+        got = D.reduce_and_clip(env, params, owners, max_norm)
+        monkeypatch.undo()
+        return got, norm, params, total
+
+    got, norm, params, total = run(1e-4, 1e-4)  # a small norm: the 1e-6 of the clip coefficient matters
+    assert got == pytest.approx(norm, rel=1e-6) and norm > 1e-4
+    coef = 1e-4 / (norm + 1e-6)
+    for p, t, o in zip(params, total, owners):
+        if o == env.rank:
+            assert p.grad.dtype == torch.float32
+            torch.testing.assert_close(p.grad.double(), t * coef, rtol=1e-6, atol=0)
+        else:
+            assert p.grad is None
+    got, norm, params, total = run(1.0, 1e3)  # below max_norm: the summed gradients unscaled
+    assert got == pytest.approx(norm, rel=1e-6)
+    for p, t, o in zip(params, total, owners):
+        assert (p.grad is None) == (o != env.rank)
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad.double(), t, rtol=1e-6, atol=0)
+    got, _, params, _ = run(1.0, 1.0, poison=True)
+    assert math.isinf(got) and all(p.grad is None for p in params)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # multi-process scenarios (spawned workers; everything they use is defined at module level)
 # ------------------------------------------------------------------------------------------------------------

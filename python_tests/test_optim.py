@@ -283,3 +283,100 @@ def test_carve_host_packs_state_into_power_of_two_slabs(monkeypatch):
     assert ptrs[0] == ptrs[2] != ptrs[1]
     assert sorted(v.untyped_storage().nbytes() for v in big[:2]) == [4 << 25, 4 << 26]
     assert carve_host([], pin=False) == []
+
+
+# ------------------------------------------------------------------------------------------ against the paper
+
+def _adamw_float64(w0, grads, lrs, b1, b2, eps, wd):
+    """AdamW as Loshchilov & Hutter (2019), Algorithm 2, with torch's lr-scaled decoupled decay, written out in
+    float64 Python scalars: per step t = 1, 2, ...: w <- w (1 - lr_t wd); m <- b1 m + (1 - b1) g;
+    v <- b2 v + (1 - b2) g^2; m_hat = m / (1 - b1^t); v_hat = v / (1 - b2^t);
+    w <- w - lr_t m_hat / (sqrt(v_hat) + eps)."""
+    import math
+
+    w, m, v = [float(x) for x in w0], [0.0] * len(w0), [0.0] * len(w0)
+    for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+        for i, gi in enumerate(float(x) for x in g):
+            w[i] *= 1.0 - lr * wd
+            m[i] = b1 * m[i] + (1.0 - b1) * gi
+            v[i] = b2 * v[i] + (1.0 - b2) * gi * gi
+            m_hat, v_hat = m[i] / (1.0 - b1 ** t), v[i] / (1.0 - b2 ** t)
+            w[i] -= lr * m_hat / (math.sqrt(v_hat) + eps)
+    return tuple(torch.tensor(x, dtype=torch.float64) for x in (w, m, v))
+
+
+@pytest.mark.parametrize("dtype,offload", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False),
+                                          (torch.float32, True)])
+def test_master_adamw_equals_a_float64_adamw_written_from_the_paper(dtype, offload):
+    """An independent oracle (not torch's AdamW): a large eps (0.05, so where it enters the denominator matters:
+    after the bias correction of sqrt(v), as in the paper), distinct betas, decoupled weight decay, a learning rate
+    that a LambdaLR schedule changes every step (the optimizer must read the group's current lr), a gradient that is
+    exactly zero for one step (it still counts as a step), and offloaded chunks of 7 elements."""
+    b1, b2, eps, wd, base_lr = 0.8, 0.95, 0.05, 0.2, 0.05
+    g = torch.Generator().manual_seed(7)
+    p = torch.nn.Parameter((torch.randn(3, 11, generator=g) * 2.0).to(dtype))
+    w0 = p.detach().double().flatten()
+    opt = MasterAdamW([p], lr=base_lr, betas=(b1, b2), eps=eps, weight_decay=wd, offload=offload, chunk_elems=7)
+    factors = [0.25, 0.5, 1.0, 0.7, 0.3, 0.9]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: factors[min(s, len(factors) - 1)])
+    grads, lrs = [], []
+    for step in range(len(factors)):
+        grad = torch.randn(3, 11, generator=g).to(dtype) * (0.0 if step == 2 else 1.0)
+        grads.append(grad.double().flatten())
+        lrs.append(base_lr * factors[step])
+        p.grad = grad
+        opt.step()
+        sched.step()
+    w, m, v = _adamw_float64(w0, grads, lrs, b1, b2, eps, wd)
+    st = opt.state[p]
+    assert float(st["step"]) == len(factors)
+    master = st["master"] if dtype != torch.float32 else p.detach()
+    torch.testing.assert_close(master.double().flatten(), w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(st["exp_avg"].double().flatten(), m, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(st["exp_avg_sq"].double().flatten(), v, rtol=1e-5, atol=1e-7)
+    assert torch.equal(p.detach(), master.view(p.shape).to(dtype))  # the parameter is its master, rounded once
+    assert float((w - w0).abs().max()) > 0.05  # it moved by far more than the tolerance
+
+
+def test_load_state_dict_copies_the_state_it_is_given():
+    """load_state_dict takes copies: an optimizer loaded straight from another's live state_dict() (no deepcopy, as
+    a resume in one process or a resharding does) steps without touching the other's moments, masters or step
+    count. Was a risk of `.to(..., copy=False)`: fp32 state on the same device would be shared."""
+    for dtype in (torch.bfloat16, torch.float32):
+        a = _params(dtype)
+        src = MasterAdamW(a, lr=1e-3, weight_decay=0.1)
+        _run(a, src, 2)
+        before = copy.deepcopy(src.state_dict())
+        b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+        dst = MasterAdamW(b, lr=1e-3, weight_decay=0.1)
+        dst.load_state_dict(src.state_dict())
+        assert float(dst.state[b[0]]["step"]) == 2.0
+        _run(b, dst, 2, first=2)
+        after = src.state_dict()
+        for i, st in before["state"].items():
+            for k, v in st.items():
+                assert torch.equal(after["state"][i][k], v), (dtype, i, k)
+        assert float(dst.state[b[0]]["step"]) == 4.0
+
+
+def test_make_optimizer_passes_betas_and_weight_decay_to_master_adamw():
+    for offload in (False, True):
+        opt = make_optimizer(_params(torch.bfloat16), lr=2e-3, betas=(0.8, 0.9), weight_decay=0.3, offload=offload)
+        assert isinstance(opt, MasterAdamW) and opt.offload == offload
+        group = opt.param_groups[0]
+        assert (group["lr"], group["betas"], group["weight_decay"]) == (2e-3, (0.8, 0.9), 0.3)
+
+
+def test_carve_plan_sizes_and_offloaded_bytes():
+    """Exact plans: a slab is the power of two its contents need (a power-of-two fill is not doubled), an exact fit
+    shares the slab, and the pinned bytes count the slab rounding."""
+    from lightningrl_fast.rl.optim import carve_plan, offloaded_state_bytes
+
+    assert carve_plan([1]) == [(1, 1, [(0, 0)])]
+    assert carve_plan([5, 3]) == [(8, 8, [(0, 0), (1, 5)])]
+    assert carve_plan([1 << 20]) == [(1 << 20, 1 << 20, [(0, 0)])]
+    assert carve_plan([1 << 25, 1 << 25]) == [(1 << 26, 1 << 26, [(0, 0), (1, 1 << 25)])]  # exactly one slab
+    assert carve_plan([3, 1 << 26]) == [(1 << 26, 1 << 26, [(1, 0)]), (4, 3, [(0, 0)])]  # full slab: the next one
+    # a bf16 parameter of 100 elements: master + 2 moments = 300 fp32 elements, one slab of 512; fp32: 2 x 100 -> 256
+    assert offloaded_state_bytes([torch.zeros(100, dtype=torch.bfloat16)]) == 4 * 512
+    assert offloaded_state_bytes([torch.zeros(10, 10)]) == 4 * 256
