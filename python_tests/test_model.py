@@ -389,12 +389,7 @@ def test_forward_matches_an_independent_float64_oracle(tied):
     cfg = tiny_config(tie_word_embeddings=tied, rope_theta=1e4, rms_norm_eps=1e-5)
     model = build_model(cfg, dtype=torch.float64, seed=3).eval()
     g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, prm in model.named_parameters():
-            if name.endswith("norm.weight"):
-                prm.copy_(0.5 + torch.rand(prm.shape, generator=g, dtype=torch.float64))
-            else:
-                prm.mul_(10.0)  # std 0.2: attention and MLP far from linear
+    _scaled(model, g)
     ids = torch.randint(0, 111, (3, 23), generator=g)
     params = dict(model.named_parameters())
     if tied:
@@ -411,9 +406,10 @@ def test_forward_matches_an_independent_float64_oracle(tied):
         assert err <= 2 * err_ref, (err, err_ref)
 
 
-def _scaled(model):
-    """Weights x10 (std 0.2) and random norm weights, as in the oracle test: outputs far from linear."""
-    g = torch.Generator().manual_seed(1)
+def _scaled(model, g: torch.Generator | None = None):
+    """Weights x10 (std 0.2: attention and MLP far from linear) and random norm weights (init sets them to 1,
+    which hides a swapped q_norm / k_norm)."""
+    g = g if g is not None else torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, prm in model.named_parameters():
             if name.endswith("norm.weight"):
