@@ -127,11 +127,11 @@ def _check_prompts(model, examples: list, ids: list[list[int]], sampler_cfg) -> 
     """Every prompt decodable with these settings, found before decoding (the sampler finds the same problems
     mid-run and names only a batch-local prompt index): ids inside the model's vocabulary, no mask token, and
     prompt + max_new_tokens with the last block rounded up to the decoded block size within the positions
-    (`sampler.prompt_problem`, the sampler's rule). ValueError naming the first bad example's id and counting the others."""
-    bs = _decoded_block_size(model, sampler_cfg)
+    (`sampler.prompt_problem`, the sampler's rule). ValueError naming the first bad example's id and counting the
+    others."""
+    bs, mc = _decoded_block_size(model, sampler_cfg), model.config
     problems = []
     for i, (ex, p) in enumerate(zip(examples, ids)):
-        mc = model.config
         problem = prompt_problem(p, mc.vocab_size, mc.mask_token_id, sampler_cfg.max_new_tokens, bs,
                                  sampler_cfg.max_length, mc.max_position_embeddings)
         if problem is not None:

@@ -256,8 +256,8 @@ def prompt_problem(ids: Sequence[int], vocab_size: int, mask_id: int, max_new_to
 
 def prompt_fit_problem(prompt_len: int, max_new_tokens: int, block_size: int, max_length: int | None,
                        max_positions: int) -> str | None:
-    """Why a prompt of `prompt_len` tokens cannot be decoded with these settings, or None when it fits: the one
-    rule the sampler applies, for the CLIs' and the trainer's up-front checks. The cache holds max_length
+    """Why a prompt of `prompt_len` tokens cannot be decoded with these settings, or None when it fits (the last
+    of `prompt_problem`'s checks, which every caller goes through). The cache holds max_length
     (default: the model's max_position_embeddings) positions for prompt + max_new_tokens; blocks are aligned at
     position 0 and decoded whole, so the last one may end past prompt + max_new_tokens, but not past the model's
     positions (nor past max_length when that is larger)."""

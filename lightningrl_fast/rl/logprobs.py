@@ -381,8 +381,8 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
     than the budget gets one of its own); every target of those rows is in exactly one micro-batch.
 
     Each sample keeps only what its targets need (see MicroBatch): its clean copy cut before its last noisy
-    block (and to its own decoded length), and the noisy blocks holding targets (block proxy: the response blocks of x_t, not its prompt-only blocks;
-    trace: per round only the blocks that unmask something in it), so no sample pays for the longest one or for
+    block (and to its own decoded length), and the noisy blocks holding targets (block proxy: the response blocks
+    of x_t, not its prompt-only blocks; trace: per round only the blocks that unmask something in it), so no sample pays for the longest one or for
     the most rounds. `pad_shapes` (CUDA) rounds each row to `packed_length`: a few shapes per run for the
     compiled attention; otherwise rows are exactly as long as their segments. Samples without targets are left
     out. Exact: every kept position sees what it sees in the LayoutBatch, and padding is never attended.
@@ -520,10 +520,13 @@ def host_copy(model: SDARForCausalLM, pin: bool | None = None) -> SDARForCausalL
     with torch.device("meta"):
         ref = SDARForCausalLM(model.config)
     src = _reference_tensors(model)
-    sd = {} if pin else {k: v.to("cpu", copy=True) for k, v in src.items()}
-    for dtype, names in _by_dtype(src).items() if pin else ():  # carved from pinned slabs
-        for k, h in zip(names, carve_host([src[k].numel() for k in names], True, dtype)):
-            sd[k] = h.view(src[k].shape).copy_(src[k])
+    if not pin:
+        sd = {k: v.to("cpu", copy=True) for k, v in src.items()}
+    else:  # carved from pinned slabs, one set per dtype
+        sd = {}
+        for dtype, names in _by_dtype(src).items():
+            for k, h in zip(names, carve_host([src[k].numel() for k in names], True, dtype)):
+                sd[k] = h.view(src[k].shape).copy_(src[k])
     ref.load_state_dict(sd, assign=True, strict=not model.config.tie_word_embeddings)
     if model.config.tie_word_embeddings:
         ref.lm_head.weight = ref.model.embed_tokens.weight

@@ -272,6 +272,7 @@ class MasterAdamW(torch.optim.Optimizer):
                     self.state[p][k] = v.to(device=p.device, dtype=torch.float32, copy=True)
         self._place_offloaded(offloaded)
 
+
 def make_optimizer(params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999),
                    weight_decay: float = 0.0, offload: bool = False) -> torch.optim.Optimizer:
     """torch's AdamW when every parameter is fp32 and the state stays with the parameters, else MasterAdamW (fp32
