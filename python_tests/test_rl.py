@@ -773,22 +773,6 @@ def test_advantages_and_filter_match_a_hand_written_oracle(mode):
     assert keep_groups(sc, 0.25, drop_all_wrong=False).tolist() == hand_keep([1.0] * 97, tpf, gids, 0.25)
 
 
-def hand_objective(logp, ref, adv, row, correct, beta, mu):
-    """Seq-Tok-Tok on-policy (rho = exp(logp - logp.detach()) = 1, its gradient that of logp), eps 0.2:
-    policy = - mean over sequences of the mean over their tokens of min(rho A, clip(rho) A); KL = beta * mean over
-    every token of exp(-d) - 1 + d, d = logp - ref; NLL = - mu * mean of logp over the tokens of verifier-correct
-    sequences. Loops over sequences, float64. Returns (loss, the mean k3 without beta)."""
-    rho = torch.exp(logp - logp.detach())
-    pg = -torch.minimum(rho * adv, rho.clamp(0.8, 1.2) * adv)
-    seqs = sorted(set(row.tolist()))
-    policy = sum(pg[row == s].mean() for s in seqs) / len(seqs)
-    d = logp - ref
-    kl = (torch.exp(-d) - 1 + d).mean()  # reported as it is; the loss adds beta times it
-    ok = correct[row]
-    nll = -mu * logp[ok].mean() if bool(ok.any()) else logp.sum() * 0
-    return policy + beta * kl + nll, kl
-
-
 @pytest.mark.parametrize("adv_mode", ["decoupled", "sum"])
 def test_update_stage_equals_a_hand_written_lightningrl_objective(monkeypatch, adv_mode):
     """update_stage (advantages from the groups' rewards, broadcast to each sample's tokens, "correct" = the
@@ -822,15 +806,13 @@ def test_update_stage_equals_a_hand_written_lightningrl_objective(monkeypatch, a
     assert adv32.dtype == torch.float32 and (adv32.double() - adv).abs().max() <= 2 * err_ref + 1e-7
     adv = adv32.double()
 
-    def logp_of(m):
-        logits = m(lb.input_ids, lb.position_ids, lb.layout)[lb.tgt_row, lb.tgt_col].double()
-        logits[:, MASK] = float("-inf")
-        return torch.log_softmax(logits, -1).gather(1, lb.targets[:, None])[:, 0]
-
     with torch.no_grad():
-        ref = logp_of(state.ref_model).float().double()  # the trainer keeps reference log-probs in float32
+        ref = padded_logp(state.ref_model, lb).float().double()  # the trainer keeps reference log-probs in float32
     correct = torch.tensor([a == 1.0 for a in acc])
-    want, want_kl = hand_objective(logp_of(model), ref, adv[lb.tgt_row], lb.tgt_row, correct, 0.05, 0.1)
+    # Seq-Tok-Tok on-policy (old = logp detached: rho = 1, its gradient that of logp), eps 0.2
+    logp = padded_logp(model, lb)
+    want, want_kl, _ = hand_loss(logp, logp.detach(), ref, adv[lb.tgt_row], lb.tgt_row, correct, 0.05, 0.1,
+                                 "seq-tok-tok")
     want_grads = torch.autograd.grad(want, list(model.parameters()))
     grads = []
     real = trainer_mod.optimizer_stage
