@@ -224,3 +224,23 @@ def sass_functions(cuobjdump: str, library: str) -> dict[str, str]:
         elif name is not None:
             funcs[name] += line + "\n"
     return funcs
+
+
+def opt_by_index(state) -> dict[int, dict]:
+    """The optimizer state of the parameters a TrainState's optimizer holds (this rank's), keyed by their index in
+    model.parameters(); tensors copied to the CPU."""
+    out = {}
+    for i, p in enumerate(state.model.parameters()):
+        if p in state.optimizer.state:
+            out[i] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                      for k, v in state.optimizer.state[p].items()}
+    return out
+
+
+def assert_same_opt(a: dict, b: dict) -> None:
+    """Two `opt_by_index` results hold the same parameters, keys and values exactly."""
+    assert sorted(a) == sorted(b)
+    for i in a:
+        assert a[i].keys() == b[i].keys(), i
+        for k in a[i]:
+            assert torch.equal(torch.as_tensor(a[i][k]), torch.as_tensor(b[i][k])), (i, k)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_opt, opt_by_index
 
 import lightningrl_fast
 from lightningrl_fast.checkpoint import CheckpointError, load_model, save_model
@@ -432,15 +433,6 @@ def test_set_aside_later_moves_the_later_checkpoints_and_records(tmp_path):
     assert (tmp_path / "latest").read_text() == "checkpoint-1\n"
 
 
-def _owned_state(state) -> dict[int, dict]:
-    """The optimizer state of the parameters this state's optimizer holds, by index in model.parameters()."""
-    out = {}
-    for i, p in enumerate(state.model.parameters()):
-        if p in state.optimizer.state:
-            out[i] = {k: torch.as_tensor(v).clone() for k, v in state.optimizer.state[p].items()}
-    return out
-
-
 def test_sharded_checkpoint_loads_per_rank_and_reshards_in_one_process(tmp_path):
     """A 2-rank checkpoint made in one process (no process group: the two ranks' optimizers over one model, the
     rank-1 shard staged as save_checkpoint_ranks stages it): each rank gets its own optimizer shard and its own RNG
@@ -461,7 +453,7 @@ def test_sharded_checkpoint_loads_per_rank_and_reshards_in_one_process(tmp_path)
             s.scheduler.step()
     for s in states:
         s.step, s.cursor = 2, 6
-    mine = [_owned_state(s) for s in states]
+    mine = [opt_by_index(s) for s in states]
     assert mine[0] and mine[1] and not set(mine[0]) & set(mine[1])
     every = {**mine[0], **mine[1]}
     assert sorted(every) == list(range(len(list(model.parameters()))))
@@ -490,23 +482,18 @@ def test_sharded_checkpoint_loads_per_rank_and_reshards_in_one_process(tmp_path)
         assert (fresh.step, fresh.cursor) == (2, 6)
         assert fresh.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.lr)  # warm-up done: step 2 of 2
         rng = (random.random(), torch.rand(2))
-        return _owned_state(fresh), rng
-
-    def same(a, b):
-        assert sorted(a) == sorted(b)
-        for i in a:
-            assert a[i].keys() == b[i].keys() and all(torch.equal(a[i][k], b[i][k]) for k in a[i]), i
+        return opt_by_index(fresh), rng
 
     for r, env in enumerate(envs):
         got, rng = load(env, warns=False)
-        same(got, mine[r])
+        assert_same_opt(got, mine[r])
         assert rng[0] == draws[r][0] and torch.equal(rng[1], draws[r][1]), r
     got, rng = load(DistEnv(), warns=True)
-    same(got, every)
+    assert_same_opt(got, every)
     assert rng[0] == draws[0][0] and torch.equal(rng[1], draws[0][1])
     three = [load(DistEnv(r, 3, r), warns=True) for r in range(3)]
     assert sum(len(x[0]) for x in three) == len(every)
-    same({i: st for x in three for i, st in x[0].items()}, every)
+    assert_same_opt({i: st for x in three for i, st in x[0].items()}, every)
     for r, (_, rng) in enumerate(three):
         want = draws[1] if r == 1 else draws[0]
         assert rng[0] == want[0] and torch.equal(rng[1], want[1]), r

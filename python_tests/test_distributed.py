@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import assert_same_opt, opt_by_index
 
 import lightningrl_fast
 from lightningrl_fast.checkpoint import CheckpointError
@@ -311,16 +312,6 @@ def scenario_collect(env: D.DistEnv, out: Path) -> dict:
             "prompts": [s[:n].tolist() for s, n in zip(groups.sequences, groups.prompt_lens)]}
 
 
-def opt_by_index(state) -> dict[int, dict]:
-    """The optimizer state of the parameters this rank owns, keyed by their index in model.parameters()."""
-    out = {}
-    for i, p in enumerate(state.model.parameters()):
-        if p in state.optimizer.state:
-            out[i] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                      for k, v in state.optimizer.state[p].items()}
-    return out
-
-
 def scenario_reshard_up(env: D.DistEnv, out: Path) -> dict:
     """Load the one-process checkpoint the test saved in out/one into 2 ranks."""
     rc = RLConfig(**dict(UPDATE_CFG, kl_beta=0.0))
@@ -479,14 +470,6 @@ def test_sharded_checkpoint_resumes_per_rank(tmp_path):
     (folder / shard_file(1)).unlink()
     with pytest.raises(CheckpointError, match="shard of rank 1"):
         load_checkpoint(folder, make_state(tiny_model(), rc, D.DistEnv(1, 2, 1)), config=rc, env=D.DistEnv(1, 2, 1))
-
-
-def assert_same_opt(a: dict, b: dict) -> None:
-    assert sorted(a) == sorted(b)
-    for i in a:
-        assert a[i].keys() == b[i].keys()
-        for k in a[i]:
-            assert torch.equal(torch.as_tensor(a[i][k]), torch.as_tensor(b[i][k])), (i, k)
 
 
 def cli_env(tmp_path: Path) -> dict:
