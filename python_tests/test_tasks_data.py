@@ -559,6 +559,16 @@ def test_detect_format_needs_the_answer_key():
     assert detect_format({"prompt": "p"}) is None
 
 
+def test_detect_format_takes_the_first_table_row_that_fits():
+    """A row fitting several formats gets the first of the module docstring's table (its stated rule)."""
+    both = {"question": "q", "problem": "p", "answer": "1"}
+    assert detect_format(both) == "math500"
+    assert detect_format(dict(both, prompt="p")) == "math500"
+    assert detect_format({"question": "q", "prompt": "p", "answer": "1"}) == "gsm8k"
+    assert detect_format(dict(HUMANEVAL[0], code="c", test_list=["assert 1"])) == "humaneval"
+    assert detect_format(dict(MBPP[0], answer="1", problem="p")) == "mbpp"
+
+
 class _Partial:
     """A duck-typed task with partial credit: score 0.5 means "not correct"."""
 

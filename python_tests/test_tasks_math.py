@@ -376,6 +376,19 @@ def test_one_letter_units_need_a_space():
         assert normalize_answer(length) == num
 
 
+def test_several_unit_words_and_a_trailing_comma_are_dropped():
+    """Was: only one unit word was stripped ("2 square feet" normalized to "2squarefeet", "2 m students" to
+    "2mstudents"), and a comma ending a boxed answer ("\\boxed{5,}") stayed, so each failed against its reference
+    whenever math-verify was off, missing or timed out."""
+    for raw in ("2 square feet", "2 m students", r"2 \text{square} \text{feet}", "2 sq ft", "2,", r"\boxed{2,}"):
+        assert normalize_answer(raw) == "2", raw
+        assert verify_math(r"\boxed{" + raw + "}", "2", mode="off") is True, raw
+    for kept, norm in (("7 hours 30 minutes", "7hours30minutes"),  # a second number: not a unit phrase
+                       ("2m students", "2mstudents"),  # "2m" is algebra (no space before the m)
+                       ("1,2,", "1,2")):  # a tuple keeps its inner comma
+        assert normalize_answer(kept) == norm, kept
+
+
 def test_numbers_are_exact_and_signed_without_math_verify():
     assert answers_match("-0.5", r"-\frac{1}{2}") is True
     assert answers_match("-3", "3") is False  # both numbers: decided here, not left to math-verify

@@ -7,8 +7,9 @@ Users bring their own files (nothing is downloaded). Supported containers, chose
   is read as JSON Lines);
 * ``.parquet``: needs ``pyarrow`` (an optional dependency; a clear error says so when it is missing).
 
-Supported row formats (REFERENCE.md §6), detected per file from the keys of its first object, or forced
-with ``fmt=``:
+Supported row formats (REFERENCE.md §6), detected per file from the keys of its first object (the first row of
+the table below whose keys it has: a row holding both ``problem`` and ``question`` is math500), or forced with
+``fmt=``:
 
 ==========  =====================================================================  ======
 fmt         keys                                                                   kind

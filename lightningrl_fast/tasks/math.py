@@ -8,9 +8,10 @@ r"""Math answer extraction and verification (the accuracy reward of GSM8K / MATH
    No answer, or one longer than 1000 characters -> False.
 2. Normalize both sides (`normalize_answer`): drop ``$``, ``\left``/``\right``, spacing commands,
    ``\text{}``/``\mathrm{}`` wrappers, degree signs, ``\%``/``%``, trailing unit words after a number
-   (bare or in ``\text{}``, with an optional ``^2``/``^3``; ``²``/``³`` read as ``^2``/``^3``), thousands
-   separators (``1,000``), ``x =`` prefixes, trailing ``.0``; ``\dfrac``/``\tfrac`` -> ``\frac``; letters
-   fold to lower case, LaTeX command names keep theirs (``\Pi`` != ``\pi``). Equal strings -> True.
+   (one or more: "2 square feet"; bare or in ``\text{}``, with an optional ``^2``/``^3``; ``²``/``³`` read as
+   ``^2``/``^3``), thousands separators (``1,000``), ``x =`` prefixes, a final full stop or comma, trailing
+   ``.0``; ``\dfrac``/``\tfrac`` -> ``\frac``; letters fold to lower case, LaTeX command names keep theirs
+   (``\Pi`` != ``\pi``). Equal strings -> True.
 3. Numbers: when both sides are plain numbers (integers, decimals, scientific, ``a/b``, ``\frac{a}{b}``,
    with sign) they are compared as exact fractions (``\frac{1}{2}`` == 0.5 == 1/2) and the result is
    final. Percent signs are stripped, not divided: "50%" == "50" but "50%" != "0.5".
@@ -156,11 +157,12 @@ _UNIT_WORDS = (
     "dollars?|cents?|pounds?|lbs?|kg|grams?|liters?|ml|gallons?|mph|percent|points?|people|students?"
 )
 _UNIT_LETTERS = "m|g|l"  # one-letter units only after a space: "2m" / "3l" are algebra (2 times m), "2 m" a length
-# a number followed by unit words, bare or in \text{} (words only: "6\text{ or }2" keeps its "or 2"), and
-# an optional ^2 / ^3 on the unit (with its caret: a bare trailing digit is another number)
+# a number followed by one or more unit words ("2 square feet", "2 m students"), bare or in \text{} (words only:
+# "6\text{ or }2" keeps its "or 2"), and an optional ^2 / ^3 on the unit (with its caret: a bare trailing digit
+# is another number)
 _TRAILING_UNITS_RE = re.compile(
-    r"^([-+]?(?:\d|\.\d)[\d.,/]*)\s*(?:(?:\\text|\\mbox|\\mathrm)\{[^{}\d]*\}|(?:" + _UNIT_WORDS + r")\b"
-    r"|(?<=\s)(?:" + _UNIT_LETTERS + r")\b)+"
+    r"^([-+]?(?:\d|\.\d)[\d.,/]*)(?:\s*(?:(?:\\text|\\mbox|\\mathrm)\{[^{}\d]*\}|(?:" + _UNIT_WORDS + r")\b"
+    r"|(?<=\s)(?:" + _UNIT_LETTERS + r")\b))+"
     r"(?:\^\{?[23]\}?)?$",
     re.IGNORECASE,
 )
@@ -203,7 +205,7 @@ def normalize_answer(s: str) -> str:
     s = _VAR_PREFIX_RE.sub("", s).strip()
     s = _FRAC_SHORT_RE.sub(r"\\frac{\1}{\2}", s)
     s = _FRAC_HALF_SHORT_RE.sub(r"\\frac{\1}{\2}", s)
-    s = s.rstrip(".").strip()
+    s = s.rstrip(".,").strip()  # a sentence's full stop or comma ("\\boxed{5,}") is not part of the answer
     if _THOUSANDS_RE.match(s):
         s = s.replace(",", "")
     if re.fullmatch(r"[-+]?\d+\.0+", s):
