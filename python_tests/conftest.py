@@ -244,3 +244,34 @@ def assert_same_opt(a: dict, b: dict) -> None:
         assert a[i].keys() == b[i].keys(), i
         for k in a[i]:
             assert torch.equal(torch.as_tensor(a[i][k]), torch.as_tensor(b[i][k])), (i, k)
+
+
+# ------------------------------------------------------------ the tiny SDAR model of test_rl and test_logprobs
+
+TINY_MASK, TINY_VOCAB = 110, 111  # mask token id, vocabulary (odd on purpose)
+
+
+def tiny_rl_model(seed=0, dtype=torch.float64, peaky=60.0):
+    """A 2-layer SDAR model (block 4, GQA 4/2, vocabulary 111) whose LM head is scaled by `peaky`, so that several
+    tokens pass the threshold per step when it decodes."""
+    from lightningrl_fast.model import SDARConfig, build_model
+
+    cfg = SDARConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, block_size=4,
+                     mask_token_id=TINY_MASK, torch_dtype="float32", max_position_embeddings=256)
+    m = build_model(cfg, dtype=dtype, seed=seed).eval()
+    m.lm_head.weight.data *= peaky
+    return m
+
+
+def varied_layout_batch(model, mode, seed=5):
+    """A LayoutBatch of 12 rows of very different lengths (prompts 1..30 tokens, EOS early or never) and rounds,
+    decoded by `model` (a tiny_rl_model)."""
+    from lightningrl_fast.rl.logprobs import build_layout_batch
+    from lightningrl_fast.sampler import SamplerConfig, generate
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(10, 100, (n,), generator=g).tolist() for n in [1, 30, 4, 17, 9, 2]]
+    ro = generate(model, [p for p in prompts for _ in range(2)],
+                  SamplerConfig(threshold=0.3, temperature=1.0, max_new_tokens=23, eos_ids=(3, 7, 11), seed=seed))
+    return build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, 4, TINY_MASK, mode)
