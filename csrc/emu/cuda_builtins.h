@@ -1,7 +1,7 @@
 // CUDA-builtins front-end of the CPU emulator (emu_core.h): the CUDA names that device code uses directly
 // (threadIdx / blockIdx / blockDim / gridDim, __syncthreads[_or], __syncwarp, __ballot_sync, __any_sync,
 // __reduce_or_sync, __shfl_xor_sync, atomicAdd, atomicMax, atomicCAS, __ldcg, ...) for a kernel header compiled as host C++ with
-// -DLRF_KERNEL_EMULATION. Used by unmask_emu.cpp (csrc/kernels/unmask.cuh) and grpo_loss_emu.cpp
+// -DLRF_KERNEL_EMULATION. Used by unmask_emu.cpp (csrc/kernels/unmask.cuh, unmask_scan.cuh) and grpo_loss_emu.cpp
 // (csrc/kernels/grpo_loss.cuh); test support only.
 //
 // Kernels are 1-D (threadIdx.x, blockIdx.x); only full-warp masks (0xffffffff) are emulated. `__shared__`
@@ -97,7 +97,7 @@ inline uint32_t vote(const char* kind, unsigned mask, uint32_t v, bool as_bits) 
   });
 }
 
-// A 16-byte global load (unmask.cuh's load_stream16): the device faults on an address that is not 16-byte aligned,
+// A 16-byte global load (unmask_scan.cuh's load_stream16): the device faults on an address that is not 16-byte aligned,
 // so the emulator refuses one too (a host memcpy would read it silently).
 inline uint4 load16(const void* p) {
   if (reinterpret_cast<uintptr_t>(p) % 16 != 0) fail("16-byte global load not aligned");

@@ -6,7 +6,7 @@
 // math, warp-uniform control flow, masking and pipeline ordering are tested without a GPU. Two front-ends sit on
 // this core, each included by the driver of the kernels it runs:
 //   cuda_builtins.h  the CUDA names device code uses directly (threadIdx, __syncthreads, __shfl_xor_sync,
-//                    __ballot_sync, ...): csrc/kernels/unmask.cuh, driven by unmask_emu.cpp
+//                    __ballot_sync, ...): csrc/kernels/unmask*.cuh, driven by unmask_emu.cpp
 //   warp_ops.h       the functions of csrc/kernels/warp_ops.cuh (ldmatrix, mma.m16n8k16, cp.async, shuffles,
 //                    block_sync): csrc/kernels/block_attn.cuh, driven by block_attn_emu.cpp
 // Both build with -DLRF_KERNEL_EMULATION, which makes the kernel headers take their host-emulation branches.

@@ -47,7 +47,7 @@ import torch
 
 from ._common import FLOAT_DTYPES, check_float, check_int, check_no_overlap, check_tensor, cuda_kernel
 
-BUCKET = 1024  # two-level sampling: token ids per bucket (csrc/kernels/unmask.cuh kBucket)
+BUCKET = 1024  # two-level sampling: token ids per bucket (csrc/kernels/unmask_scan.cuh kBucket)
 BUCKET_TAG = 1 << 62  # two-level sampling: Philox counters of the bucket noise start here (kBucketTag)
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
@@ -159,7 +159,7 @@ def threshold_unmask_reference(logits, tokens, masked, step_map, logp, conf, ste
     return ~masked.any(-1), is_eos.any(-1)
 
 
-KERNEL_MAX_POSITIONS = 1024  # csrc/kernels/unmask.cuh kUnmaskMaxPositions
+KERNEL_MAX_POSITIONS = 1024  # csrc/kernels/unmask_scan.cuh kUnmaskMaxPositions
 NOISE_MODES = ("two_level", "per_token")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
