@@ -14,12 +14,12 @@ the table below whose keys it has: a row holding both ``problem`` and ``question
 ==========  =====================================================================  ======
 fmt         keys                                                                   kind
 ==========  =====================================================================  ======
-gsm8k       ``question``, ``answer`` (worked solution ending in ``#### 42``)       math
-math500     ``problem``, ``answer`` (``solution`` optional)                        math
-mbpp        ``task_id``, ``text`` (or ``prompt``), ``code``, ``test_list``,        code
-            ``test_setup_code`` (optional; ``test_imports`` of the sanitized set)
 humaneval   ``task_id``, ``prompt``, ``canonical_solution``, ``test``,             code
             ``entry_point``
+mbpp        ``task_id``, ``text`` (or ``prompt``), ``code``, ``test_list``,        code
+            ``test_setup_code`` (optional; ``test_imports`` of the sanitized set)
+math500     ``problem``, ``answer`` (``solution`` optional)                        math
+gsm8k       ``question``, ``answer`` (worked solution ending in ``#### 42``)       math
 plain       ``prompt``, ``answer`` (optional ``id``, ``kind``; a ``"code"`` row also   math
             needs ``test_list`` or ``test`` + ``entry_point``)
 ==========  =====================================================================  ======
