@@ -1,8 +1,9 @@
 // CUDA-builtins front-end of the CPU emulator (emu_core.h): the CUDA names that device code uses directly
 // (threadIdx / blockIdx / blockDim / gridDim, __syncthreads[_or], __syncwarp, __ballot_sync, __any_sync,
 // __reduce_or_sync, __shfl_xor_sync, atomicAdd, atomicMax, atomicCAS, __ldcg, ...) for a kernel header compiled as host C++ with
-// -DLRF_KERNEL_EMULATION. Used by unmask_emu.cpp (csrc/kernels/unmask.cuh, unmask_scan.cuh) and grpo_loss_emu.cpp
-// (csrc/kernels/grpo_loss.cuh); test support only.
+// -DLRF_KERNEL_EMULATION. Used by unmask_emu.cpp (csrc/kernels/unmask.cuh, unmask_scan.cuh), grpo_loss_emu.cpp
+// (csrc/kernels/grpo_loss.cuh, group_normalize.cuh), rms_norm_emu.cpp, silu_mul_emu.cpp, kv_cache_emu.cpp and
+// selfcheck_emu.cpp; test support only.
 //
 // Kernels are 1-D (threadIdx.x, blockIdx.x); only full-warp masks (0xffffffff) are emulated. `__shared__`
 // variables become host statics (shared by the CTAs, which run one after another); the dynamic shared memory

@@ -1,14 +1,18 @@
 // The CTA model of the CPU emulator of device code: per-thread fibers, warp and block barriers, thread
-// scheduling and shared memory. Test support only (python_tests/test_unmask.py, test_block_attn.py); never
-// part of the package build (csrc/sources.txt does not list csrc/emu/).
+// scheduling and shared memory. Test support only (python_tests/test_unmask_emu.py, test_rms_norm.py,
+// test_silu_mul.py, test_kv_cache.py, test_grpo_loss_emu.py, test_block_attn.py, test_linear.py, test_emu.py);
+// never part of the package build (csrc/sources.txt does not list csrc/emu/).
 //
 // The emulator runs the real kernel headers (csrc/kernels/*.cuh) as host C++, one CTA at a time, so their index
 // math, warp-uniform control flow, masking and pipeline ordering are tested without a GPU. Two front-ends sit on
 // this core, each included by the driver of the kernels it runs:
 //   cuda_builtins.h  the CUDA names device code uses directly (threadIdx, __syncthreads, __shfl_xor_sync,
-//                    __ballot_sync, ...): csrc/kernels/unmask*.cuh, driven by unmask_emu.cpp
+//                    __ballot_sync, ...): csrc/kernels/unmask*.cuh, rms_norm.cuh, silu_mul.cuh, kv_cache.cuh,
+//                    grpo_loss.cuh and group_normalize.cuh, driven by unmask_emu.cpp, rms_norm_emu.cpp,
+//                    silu_mul_emu.cpp, kv_cache_emu.cpp and grpo_loss_emu.cpp (and selfcheck_emu.cpp)
 //   warp_ops.h       the functions of csrc/kernels/warp_ops.cuh (ldmatrix, mma.m16n8k16, cp.async, shuffles,
-//                    block_sync): csrc/kernels/block_attn.cuh, driven by block_attn_emu.cpp
+//                    block_sync): csrc/kernels/block_attn.cuh and linear.cuh, driven by block_attn_emu.cpp and
+//                    linear_emu.cpp (and wgmma_selfcheck_emu.cpp)
 // Both build with -DLRF_KERNEL_EMULATION, which makes the kernel headers take their host-emulation branches.
 //
 // Model:

@@ -1,5 +1,5 @@
 // CPU driver of the threshold-unmask kernel source (kernels/unmask.cuh) under emulation (emu_core.h with the
-// CUDA-builtins front-end cuda_builtins.h), a shared library for python_tests/test_unmask.py (ctypes); not
+// CUDA-builtins front-end cuda_builtins.h), a shared library for python_tests/test_unmask_emu.py (ctypes); not
 // part of the extension. It mirrors the launcher csrc/unmask.cu: the same split choice and workspace sizes
 // (both from the header: zeroed counters and a separate partials buffer), one "launch" of rows * nsplit
 // blocks — run in a caller-chosen order — and it reports whether the kernel left every counter at zero. Build:

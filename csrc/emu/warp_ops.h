@@ -1,6 +1,7 @@
 // warp_ops front-end of the CPU emulator (emu_core.h): host implementations of the functions of
 // csrc/kernels/warp_ops.cuh, which includes this header instead of its PTX when LRF_KERNEL_EMULATION is defined.
-// Used by block_attn_emu.cpp (csrc/kernels/block_attn.cuh); test support only.
+// Used by block_attn_emu.cpp (csrc/kernels/block_attn.cuh), linear_emu.cpp (csrc/kernels/linear.cuh) and
+// wgmma_selfcheck_emu.cpp; test support only.
 //
 //  * ldmatrix / mma.m16n8k16 / shfl_xor are warp collectives (warp_collective): every lane gives its operands,
 //    and the 32 lanes' results are computed at once from all of them, with the fragment layouts of the PTX ISA
