@@ -587,7 +587,8 @@ def load_checkpoint(path: str | Path, state: TrainState, *, config: Any = None, 
     what else the checkpoint holds (extra, metrics length, ...). A trainer_state.pt that is truncated, corrupt or
     lacks a field is a CheckpointError naming the file (and the run's other checkpoints).
     Data parallel: every rank calls it; rank r > 0 takes its optimizer shard and RNG states from
-    `optimizer-rank<r>.pt`; the checkpoint must come from the same number of ranks."""
+    `optimizer-rank<r>.pt`. A checkpoint saved by another number of ranks is redistributed: each rank gathers the
+    entries of the parameters it now owns from the shards (`_reshard_optimizer`), with a warning."""
     ts = read_trainer_state(path)
     ck: Path = ts["path"]
     saved_world = int(ts.get("world_size", 1))
