@@ -382,7 +382,8 @@ def check_out_folder(out: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lightningrl_fast.eval",
                                  description="Accuracy vs tokens-per-forward over confidence thresholds, and AUP.")
-    ap.add_argument("--model", required=True, help="checkpoint folder")
+    ap.add_argument("--model", required=True,
+                    help="checkpoint folder, or a training run's folder: its latest checkpoint (as generate)")
     ap.add_argument("--task", required=True, choices=("math", "code", "synthetic"))
     ap.add_argument("--data", default=None, help="benchmark file (optional for --task synthetic: its test split)")
     ap.add_argument("--format", default=None, help="force the data format (gsm8k, math500, mbpp, humaneval, plain)")

@@ -11,9 +11,10 @@ Prompts file:
   * `.txt`: one prompt per non-blank line (the line's text, without its newline);
   * anything else is read as JSONL: one JSON object per non-blank line with a non-empty string "prompt"
     (an optional "id" is copied to the output row).
-Every row is checked (and tokenized, and checked against the checkpoint's vocabulary and
-max_position_embeddings, with the block size used: the last block, aligned at position 0, must end within the
-positions) BEFORE the model is loaded; errors name the file and the line (`file:line: ...`).
+Every row is checked (and tokenized, and checked against the checkpoint's vocabulary, its mask token id (not
+allowed in a prompt) and max_position_embeddings, with the block size used: the last block, aligned at position
+0, must end within the positions; `sampler.prompt_problem`) BEFORE the model is loaded; errors name the file and
+the line (`file:line: ...`).
 Lines end at "\n" / "\r\n" / "\r" only (a U+2028 inside a JSON string is not a line break); rows are strict
 JSON (NaN / Infinity refused), and a "prompt" or "id" holding an unpaired surrogate (an escape such as
 "\ud800", which is not text) is refused. The options are checked first too: ranges (a `--temperature` whose
