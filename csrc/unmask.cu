@@ -1,4 +1,4 @@
-// Launcher of threshold_unmask (device code: kernels/unmask.cuh). Contract: ARCHITECTURE.md and
+// Launcher of threshold_unmask (device code: kernels/unmask.cuh + unmask_scan.cuh). Contract: ARCHITECTURE.md and
 // lightningrl_fast/ops/unmask.py (the reference this kernel reproduces).
 //
 // Checks every input, sizes the grid from the device's SM count and the kernel's occupancy (cached per

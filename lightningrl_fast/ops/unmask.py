@@ -22,8 +22,8 @@ Outputs are written in place (tokens, masked, step_map, logp, conf at the unmask
 returned are block_done [B] (no mask left) and eos_seen [B] (a generated token of the block is an EOS id;
 positions with step_map < 0 are prompt tokens and never count).
 
-CUDA: `_C.threshold_unmask` (csrc/unmask.cu, csrc/kernels/unmask.cuh) does the whole step in one launch and
-one pass over the logits, without host synchronization (graph-capturable; bump `offset` between replays)
+CUDA: `_C.threshold_unmask` (csrc/unmask.cu, csrc/kernels/unmask.cuh + unmask_scan.cuh) does the whole step in one
+launch and one pass over the logits, without host synchronization (graph-capturable; bump `offset` between replays)
 and without allocating anything per call but the two [B] bool outputs (persistent workspaces hold its cross-CTA
 partials: one per stream for eager launches, one per device for captured ones, grown by eager calls; it must not
 grow during a graph capture, so run the op once eagerly first).
