@@ -20,8 +20,11 @@ What each rank does (rank r of W):
   * checkpoints: rank 0 writes the model and the trainer state (its own optimizer shard inside); rank r > 0
     writes `optimizer-rank<r>.pt` (its shard and RNG states), moved into the same atomic checkpoint folder.
     A checkpoint resumes on any number of ranks (rl/checkpointing.py redistributes the shards).
-`DistEnv` says who this process is; every function here is a no-op (or the identity) when `world == 1`, so the
+`DistEnv` says who this process is; every collective here is a no-op (or the identity) when `world == 1`, so the
 single-process path runs the same code. Collectives use NCCL on CUDA and gloo on CPU (the tests: 2 CPU processes).
+Also here, for one process as for several: `resolve_device` (the `--device` check of train and the CLIs) and the
+memory plan `check_training_memory` (the GPU's share of weights, gradients, optimizer shard and reference, and
+with `--optimizer-offload` / `--reference-offload` the pinned host memory of this machine's ranks).
 """
 
 from __future__ import annotations
