@@ -8,7 +8,8 @@
      their shard, missing parameters, unknown tensors and shape mismatches are all reported by name);
   4. streams the weights shard by shard with `safetensors.safe_open`, each tensor converted straight to the
      target dtype/device and assigned into the model with `load_state_dict(assign=True)`: peak memory is the
-     model plus one shard at most;
+     model plus one shard at most; a shard with a tensor holding NaN or inf (in the load dtype) is refused,
+     naming the shard and the tensors;
   5. re-ties shared parameters (`tie_word_embeddings`: lm_head shares embed_tokens; a tied checkpoint may
      carry `lm_head.weight` or not — when it does and it differs, a warning says it was ignored), calls
      `model.init_buffers(device)` when the model has it (computed buffers such as a RoPE cache), and checks
