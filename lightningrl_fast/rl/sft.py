@@ -6,8 +6,9 @@ response token of the block with probability p (at least one per block), and run
 tokens (an unbiased estimate of the block-diffusion NELBO, REFERENCE §3). The CE is over the whole vocabulary,
 mask token included, as SDAR trains.
 
-The forward runs packed, as the RL passes do (rl/logprobs.iter_micro_batches): each pair keeps only its own
-length and the x_t blocks that hold masked tokens (a prompt-only block of x_t is never read), pairs go back to
+The forward runs packed, as the RL passes do (rl/logprobs.iter_micro_batches): each pair keeps only the x_t
+blocks that hold masked tokens (a prompt-only block of x_t is never read) and the blocks of its clean copy
+before the last of them (within its own length; nothing reads a later clean block), pairs go back to
 back into rows of at most `micro_batch_tokens` positions, and each row's loss is back-propagated as soon as it
 is computed (train_sft), so memory is bounded by the budget rather than by the batch. Equal to the padded
 [N, 2n] forward (tested in float64 against a pair-by-pair computation), which runs instead (consecutive rows)
