@@ -118,7 +118,7 @@ for s in "${stages[@]}"; do
       # decode path first (its CUDA-graph tests have not all run on hardware) and last the files that compile
       # FlexAttention per shape or run whole CLIs (minutes): a budget spent early skips those, not the decode tests
       order="sampler unmask block_attn linear kv_cache rms_norm silu_mul grpo_loss optim generate checkpoint
-             masked_attn rl logprobs sft train distributed"
+             masked_attn logprobs sft train distributed"
       files=(); for t in ${GPU_TESTS:-$order}; do files+=("$REPO/python_tests/test_$t.py"); done
       if [ -z "${GPU_TESTS:-}" ]; then  # any other file with GPU tests, after those
         for f in "$REPO"/python_tests/test_*.py; do
