@@ -9,10 +9,11 @@ lines are skipped) and prints one markdown row per benchmark row in RESULTS.md's
     | device (copy GB/s) | date | commit | bench / command | shapes | result | bound | ratio | notes |
 
 Each field of a benchmark row goes to one column by its name: timings and rates (`*_us`, `ms`, `GB/s`,
-`TFLOP/s`, `fwd/s`, `tok/s`, ...) to **result**, the physical bound (`bound`) to **bound**, fractions of a bound
-and speed-ups (`%...`, `... %bw`, `x_...`, `..._x`, `vs_...`) to **ratio**, text fields named `note(s)` to
+`TFLOP/s`, `fwd/s`, `tok/s`, memory in `GiB` / `MiB`, ...) to **result**, the physical bound (`bound`, and the
+line's own bounds: `gemm_tflops`, the pinned copy bandwidths) to **bound**, fractions of a bound and speed-ups
+(`%...`, `... %bw`, `x`, `x_...`, `..._x`, `vs_...`, `speedup`) to **ratio**, text fields named `note(s)` to
 **notes**, everything else (sizes, modes, implementation names) to **shapes**, after the line's own shape fields
-(dtype, config, vocab, heads, ...). The rows are drafts: read them against the log, then add what a number means
+(dtype, config, vocab, heads, layers, samples, ...). The rows are drafts: read them against the log, then add what a number means
 (met / not met, the target) in the notes before pasting them into RESULTS.md. Rows of a CPU run are dropped
 unless `--cpu` is given (RESULTS.md holds GPU figures only). A bench stopped before its final line (a stage's
 time limit) still has the rows it wrote to stderr as it measured them (`{"bench_row": ...}` lines,
@@ -31,10 +32,17 @@ from typing import Any, Iterable
 
 # top-level fields of a JSON line that describe the shapes of every row (the rest is printed per row)
 LINE_SHAPES = ("config", "dtype", "vocab", "block", "hidden", "heads", "hq", "hkv", "head_dim", "inner", "tokens",
-               "tpf", "prompt_len", "new_tokens")
-RESULT_SUFFIXES = ("_us", "ms", "GB/s", "TFLOP/s", "fwd/s", "tok/s", "GB/fwd", "peakGB", "peak_GiB")
+               "tpf", "prompt_len", "new_tokens", "layers", "samples", "prompt", "response", "budget")
+# top-level fields that are the bound every row's ratio is taken against (beside the device's copy bandwidth)
+LINE_BOUNDS = ("gemm_tflops", "h2d_gbs", "d2h_gbs")
+RESULT_SUFFIXES = ("_us", "ms", "GB/s", "TFLOP/s", "fwd/s", "tok/s", "GB/fwd", "peakGB", "GiB", "MiB")
 RESULT_KEYS = ("s", "us", "fwd")
-RATIO_MARKS = ("%", "x_", "_x", "vs_", "speedup")
+
+
+def is_ratio(k: str) -> bool:
+    """A fraction of a bound or a speed-up, by its name: `%...` / `... %bw`, `x_ref`, `wg_x`, `x`, `vs_best`,
+    `speedup` (matched as whole name parts: `flex_us` is a time, not an `x_` ratio)."""
+    return "%" in k or k == "x" or k.startswith(("x_", "vs_")) or k.endswith("_x") or "speedup" in k
 
 
 def column(key: str, value: Any) -> str:
@@ -44,7 +52,7 @@ def column(key: str, value: Any) -> str:
         return "notes"
     if k == "bound" or k.endswith("_bound"):
         return "bound"
-    if any(m in k for m in RATIO_MARKS):
+    if is_ratio(k):
         return "ratio"
     if not isinstance(value, bool) and (key.endswith(RESULT_SUFFIXES) or key in RESULT_KEYS):
         return "result"
@@ -95,9 +103,11 @@ def rows_of(obj: dict, commit: str, date: str) -> list[str]:
     copy = obj.get("copy_gbs")
     device = str(obj.get("device", "?")) + (f" ({fmt(float(copy))})" if isinstance(copy, (int, float)) else "")
     line_shapes = [f"{k} {fmt(obj[k])}" for k in LINE_SHAPES if k in obj and obj[k] not in (None, "")]
+    line_bounds = [f"{k} {fmt(obj[k])}" for k in LINE_BOUNDS if k in obj and obj[k] not in (None, "")]
     out = []
     for row in obj.get("rows") or []:
-        cols: dict[str, list[str]] = {"shapes": list(line_shapes), "result": [], "bound": [], "ratio": [], "notes": []}
+        cols: dict[str, list[str]] = {"shapes": list(line_shapes), "result": [], "bound": list(line_bounds),
+                                      "ratio": [], "notes": []}
         for key, value in row.items():
             if value in (None, "") or (isinstance(value, float) and math.isnan(value)):
                 continue

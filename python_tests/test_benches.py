@@ -127,6 +127,31 @@ def test_results_rows_turns_json_lines_into_results_md_rows(tmp_path):
     assert len(rows) == 2 and all("partial: the bench stopped before its final line" in r for r in rows)
     assert rows[0].startswith("| NVIDIA H200 (4100) |") and "dtype bfloat16; hq 32; B 1; block 4" in rows[0]
     assert "block 32" in rows[1] and "kernel_us 99.0" in rows[1]
+    # each field of the other benches in its column by its name: a FlexAttention time is a result (it holds "x_"),
+    # the padded / packed speed-up "x" and every %, x_, _x, vs_ field a ratio, memory a result, and the line's
+    # own shapes and bounds (grpo_loss' GEMM rate, bench_optim's pinned copy bandwidths) on every row
+    def cells_of(obj):
+        return [dict(zip(("device", "date", "commit", "bench", "shapes", "result", "bound", "ratio", "notes"),
+                         (c.strip() for c in r.strip("|").split("|")))) for r in results_rows.rows_of(obj, "c", "d")]
+
+    attn = cells_of({"bench": "block_attention", "device": "H100", "rows": [
+        {"B": 1, "kernel_us": 20.0, "flex_us": 40.0, "fa_us": 30.0, "wg_x": 1.1, "vs_best": 0.5, "vs_flex": 0.5,
+         "%copy": 80.0, "l2": "cold"}]})[0]
+    assert attn["result"] == "kernel_us 20.0; flex_us 40.0; fa_us 30.0", attn
+    assert attn["ratio"] == "wg_x 1.1; vs_best 0.5; vs_flex 0.5; %copy 80.0" and "l2 cold" in attn["shapes"]
+    rl = cells_of({"bench": "rl_step", "device": "H100", "samples": 64, "budget": 16384, "prompt": [64, 320],
+                   "rows": [{"mode": "trace", "path": "packed", "ms": 10.0, "ktok/s": 90.0, "x": 2.5,
+                             "peak_GiB": 3.0}]})[0]
+    assert rl["ratio"] == "x 2.5" and rl["result"] == "ms 10.0; ktok/s 90.0; peak_GiB 3", rl
+    assert rl["shapes"].startswith("samples 64; prompt 64/320; budget 16384; mode trace"), rl
+    optim = cells_of({"bench": "optim", "device": "H100", "layers": 4, "h2d_gbs": 50.5, "d2h_gbs": 48.0, "rows": [
+        {"variant": "offload", "ms": 90.0, "peak_MiB": 320.0, "host_GiB": 12.0, "PCIe_GB/s": 40.0, "%bound": 80.0}]})[0]
+    assert optim["result"] == "ms 90.0; peak_MiB 320.0; host_GiB 12.0; PCIe_GB/s 40.0", optim
+    assert optim["bound"] == "h2d_gbs 50.5; d2h_gbs 48.0" and optim["ratio"] == "%bound 80.0"
+    assert optim["shapes"] == "layers 4; variant offload", optim
+    grpo = cells_of({"bench": "grpo_loss", "device": "H100", "gemm_tflops": 738.0, "rows": [
+        {"path": "kernel", "ms": 93.6, "%gemm": 88.6}]})[0]
+    assert grpo["bound"] == "gemm_tflops 738.0" and grpo["ratio"] == "%gemm 88.6", grpo
     # the CLI drops CPU rows unless asked, and names a missing file
     cli = [sys.executable, str(REPO / "profiling" / "results_rows.py"), str(log), "--commit", "3d3d72e"]
     out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
