@@ -6,10 +6,12 @@
 Prints one table and ends with one JSON line. Columns: `op_us` the public op (validation with
 check_lengths=False + custom-op dispatch + kernel), `call_us` one eager bare `_C` call (both between CUDA
 events, host overhead included), `kernel_us` the bare kernel's device time (back-to-back calls in one CUDA
-graph, rotating through copies of the new k/v beyond L2: common.graph_time_us; "eager" in `timing` when the
-capture failed), `ref_us` the reference; `GB/s` and `%copy` for kernel_us against the measured device copy
-bandwidth (bytes = k and v read + written). In the sampler the write runs inside the captured decode step,
-so kernel_us is its cost there; op_us is what an eager caller pays.
+graph, rotating through copies of the new k/v whose bytes span 2x L2 where at most 64 copies can: common.graph_time_us;
+"eager" in `timing` when the capture failed), `ref_us` the reference; `GB/s` and `%copy` for kernel_us against the
+measured device copy bandwidth (bytes = k and v read + written); `l2` "cold" where the rotated k/v span 2x L2
+(DRAM reads), "warm" where they are too small to (the smallest writes: GB/s then overstates DRAM bandwidth). In
+the sampler the write runs inside the captured decode step, so kernel_us is its cost there; op_us is what an
+eager caller pays.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RowLog, copy_bandwidth_gbs, device_name, graph_time_us, print_table, rotation,  # noqa: E402
-                    time_fn)
+from common import (RowLog, copy_bandwidth_gbs, device_name, graph_time_us, l2_state, print_table,  # noqa: E402
+                    rotation, time_fn)
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.kv_cache import kv_cache_write, kv_cache_write_reference  # noqa: E402
@@ -66,7 +68,8 @@ def main() -> None:
     rows = RowLog("kv_cache_write", device=device_name(device), copy_gbs=round(bw, 1), dtype=str(dtype)[6:])
     for B, C, L in GPU_SHAPES if on_gpu else CPU_SHAPES:
         t = make(B, C, L, H, D, dtype, device)
-        nbytes = 2 * 2 * t[2].numel() * t[2].element_size()  # k and v, read + write
+        in_bytes = 2 * t[2].numel() * t[2].element_size()  # k and v, read
+        nbytes = 2 * in_bytes  # read + written
         row = {"B": B, "C": C, "L": L}
         row["ref_us"] = 1e3 * time_fn(lambda: kv_cache_write_reference(*t), device=device)
         if kernels:
@@ -75,9 +78,10 @@ def main() -> None:
             row["call_us"] = 1e3 * time_fn(lambda: kernel(*t, None), device=device)
             # more new k/v (and write offsets) into the same caches: the reads do not come from L2
             sets = [t] + [t[:2] + make(B, C, L, H, D, dtype, device, cache=False)[2:]
-                          for _ in range(1, rotation(nbytes, device))]
+                          for _ in range(1, rotation(in_bytes, device))]
             us = graph_time_us([lambda s=s: kernel(*s, None) for s in sets], device)
             row["timing"] = "graph" if us is not None else "eager"
+            row["l2"] = l2_state(in_bytes, len(sets) if us is not None else 1, device)
             row["kernel_us"] = us if us is not None else row["call_us"]
             del sets
             row["GB/s"] = nbytes / (row["kernel_us"] * 1e-6) / 1e9

@@ -14,7 +14,10 @@ that span 2x L2 so that every call streams its weights from DRAM, `common.graph_
   `pdl_us`      _C.linear with programmatic dependent launch (each call's weight loads may start while the
                 previous call drains; in the decode step the previous kernel is a norm / attention / silu_mul)
   GB/s and %copy for the faster kernel column (weights + x + y bytes / time, against the measured copy
-  bandwidth), and `x_cublas` = cublas_us / min(kernel_us, pdl_us).
+  bandwidth), and `x_cublas` = cublas_us / min(kernel_us, pdl_us);
+  `l2` "cold" where the weight copies span 2x L2 (at most 8 copies: "warm" for the small projections of small
+  configs, where GB/s overstates DRAM bandwidth); `timing` "graph", or the columns timed eagerly because their
+  capture failed (CUDA events around each call, cycling through the same weight copies; host overhead included).
 Prints one table and ends with one JSON line. Record GPU results in profiling/RESULTS.md.
 """
 
@@ -28,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, copy_bandwidth_gbs, device_name, device_time_us, ints, print_table, rotation  # noqa: E402
+from common import (RowLog, copy_bandwidth_gbs, device_name, device_time, ints, l2_state, print_table,  # noqa: E402
+                    rotation)
 
 from bench_decode import CONFIGS  # noqa: E402  (the named model shapes, REFERENCE §1)
 
@@ -73,16 +77,26 @@ def main() -> None:
         for m in tokens:
             x = torch.randn(m, k, generator=g, device=device).to(dtype)
             nbytes = wbytes + (m * k + m * n) * w0.element_size()
-            row = {"proj": name, "M": m, "N": n, "K": k,
-                   "cublas_us": device_time_us([lambda w=w: F.linear(x, w) for w in weights], device)}
+            eager = []
+
+            def timed(col, make):
+                us, how = device_time([make(w) for w in weights], device)
+                if how == "eager" and on_gpu:
+                    eager.append(col)
+                return us
+
+            row = {"proj": name, "M": m, "N": n, "K": k, "l2": l2_state(wbytes, len(weights), device),
+                   "cublas_us": timed("cublas_us", lambda w: lambda: F.linear(x, w))}
             if kernels:
-                row["kernel_us"] = device_time_us([lambda w=w: mod.linear(x, w, False) for w in weights], device)
-                row["pdl_us"] = device_time_us([lambda w=w: mod.linear(x, w, True) for w in weights], device)
+                row["kernel_us"] = timed("kernel_us", lambda w: lambda: mod.linear(x, w, False))
+                row["pdl_us"] = timed("pdl_us", lambda w: lambda: mod.linear(x, w, True))
                 best = min(row["kernel_us"], row["pdl_us"])
                 row["GB/s"] = nbytes / (best * 1e-6) / 1e9
                 row["%copy"] = 100 * row["GB/s"] / bw
                 row["cublas_%copy"] = 100 * nbytes / (row["cublas_us"] * 1e-6) / 1e9 / bw
                 row["x_cublas"] = row["cublas_us"] / best
+            if on_gpu:
+                row["timing"] = "eager: " + ",".join(eager) if eager else "graph"
             rows.append(row)
         del weights
     print_table(rows)

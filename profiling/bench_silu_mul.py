@@ -5,10 +5,13 @@
 
 Rows are tokens per step (batch x chunk) in {8, 256, 2048, 16384}; gate_up [tokens, 2 I] as the packed gate/up
 GEMM writes it. Columns (device microseconds per call, back-to-back calls in one CUDA graph over input copies
-spanning 2x L2, `common.graph_time_us`): `kernel_us` the bare `_C.silu_mul`, `ref_us` the eager
-`F.silu(gate) * up` (two launches), `compiled_us` the same under torch.compile; GB/s and % of the measured copy
-bandwidth for the kernel (bytes: gate_up read + the product written), and the speedups. At 8 tokens (batch-1
-decode) every column is launch latency: the saving is one launch per layer, 36 per SDAR-8B forward.
+spanning 2x L2 where at most 64 copies can, `common.device_time`): `kernel_us` the bare `_C.silu_mul`, `ref_us`
+the eager `F.silu(gate) * up` (two launches), `compiled_us` the same under torch.compile; GB/s and % of the
+measured copy bandwidth for the kernel (bytes: gate_up read + the product written), and the speedups; `l2`
+"cold" where the input copies span 2x L2 (DRAM reads), "warm" where they cannot (8 tokens: GB/s is then not a
+DRAM figure); `timing` "graph", or the columns timed eagerly (CUDA events around each call, host overhead
+included) because their capture failed. At 8 tokens (batch-1 decode) every column is launch latency: the saving
+is one launch per layer, 36 per SDAR-8B forward.
 Prints one table and ends with one JSON line.
 """
 
@@ -21,15 +24,19 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, copy_bandwidth_gbs, device_name, device_time_us, print_table, rotation  # noqa: E402
+from common import RowLog, copy_bandwidth_gbs, device_name, device_time, l2_state, print_table, rotation  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.silu_mul import silu_mul_reference  # noqa: E402
 
 
-def device_us(fn, inputs, device) -> float:
-    """Device time per call of fn over the rotated inputs (common.device_time_us)."""
-    return device_time_us([lambda t=t: fn(t) for t in inputs], device)
+def device_us(fn, inputs, device, eager: list, col: str) -> float:
+    """Device time per call of fn over the rotated inputs (common.device_time); column `col` joins `eager` when
+    its calls had to be timed eagerly."""
+    us, how = device_time([lambda t=t: fn(t) for t in inputs], device)
+    if how == "eager" and device.type == "cuda":
+        eager.append(col)
+    return us
 
 
 def main() -> None:
@@ -53,21 +60,26 @@ def main() -> None:
     for tokens in (8, 256, 2048, 16384) if on_gpu else (8, 64):
         g = torch.Generator(device=device).manual_seed(tokens)
         one = torch.randn(tokens, 2 * inner, generator=g, device=device).mul_(3).to(dtype)
-        nbytes = one.numel() * one.element_size() * 3 // 2  # read gate and up, write the product
-        inputs = [one] + [one.clone() for _ in range(rotation(nbytes, device) - 1)]
-        row = {"tokens": tokens, "ref_us": device_us(silu_mul_reference, inputs, device)}
+        in_bytes = one.numel() * one.element_size()  # gate and up, read
+        nbytes = in_bytes * 3 // 2  # + the product, written
+        inputs = [one] + [one.clone() for _ in range(rotation(in_bytes, device) - 1)]
+        eager: list[str] = []
+        row = {"tokens": tokens, "l2": l2_state(in_bytes, len(inputs), device),
+               "ref_us": device_us(silu_mul_reference, inputs, device, eager, "ref_us")}
         if compiled is not None:
             try:
-                row["compiled_us"] = device_us(compiled, inputs, device)
+                row["compiled_us"] = device_us(compiled, inputs, device, eager, "compiled_us")
             except Exception as e:  # an Inductor failure is reported, not fatal
                 row["compiled_us"] = f"failed: {type(e).__name__}"
         if kernels:
-            row["kernel_us"] = device_us(mod.silu_mul, inputs, device)
+            row["kernel_us"] = device_us(mod.silu_mul, inputs, device, eager, "kernel_us")
             row["GB/s"] = nbytes / (row["kernel_us"] * 1e-6) / 1e9
             row["%copy"] = 100 * row["GB/s"] / bw
             row["x_ref"] = row["ref_us"] / row["kernel_us"]
             if isinstance(row.get("compiled_us"), float):
                 row["x_compiled"] = row["compiled_us"] / row["kernel_us"]
+        if on_gpu:
+            row["timing"] = "eager: " + ",".join(eager) if eager else "graph"
         rows.append(row)
     print_table(rows)
     rows.emit(kernels=kernels, inner=inner,

@@ -4,9 +4,11 @@
   Events around ONE eager call also count the host's launch overhead (argument checks, allocation, launch)
   whenever the GPU waits for it: fine for big kernels, not for ones of a few microseconds.
 * `graph_time_us(fns, device)`: device microseconds per call of short kernels: the calls captured back to back
-  in one CUDA graph, the replay timed (no host gaps; None when the capture fails, `device_time_us` then times
-  eagerly); `rotation(bytes, device)` says how many distinct input sets to cycle through so that a call does
-  not find the previous call's inputs in L2.
+  in one CUDA graph, the replay timed (no host gaps; None when the capture fails, `device_time` / `device_time_us`
+  then time eagerly, cycling through the same input sets, and `device_time` says which it did);
+  `rotation(bytes, device)` says how many distinct input sets to cycle through so that a call does not find the
+  previous call's inputs in L2 (at most 64), `l2_state(bytes, sets, device)` whether they do span 2x L2 ("cold")
+  or not ("warm": GB/s then overstates DRAM bandwidth).
 * `copy_bandwidth_gbs(device)`: measured device-to-device copy bandwidth (read + write bytes / s), the
   roofline for memory-bound kernels.
 * `ints("1,8,64")`: an argparse type for comma-separated positive integers (a clear usage error otherwise).
@@ -24,6 +26,7 @@ with its extension to time the kernels).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -77,13 +80,25 @@ def l2_bytes(device: torch.device) -> int:
     return int(getattr(props, "L2_cache_size", 50 << 20) or (50 << 20))
 
 
-def rotation(bytes_per_call: int, device: torch.device, max_sets: int = 16) -> int:
+def rotation(bytes_per_call: int, device: torch.device, max_sets: int = 64) -> int:
     """Distinct input sets to rotate through so that the inputs of back-to-back calls span 2x the L2 cache
-    (a call then reads its inputs from DRAM, as in a real decode step between other kernels); 1 on the CPU."""
+    (a call then reads its inputs from DRAM, as in a real decode step between other kernels); 1 on the CPU.
+    `bytes_per_call`: the bytes of the inputs a call READS (not its outputs). Capped at `max_sets`: calls with tiny
+    inputs cannot be made to miss L2 that way; `l2_state` says whether a rotation does."""
     if device.type != "cuda":
         return 1
     need = -(-2 * l2_bytes(device) // max(1, int(bytes_per_call)))
     return max(1, min(max_sets, need))
+
+
+def l2_state(bytes_per_set: int, sets: int, device: torch.device) -> str:
+    """How the inputs of a timed call meet the L2 cache: "cold" when the `sets` distinct input sets cycled through
+    span >= 2x L2 (each call reads its inputs from DRAM: GB/s is a DRAM figure), "warm" when they do not (the
+    inputs are, in part, still in L2 from the previous use of the set: GB/s and %copy overstate DRAM bandwidth),
+    "-" off CUDA."""
+    if device.type != "cuda":
+        return "-"
+    return "cold" if int(bytes_per_set) * int(sets) >= 2 * l2_bytes(device) else "warm"
 
 
 def graph_time_us(fns: Sequence[Callable[[], object]], device: torch.device, min_calls: int = 8,
@@ -116,10 +131,20 @@ def graph_time_us(fns: Sequence[Callable[[], object]], device: torch.device, min
     return 1e3 * ms / len(calls)
 
 
-def device_time_us(fns: Sequence[Callable[[], object]], device: torch.device, min_calls: int = 8) -> float:
-    """`graph_time_us(fns, device, min_calls)`, or where the capture fails the eager per-call time of fns[0]."""
+def device_time(fns: Sequence[Callable[[], object]], device: torch.device, min_calls: int = 8) -> tuple[float, str]:
+    """(microseconds per call, how): `graph_time_us(fns, device, min_calls)` ("graph"), or where the capture fails
+    (or off CUDA) the eager per-call time between CUDA events of calls cycling through `fns` ("eager": host launch
+    overhead included, over the same input rotation as the graph, not one set that stays in L2)."""
     us = graph_time_us(fns, device, min_calls=min_calls)
-    return us if us is not None else 1e3 * time_fn(fns[0], device=device)
+    if us is not None:
+        return us, "graph"
+    nxt = itertools.cycle(fns)
+    return 1e3 * time_fn(lambda: next(nxt)(), device=device), "eager"
+
+
+def device_time_us(fns: Sequence[Callable[[], object]], device: torch.device, min_calls: int = 8) -> float:
+    """`device_time(fns, device, min_calls)` without saying how it was timed."""
+    return device_time(fns, device, min_calls)[0]
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import find_cuobjdump
 
 REPO = Path(__file__).resolve().parents[1]
@@ -277,3 +278,48 @@ def test_gpu_session_tests_stage_runs_files_in_parallel_and_joins_their_logs(tmp
     assert "skipped" in log
     assert "=== launcher checks: rc=" in log
     assert not (out / "tests_parts").exists()
+
+
+# ------------------------------------------------------------------------------------------------ common.py helpers
+
+def _common():
+    sys.path.insert(0, str(REPO / "profiling"))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
+    return common
+
+
+def test_rotation_spans_twice_l2_with_the_read_bytes_and_says_when_it_cannot(monkeypatch):
+    common = _common()
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    monkeypatch.setattr(common, "l2_bytes", lambda device: 50 << 20)
+    # block_attn B1 x cache 512 (2.1 MB of K/V) needs 50 copies: the old cap of 16 left them in L2 (34 MB)
+    kv = 2 * 1 * 8 * 516 * 128 * 2
+    sets = common.rotation(kv, cuda)
+    assert sets == 50 and common.l2_state(kv, sets, cuda) == "cold"
+    assert common.l2_state(kv, 16, cuda) == "warm"
+    # a kv_cache write of B128 x 4 new tokens reads 2.1 MB of k/v: counted as read + written bytes (4.2 MB) its
+    # 24 copies spanned 1x L2 only
+    kv_new = 2 * 128 * 4 * 8 * 128 * 2
+    assert common.l2_state(kv_new, common.rotation(kv_new, cuda), cuda) == "cold"
+    assert common.l2_state(kv_new, common.rotation(2 * kv_new, cuda), cuda) == "warm"
+    # tiny inputs cannot be rotated out of L2 within the cap: labelled, not claimed as DRAM
+    assert common.rotation(16 << 10, cuda) == 64 and common.l2_state(16 << 10, 64, cuda) == "warm"
+    assert common.rotation(1 << 30, cuda) == 1 and common.l2_state(1 << 30, 1, cuda) == "cold"
+    assert common.rotation(kv, torch.device("cpu")) == 1 and common.l2_state(kv, 1, torch.device("cpu")) == "-"
+
+
+def test_device_time_falls_back_to_eager_over_every_input_set_and_says_so():
+    common = _common()
+    calls = [0, 0, 0]
+
+    def make(i):
+        def fn():
+            calls[i] += 1
+        return fn
+
+    us, how = common.device_time([make(i) for i in range(3)], torch.device("cpu"))
+    assert how == "eager" and us > 0
+    assert min(calls) >= 10 and max(calls) - min(calls) <= 1, calls  # not fns[0] alone (an input set kept in L2)
