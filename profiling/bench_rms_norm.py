@@ -7,8 +7,11 @@ What matters in decoding is not one call but the norm work of a whole denoising 
 per layer two residual adds, two hidden-size norms, and the q and k head norms with RoPE, 36 layers for
 SDAR-8B. So two tables' worth of rows in one:
   * `op` rows: one call of each op (`kernel_us` the bare `_C` call, `ref_us` the eager reference,
-    `compiled_us` the reference under torch.compile), GB/s and % of the device copy bandwidth for the kernel
-    (bytes: inputs read + outputs written, + cos/sin for RoPE);
+    `compiled_us` the reference under torch.compile), each as device time: back-to-back calls in one CUDA
+    graph over input copies spanning 2x L2 where at most 64 copies can (`l2` "cold"; "warm" at 8 / 256 tokens,
+    where GB/s is not a DRAM figure), `common.device_time`; `timing` names the columns timed eagerly because their
+    capture failed. GB/s and % of the device copy bandwidth for the kernel (bytes: inputs read + outputs written,
+    + cos/sin for RoPE);
   * `step` rows: the norm work of all layers of one step captured in one CUDA graph and replayed, for tokens
     per step = batch x chunk in {8, 256, 2048}: `ref_us` the eager formulas; `per_op_us` one kernel per
     norm and per q / k head norm with torch's residual adds (6 launches per layer, the decode forward before
@@ -26,7 +29,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, copy_bandwidth_gbs, device_name, device_time_us, print_table, time_fn  # noqa: E402
+from common import (RowLog, copy_bandwidth_gbs, device_name, device_time, device_time_us, l2_state,  # noqa: E402
+                    print_table, rotation)
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import rope_cos_sin  # noqa: E402
@@ -39,8 +43,8 @@ from lightningrl_fast.ops.rms_norm import (  # noqa: E402
 EPS = 1e-6
 
 
-def inputs(tokens: int, hidden: int, hq: int, hkv: int, d: int, dtype, device):
-    g = torch.Generator(device=device).manual_seed(0)
+def inputs(tokens: int, hidden: int, hq: int, hkv: int, d: int, dtype, device, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(1, tokens, hidden, generator=g, device=device).to(dtype)
     w = (1 + 0.1 * torch.randn(hidden, generator=g, device=device)).to(dtype)
     q = torch.randn(1, tokens, hq, d, generator=g, device=device).to(dtype)
@@ -80,29 +84,45 @@ def main() -> None:
 
     rows = RowLog("rms_norm", device=device_name(device), copy_gbs=round(bw, 1), dtype=str(dtype)[6:])
     for tokens in (8, 256, 2048) if on_gpu else (8,):
-        x, w, q, k, wd, cos, sin, r, qk = inputs(tokens, hidden, hq, hkv, d, dtype, device)
-        xb, cb = x.numel() * x.element_size(), 2 * cos.numel() * cos.element_size()
-        for name, ref, comp, kern, args_, nbytes in [
-            ("rms_norm", rms_norm_reference, compiled_rms, getattr(mod, "rms_norm", None), (x, w, EPS), 2 * xb),
+        xb = tokens * hidden * torch.empty((), dtype=dtype).element_size()
+        # copies of every input (x, residual, q, k, the packed q/k) whose x alone spans 2x L2 where 64 can
+        sets = [inputs(tokens, hidden, hq, hkv, d, dtype, device, seed=i) for i in range(rotation(xb, device))]
+        x, w, q, k, wd, cos, sin, r, qk = sets[0]
+        cb = 2 * cos.numel() * cos.element_size()
+        qb, qkb = q.numel() * q.element_size(), qk.numel() * qk.element_size()
+        # name, reference, compiled reference, kernel, the arguments from a set, bytes moved, bytes read per call
+        for name, ref, comp, kern, args_of, nbytes, in_bytes in [
+            ("rms_norm", rms_norm_reference, compiled_rms, getattr(mod, "rms_norm", None),
+             lambda s: (s[0], s[1], EPS), 2 * xb, xb),
             ("add_rms_norm", add_rms_norm_reference, compiled_add, getattr(mod, "add_rms_norm", None),
-             (x, r, w, EPS), 4 * xb),
+             lambda s: (s[0], s[7], s[1], EPS), 4 * xb, 2 * xb),
             ("qk_norm_rope q", qk_norm_rope_reference, compiled_rope, getattr(mod, "qk_norm_rope", None),
-             (q, wd, cos, sin, EPS), 2 * q.numel() * q.element_size() + cb),
+             lambda s: (s[2], s[4], s[5], s[6], EPS), 2 * qb + cb, qb + cb),
             ("qk_norm_rope q+k", qk_norm_rope_reference, compiled_rope, getattr(mod, "qk_norm_rope", None),
-             (qk, wd, cos, sin, EPS, wd, hq), 2 * qk.numel() * qk.element_size() + cb),
+             lambda s: (s[8], s[4], s[5], s[6], EPS, s[4], hq), 2 * qkb + cb, qkb + cb),
         ]:
-            row = {"kind": "op", "what": name, "tokens": tokens}
-            row["ref_us"] = 1e3 * time_fn(lambda: ref(*args_), device=device)
+            eager = []
+
+            def timed(col, fn):
+                us, how = device_time([lambda a=args_of(st): fn(*a) for st in sets], device)
+                if how == "eager" and on_gpu:
+                    eager.append(col)
+                return us
+
+            row = {"kind": "op", "what": name, "tokens": tokens, "l2": l2_state(in_bytes, len(sets), device)}
+            row["ref_us"] = timed("ref_us", ref)
             if comp is not None:
                 try:
-                    row["compiled_us"] = 1e3 * time_fn(lambda: comp(*args_), device=device)
+                    row["compiled_us"] = timed("compiled_us", comp)
                 except Exception as e:  # an Inductor failure is reported, not fatal
                     row["compiled_us"] = f"failed: {type(e).__name__}"
             if kernels:
-                row["kernel_us"] = 1e3 * time_fn(lambda: kern(*args_), device=device)
+                row["kernel_us"] = timed("kernel_us", kern)
                 row["GB/s"] = nbytes / (row["kernel_us"] * 1e-6) / 1e9
                 row["%copy"] = 100 * row["GB/s"] / bw
                 row["x_ref"] = row["ref_us"] / row["kernel_us"]
+            if on_gpu:
+                row["timing"] = "eager: " + ",".join(eager) if eager else "graph"
             rows.append(row)
         if on_gpu:
             def eager_step():
