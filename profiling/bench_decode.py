@@ -39,7 +39,8 @@ for "off": every kernel launched plainly, csrc/launch.h); default `on`.
 
 Reference vs kernels: kernel rows run in this process. Reference rows run in a child process started with
 LRF_DISABLE_KERNELS=1, which the ops must honour (the child checks that `ops._common.cuda_kernel` then returns
-None; if it does not, the reference rows are reported as unavailable rather than silently timing kernels).
+None; if it does not, the reference rows are reported as unavailable rather than silently timing kernels). When
+this process itself runs with LRF_DISABLE_KERNELS=1, its rows are reference rows (never labelled kernels).
 On the CPU there are no kernels and no graphs: reference rows only.
 
 NVTX: every timed call is inside the range `bench_timed` (a fixed name, for `ncu --nvtx-include bench_timed/`),
@@ -64,7 +65,8 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, copy_bandwidth_gbs, device_name, emit_json, ints, print_table  # noqa: E402
+from common import (RowLog, copy_bandwidth_gbs, device_name, emit_json, ints, kernels_dispatched,  # noqa: E402
+                    print_table)
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import SDARConfig, SDARForCausalLM, build_model  # noqa: E402
@@ -285,6 +287,10 @@ def main(argv: list[str] | None = None) -> None:
         local, child = ["reference"], False
         if on_gpu:
             notes.append("lightningrl_fast._C has no CUDA kernels: every op runs its PyTorch reference")
+    elif not kernels_dispatched(device, *DECODE_OPS):  # LRF_DISABLE_KERNELS=1 in this process's environment
+        local, child = ["reference"], False
+        ks["decode_kernels"] = []
+        notes.append(f"{DISABLE_ENV}=1: every op runs its PyTorch reference (rows labelled reference, not kernels)")
     else:
         local = ["kernels"] if args.impl in ("both", "kernels") else []
         child = args.impl in ("both", "reference")

@@ -28,9 +28,8 @@ import torch
 import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, device_name, print_table, time_fn  # noqa: E402
+from common import RowLog, device_name, kernels_dispatched, print_table, time_fn  # noqa: E402
 
-from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops import grpo_loss as gl  # noqa: E402
 
 
@@ -128,7 +127,8 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     on_gpu = device.type == "cuda"
-    kernels = on_gpu and _ext.has_cuda_kernels() and hasattr(_ext.ext(), "fused_linear_grpo_loss")
+    # the kernel rows call the public op: it runs the reference when LRF_DISABLE_KERNELS=1, so ask its dispatch
+    kernels = kernels_dispatched(device, "fused_linear_grpo_loss")
     T, H, V, nseq = args.tokens, args.hidden, args.vocab, args.seqs
     dtype = torch.bfloat16
     warmup, iters = 2, args.iters
@@ -137,7 +137,8 @@ def main() -> None:
         T, H, V, nseq, dtype, iters = 512, 64, 1000, 8, torch.float32, 3
         args.chunks, args.ref_chunk = [], 128
     elif not kernels:
-        print("lightningrl_fast._C has no CUDA fused_linear_grpo_loss: timing the PyTorch paths only.")
+        print("fused_linear_grpo_loss does not dispatch to a CUDA kernel (no CUDA build of lightningrl_fast._C, or "
+              "LRF_DISABLE_KERNELS=1): timing the PyTorch paths only.")
         args.chunks = []
     kw = dict(eps_low=0.2, eps_high=0.28, beta=0.01, mu=0.1, reduction="seq-tok-tok")
     hidden, weight, loss_args = make_inputs(T, H, V, nseq, dtype, device)

@@ -23,8 +23,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RowLog, copy_bandwidth_gbs, device_name, graph_time_us, l2_state, print_table,  # noqa: E402
-                    rotation, time_fn)
+from common import (RowLog, copy_bandwidth_gbs, device_name, graph_time_us, kernels_dispatched, l2_state,  # noqa: E402
+                    print_table, rotation, time_fn)
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.kv_cache import kv_cache_write, kv_cache_write_reference  # noqa: E402
@@ -55,12 +55,13 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     H, D = args.heads, args.head_dim
     on_gpu = device.type == "cuda"
-    kernels = on_gpu and _ext.has_cuda_kernels()
+    kernels = kernels_dispatched(device, "kv_cache_write")  # op_us calls the public op: not with LRF_DISABLE_KERNELS=1
     if not on_gpu:
         print("No GPU (or --cpu): timing the PyTorch reference only, on one tiny shape.")
         H, D = 2, 16
     elif not kernels:
-        print("lightningrl_fast._C has no CUDA kernels: timing the reference only.")
+        print("kv_cache_write does not dispatch to a CUDA kernel (no CUDA build, or LRF_DISABLE_KERNELS=1): timing the "
+              "reference only.")
     dtype = torch.bfloat16 if on_gpu else torch.float32
     bw = copy_bandwidth_gbs(device)
     print(f"device: {device_name(device)}; copy bandwidth {bw:.0f} GB/s; Hkv={H} D={D} {str(dtype)[6:]}")

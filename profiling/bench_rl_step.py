@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import make_model  # noqa: E402  (random weights of a named config, straight on the device)
-from common import RowLog, device_name, ints, print_table, time_fn  # noqa: E402
+from common import RowLog, device_name, ints, kernels_dispatched, print_table, time_fn  # noqa: E402
 
 from lightningrl_fast.ops.grpo_loss import fused_linear_grpo_loss, linear_logprobs  # noqa: E402
 from lightningrl_fast.ops.masked_attn import MaskLayout  # noqa: E402
@@ -228,7 +228,8 @@ def main() -> None:
           f"{', gradient checkpointing' if args.grad_ckpt else ''}")
     print_table(rows)
     rows.emit(samples=samples, prompt=list(prompt), response=list(response), block=block, tpf=tpf,
-              budget=budget, grad_ckpt=args.grad_ckpt, kernels=on_gpu, modes=out_modes, rows=rows)
+              budget=budget, grad_ckpt=args.grad_ckpt, modes=out_modes, rows=rows,
+              kernels=kernels_dispatched(device, "linear_logprobs", "fused_linear_grpo_loss"))
 
 
 if __name__ == "__main__":

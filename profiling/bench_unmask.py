@@ -34,7 +34,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, copy_bandwidth_gbs, device_name, ints, print_table, time_fn  # noqa: E402
+from common import RowLog, copy_bandwidth_gbs, device_name, ints, kernels_dispatched, print_table, time_fn  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.unmask import threshold_unmask, threshold_unmask_reference  # noqa: E402
@@ -148,14 +148,15 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     on_gpu = device.type == "cuda"
-    kernels = on_gpu and _ext.has_cuda_kernels() and hasattr(_ext.ext(), "threshold_unmask")
+    kernels = kernels_dispatched(device, "threshold_unmask")  # op_us calls the public op (LRF_DISABLE_KERNELS)
     vocab = args.vocab if on_gpu else 1000
     dtype = torch.bfloat16 if on_gpu else torch.float32
     if not on_gpu:
         print("No GPU (or --cpu): the CUDA kernel needs a GPU; timing the PyTorch reference only, on one tiny "
               f"shape ({BLOCK * 2} rows x {vocab} tokens).")
     elif not kernels:
-        print("lightningrl_fast._C has no threshold_unmask CUDA kernel: timing the references only.")
+        print("threshold_unmask does not dispatch to a CUDA kernel (no CUDA build, or LRF_DISABLE_KERNELS=1): "
+              "timing the references only.")
     bw = copy_bandwidth_gbs(device)
     fi = maybe_flashinfer() if on_gpu else None
     print(f"device: {device_name(device)}; copy bandwidth {bw:.0f} GB/s; vocab {vocab}, {str(dtype)[6:]}, "

@@ -9,6 +9,8 @@
   `rotation(bytes, device)` says how many distinct input sets to cycle through so that a call does not find the
   previous call's inputs in L2 (at most 64), `l2_state(bytes, sets, device)` whether they do span 2x L2 ("cold")
   or not ("warm": GB/s then overstates DRAM bandwidth).
+* `kernels_dispatched(device, *names)`: whether the public ops run the `_C` kernels (CUDA build, LRF_DISABLE_KERNELS
+  unset): a bench timing kernels through the ops labels its rows by it.
 * `copy_bandwidth_gbs(device)`: measured device-to-device copy bandwidth (read + write bytes / s), the
   roofline for memory-bound kernels.
 * `ints("1,8,64")`: an argparse type for comma-separated positive integers (a clear usage error otherwise).
@@ -145,6 +147,21 @@ def device_time(fns: Sequence[Callable[[], object]], device: torch.device, min_c
 def device_time_us(fns: Sequence[Callable[[], object]], device: torch.device, min_calls: int = 8) -> float:
     """`device_time(fns, device, min_calls)` without saying how it was timed."""
     return device_time(fns, device, min_calls)[0]
+
+
+def kernels_dispatched(device: torch.device, *names: str) -> bool:
+    """True when the public ops on `device` run the `_C` entry points `names`: a CUDA device, a CUDA build of the
+    extension that has them, and LRF_DISABLE_KERNELS not set (`ops._common.cuda_kernel`, the ops' own dispatch).
+    A bench whose kernel columns go through the public ops must not label reference timings as kernel ones."""
+    if device.type != "cuda":
+        return False
+    from lightningrl_fast import _ext
+    from lightningrl_fast.ops._common import cuda_kernel
+
+    if not _ext.has_cuda_kernels():
+        return False
+    probe = torch.empty(1, device=device)
+    return all(cuda_kernel(n, probe) is not None for n in names)
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:

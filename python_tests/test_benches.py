@@ -323,3 +323,28 @@ def test_device_time_falls_back_to_eager_over_every_input_set_and_says_so():
     us, how = common.device_time([make(i) for i in range(3)], torch.device("cpu"))
     assert how == "eager" and us > 0
     assert min(calls) >= 10 and max(calls) - min(calls) <= 1, calls  # not fns[0] alone (an input set kept in L2)
+
+
+def test_kernels_dispatched_follows_the_ops_dispatch_and_lrf_disable_kernels(monkeypatch):
+    """The kernel columns of bench_decode / grpo_loss / rl_step / kv_cache / unmask go through the public ops, which
+    run their references under LRF_DISABLE_KERNELS=1: the benches label their rows by this, not by the build."""
+    import types
+
+    from lightningrl_fast import _ext
+
+    common = _common()
+    assert common.kernels_dispatched(torch.device("cpu"), "kv_cache_write") is False
+    fake = types.SimpleNamespace(kv_cache_write=object(), threshold_unmask=object(), has_cuda=lambda: True)
+    monkeypatch.setattr(_ext, "ext", lambda: fake)
+    monkeypatch.setattr(_ext, "has_cuda_kernels", lambda: True)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: types.SimpleNamespace(is_cuda=True))  # no GPU here
+    monkeypatch.delenv("LRF_DISABLE_KERNELS", raising=False)
+    cuda = torch.device("cuda")
+    assert common.kernels_dispatched(cuda, "kv_cache_write", "threshold_unmask") is True
+    assert common.kernels_dispatched(cuda, "kv_cache_write", "block_attention") is False  # not in this build
+    monkeypatch.setenv("LRF_DISABLE_KERNELS", "1")
+    assert common.kernels_dispatched(cuda, "kv_cache_write") is False
+    monkeypatch.setattr(_ext, "has_cuda_kernels", lambda: False)
+    monkeypatch.delenv("LRF_DISABLE_KERNELS")
+    assert common.kernels_dispatched(cuda, "kv_cache_write") is False
+
