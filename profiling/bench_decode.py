@@ -26,8 +26,11 @@ the physical bound forwards/s <= copy bandwidth / (GB/fwd) with the copy bandwid
 profiling/common.py, `%bw` = fwd/s / bound (the memory-bandwidth utilization; large batches become
 compute-bound, so the ratio falls there by design), `steady fwd/s` the steady-state rate: the same call is
 also timed with half the new tokens, and (forwards difference) / (time difference) leaves out the prefill, the
-first (eager) step and the graph captures, which both calls pay alike (`--no-steady` skips it); `steady %bw`
-against the same bound; `peakGB` peak allocated device memory.
+first (eager) step and the graph captures, which both calls pay alike (`--no-steady` skips it); `steady bound`
+the bound at the mean context of the differenced forwards (prompt + 3/4 of the new tokens: they decode the second
+half) and `steady %bw` against it; `peakGB` peak allocated device memory. `graphs=failed`: the step could not be
+captured and ran eagerly; `pdl=off (capture retry)`: it was captured only after the sampler turned programmatic
+dependent launch off (its retry after a failed capture with PDL on), so the row is a graph without PDL.
 
 Attention kernel: `--attn mma,wgmma` times the kernel rows once per block-attention variant (column `attn`; the
 variant is set through LRF_BLOCK_ATTN_VARIANT for that combination, ops/block_attn.py); default `auto`.
@@ -119,6 +122,21 @@ def kv_bytes(cfg: SDARConfig, batch: int, context: float, elt: int) -> float:
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * elt * batch * context
 
 
+def mean_context(prompt_len: int, first_new: float, last_new: float) -> float:
+    """Mean cached context of the forwards that decode new tokens first_new .. last_new (KV bytes grow linearly):
+    the whole call is (0, new), the steady-state difference of a full and a half-length call (half, new)."""
+    return prompt_len + (first_new + last_new) / 2
+
+
+def capture_outcome(messages: list[str]) -> tuple[bool, bool]:
+    """(the step ran eagerly, its graph was captured only with programmatic dependent launch turned off) from the
+    warnings of sampler._GraphedStep: a capture that fails with PDL on is retried once with LRF_PDL=0 (a graph
+    without PDL), a second failure leaves the step eager."""
+    eager = any("CUDA graph capture" in m and "decoding continues eagerly" in m for m in messages)
+    pdl_off = any("CUDA graph capture" in m and "retrying with it off" in m for m in messages)
+    return eager, pdl_off and not eager
+
+
 def kernel_status() -> dict:
     mod = _ext.ext()
     has = bool(mod is not None and _ext.has_cuda_kernels())
@@ -150,7 +168,7 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
            "engine": "fresh" if args.fresh else "kept"}
     old_block = cfg_m.block_size
     cfg_m.block_size = block  # the model's attention blocks must match the sampler's
-    capture_failed = False
+    capture_failed = pdl_retried = False
     dec = Decoder(model)
     fresh = (lambda: Decoder(model)) if args.fresh else (lambda: dec)
     try:
@@ -182,7 +200,7 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
                 with nvtx_range("bench_half"), Timer(device) as t:
                     ro_half = fresh().generate(prompts, half_cfg)
                 half_secs.append(t.seconds)
-        capture_failed = any("CUDA graph capture" in str(w.message) for w in caught)
+        capture_failed, pdl_retried = capture_outcome([str(w.message) for w in caught])
     except torch.cuda.OutOfMemoryError:
         row.update(error="out of memory")
         return row
@@ -191,7 +209,8 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
     s = statistics.median(secs)
     toks = int(ro.lengths.sum())
     elt = next(model.parameters()).element_size()
-    gb = (model.forward_weight_bytes() + kv_bytes(cfg_m, batch, args.prompt_len + args.new_tokens / 2, elt)) / 1e9
+    gb = (model.forward_weight_bytes() + kv_bytes(cfg_m, batch, mean_context(args.prompt_len, 0, args.new_tokens),
+                                                  elt)) / 1e9
     bound = args.copy_gbs / gb
     fwd_s = ro.total_forwards / s
     row.update({"tpf": round(float(ro.tpf.mean()), 3), "fwd": ro.total_forwards, "s": s, "tok/s": toks / s,
@@ -200,11 +219,16 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
         ds = s - statistics.median(half_secs)
         dfwd = ro.total_forwards - ro_half.total_forwards
         steady = dfwd / ds if ds > 0 and dfwd > 0 else float("nan")
-        row.update({"steady fwd/s": steady, "steady %bw": 100 * steady / bound})
+        # the differenced forwards decode the second half of the tokens: a longer KV cache than the call's mean
+        ctx = mean_context(args.prompt_len, half_cfg.max_new_tokens, args.new_tokens)
+        steady_bound = args.copy_gbs / ((model.forward_weight_bytes() + kv_bytes(cfg_m, batch, ctx, elt)) / 1e9)
+        row.update({"steady fwd/s": steady, "steady bound": steady_bound, "steady %bw": 100 * steady / steady_bound})
     if device.type == "cuda":
         row["peakGB"] = torch.cuda.max_memory_allocated(device) / 1e9
     if graphs and capture_failed:
         row["graphs"] = "failed"  # the step did not capture (e.g. a host sync in the reference ops): ran eagerly
+    if graphs and pdl_retried:
+        row["pdl_retried"] = True  # captured, but only with PDL off (LRF_PDL=0): the caller's pdl column says so
     return row
 
 
@@ -323,8 +347,9 @@ def main(argv: list[str] | None = None) -> None:
                     for g in graphs:
                         pdl_env = {"on": "1", "off": "0"}.get(pdl, "-")
                         with env_setting(ATTN_ENV, attn), env_setting(GEMM_ENV, gemm), env_setting(PDL_ENV, pdl_env):
-                            rows.append({**run_combo(model, device, batch, block, g, impl, args, trace), "attn": attn,
-                                         "gemm": gemm, "pdl": pdl})
+                            row = run_combo(model, device, batch, block, g, impl, args, trace)
+                        used = "off (capture retry)" if row.pop("pdl_retried", False) else pdl
+                        rows.append({**row, "attn": attn, "gemm": gemm, "pdl": used})
                         trace = None
     if args.child:
         emit_json("decode", rows=rows)

@@ -50,7 +50,7 @@ def column(key: str, value: Any) -> str:
     k = key.lower()
     if k in ("note", "notes", "error", "sdpa", "graphs") and isinstance(value, str):
         return "notes"
-    if k == "bound" or k.endswith("_bound"):
+    if k == "bound" or k.endswith(("_bound", " bound")):
         return "bound"
     if is_ratio(k):
         return "ratio"

@@ -348,3 +348,46 @@ def test_kernels_dispatched_follows_the_ops_dispatch_and_lrf_disable_kernels(mon
     monkeypatch.delenv("LRF_DISABLE_KERNELS")
     assert common.kernels_dispatched(cuda, "kv_cache_write") is False
 
+
+
+def _bench_decode():
+    sys.path.insert(0, str(REPO / "profiling"))
+    try:
+        import bench_decode
+    finally:
+        sys.path.pop(0)
+    return bench_decode
+
+
+def test_bench_decode_steady_bound_uses_the_context_of_the_differenced_forwards():
+    bd = _bench_decode()
+    from lightningrl_fast.model import SDARConfig
+
+    cfg = SDARConfig(**bd.CONFIGS["sdar-8b"])
+    assert bd.mean_context(64, 0, 256) == 64 + 128  # the whole call
+    assert bd.mean_context(64, 128, 256) == 64 + 192  # the full call minus the half-length call
+    # batch 256: the KV read per forward at the steady forwards' context is 2.4 GB more than the call's mean
+    extra = (bd.kv_bytes(cfg, 256, bd.mean_context(64, 128, 256), 2)
+             - bd.kv_bytes(cfg, 256, bd.mean_context(64, 0, 256), 2))
+    assert abs(extra - 36 * 2 * 8 * 128 * 2 * 256 * 64) < 1 and extra > 2.4e9
+
+
+def test_bench_decode_reads_the_samplers_capture_warnings():
+    """A failed capture with PDL on is retried without PDL (a graph, not an eager step): the row must say pdl off,
+    not graphs failed; only the second failure means an eager step. The fragments are the sampler's wording."""
+    bd = _bench_decode()
+    src = (REPO / "lightningrl_fast" / "sampler.py").read_text()
+    assert "retrying with it off" in src and "decoding continues eagerly" in src
+    retry = ("CUDA graph capture of the denoising step failed (RuntimeError: x) with programmatic dependent launch "
+             "on; retrying with it off (LRF_PDL=0 for this process)")
+    eager = "CUDA graph capture of the denoising step failed (RuntimeError: y); decoding continues eagerly"
+    assert bd.capture_outcome([]) == (False, False)
+    assert bd.capture_outcome([retry]) == (False, True)
+    assert bd.capture_outcome([retry, eager]) == (True, False)
+    assert bd.capture_outcome([eager, "an unrelated warning"]) == (True, False)
+    sys.path.insert(0, str(REPO / "profiling"))
+    try:
+        import results_rows
+    finally:
+        sys.path.pop(0)
+    assert results_rows.column("steady bound", 150.0) == "bound"
