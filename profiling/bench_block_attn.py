@@ -22,7 +22,8 @@ overstates DRAM bandwidth). Columns (microseconds):
              host's argument checks, output / partial allocation and launches whenever the GPU waits for them)
   ref_us     the op's PyTorch reference (cache write + masked SDPA over the whole cache)
   sdpa_us    F.scaled_dot_product_attention on the cached keys with the equivalent mask (no mask when the
-             chunk is one block: it then sees every key), best of the flash / cuDNN / efficient backends that
+             chunk is one block: it then sees every key; else an additive mask in q's dtype built once, not a
+             bool one SDPA would convert on every call), best of the flash / cuDNN / efficient backends that
              accept the inputs (`sdpa` names it); attention only, no cache write
   flex_us    FlexAttention (torch.compile'd, block mask built once per shape); attention only
   fa_us      flash_attn_with_kvcache when flash-attn is installed (appends k/v like the kernel; causal=True
@@ -120,15 +121,27 @@ def device_time(make_fn, sets, device):
     return time_or_none(lambda: next(nxt)(), device)
 
 
+def sdpa_mask(B, C, L, bs, dtype, device):
+    """SDPA's attn_mask for block attention at cache length L: None when the chunk sees every key, else the additive
+    mask (0 / -inf, q's dtype) SDPA would otherwise make of a bool one on every call (a [B, 1, C, L + C] where(), then
+    a padded copy for the efficient kernel: inside the timing), made once: rows 16-element aligned, broadcast over B."""
+    Lk = L + C
+    allow = block_mask_bool(1, C, Lk, L, bs, device)
+    if bool(allow.all()):
+        return None
+    lp = -(-Lk // 16) * 16
+    mask = torch.zeros(1, 1, C, lp, dtype=dtype, device=device)[..., :Lk]
+    mask.masked_fill_(~allow, float("-inf"))
+    return mask.expand(B, 1, C, Lk)
+
+
 def sdpa_baseline(sets, L, C, bs, device):
     """Best SDPA backend on the cache prefix [0, L + C) with the block mask (None when it allows everything)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     B = sets[0][0].shape[0]
     Lk = L + C
-    mask = block_mask_bool(B, C, Lk, L, bs, device)
-    if bool(mask.all()):
-        mask = None
+    mask = sdpa_mask(B, C, L, bs, sets[0][0].dtype, device)
     best, best_name = None, "-"
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION)):

@@ -391,3 +391,32 @@ def test_bench_decode_reads_the_samplers_capture_warnings():
     finally:
         sys.path.pop(0)
     assert results_rows.column("steady bound", 150.0) == "bound"
+
+
+def test_bench_block_attn_sdpa_mask_is_the_block_mask_made_once():
+    """SDPA's baseline gets its additive mask built outside the timing (a bool mask is converted, and padded for the
+    efficient kernel, on every call): the same attention as block attention, aligned rows, broadcast over B."""
+    sys.path.insert(0, str(REPO / "profiling"))
+    try:
+        import bench_block_attn as ba
+    finally:
+        sys.path.pop(0)
+    import torch.nn.functional as F
+
+    from lightningrl_fast.ops.block_attn import block_attention_reference
+
+    cpu = torch.device("cpu")
+    assert ba.sdpa_mask(3, 4, 8, 4, torch.float32, cpu) is None  # one block: every key visible
+    for B, L, bs, C in ((2, 8, 4, 8), (1, 0, 4, 12), (2, 12, 8, 16)):
+        mask = ba.sdpa_mask(B, C, L, bs, torch.float32, cpu)
+        assert mask.shape == (B, 1, C, L + C) and (B == 1 or mask.stride(0) == 0) and mask.stride(2) % 16 == 0
+        allow = ba.block_mask_bool(B, C, L + C, L, bs, cpu)
+        assert torch.equal(mask == 0, allow) and bool((mask[~allow] == float("-inf")).all())
+        g = torch.Generator().manual_seed(B + L)
+        q, k, v = (torch.randn(B, C, 2, 16, generator=g) for _ in range(3))
+        kc, vc = (torch.randn(B, L + C, 2, 16, generator=g) for _ in range(2))
+        cl, nl = torch.full((B,), L, dtype=torch.int32), torch.full((B,), C, dtype=torch.int32)
+        want = block_attention_reference(q, k, v, kc, vc, cl, nl, bs)
+        got = F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                             attn_mask=mask).transpose(1, 2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
