@@ -29,6 +29,8 @@ overstates DRAM bandwidth). Columns (microseconds):
   fa_us      flash_attn_with_kvcache when flash-attn is installed (appends k/v like the kernel; causal=True
              within a two-block chunk, i.e. a stricter mask than block-causal); else "-"
   best          the faster of our variants (mma / wgmma); the columns below use its time
+  check         each kernel variant's output against the reference on the first two rows, before it is timed:
+                "ok", or the variant and its error (its time column then says "wrong" and it is not "best")
   GB/s, %copy   K/V bytes read by the kernel / kernel time, against the measured device copy bandwidth
                 (bytes read + written per second, profiling/common.py)
   TFLOP/s       4 * D * (query, key) pairs allowed by the mask / kernel time
@@ -49,7 +51,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RowLog, copy_bandwidth_gbs, device_name, emit_json, graph_time_us, l2_state,  # noqa: E402
-                    print_table, rotation, time_fn)
+                    check, print_table, rotation, time_fn)
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.block_attn import VARIANTS, block_attention_reference  # noqa: E402
@@ -239,11 +241,24 @@ def bench_row(kind, B, L, bs, C, dtype, device, kernels, bw, baselines=True):
     row["l2"] = l2_state(kv_bytes, len(sets), device)
     if kernels:
         kern = _ext.ext().block_attention
-        row["kernel_us"] = device_time(lambda s: (lambda: kern(*s, bs, scale)), sets, device)
-        row["call_us"] = time_or_none(lambda: kern(q, k, v, kc, vc, cl, nl, bs, scale), device)
-        if has_wgmma(device):
+        # each variant's output checked against the reference on the first rows before it is timed (the wgmma one
+        # has not run on hardware yet): a wrong variant gets "wrong" and a `check` note instead of a time
+        n = min(B, 2)
+        want = block_attention_reference(*(x[:n] for x in t), bs, scale)
+        bad = {}
+        for name, code in (("mma", VARIANTS["auto"]), ("wgmma", VARIANTS["wgmma"])):
+            if name == "mma" or has_wgmma(device):
+                bad[name] = check(lambda: kern(q, k, v, kc, vc, cl, nl, bs, scale, 0, code)[:n], want)
+        row["check"] = "; ".join(f"{v_} {e}" for v_, e in bad.items() if e) or "ok"
+        if bad["mma"] is None:
+            row["kernel_us"] = device_time(lambda s: (lambda: kern(*s, bs, scale)), sets, device)
+            row["call_us"] = time_or_none(lambda: kern(q, k, v, kc, vc, cl, nl, bs, scale), device)
+        else:
+            row["kernel_us"] = "wrong"
+        if "wgmma" in bad:
             wg = VARIANTS["wgmma"]
-            row["wgmma_us"] = device_time(lambda s: (lambda: kern(*s, bs, scale, 0, wg)), sets, device)
+            row["wgmma_us"] = device_time(lambda s: (lambda: kern(*s, bs, scale, 0, wg)), sets, device) \
+                if bad["wgmma"] is None else "wrong"
     ref_bytes = 2 * B * HQ * (L + C) * D * q.element_size()
     row["ref_us"] = time_or_none(lambda: block_attention_reference(q, k, v, kc, vc, cl, nl, bs, scale), device) \
         if ref_bytes <= REF_MAX_BYTES else None
@@ -251,12 +266,12 @@ def bench_row(kind, B, L, bs, C, dtype, device, kernels, bw, baselines=True):
         row["sdpa_us"], row["sdpa"] = sdpa_baseline(sets, L, C, bs, device)
         row["flex_us"] = flex_baseline(sets, L, C, bs, device)
         row["fa_us"] = fa_baseline(sets, C, bs, device)
-    ours = {n: row.get(c) for n, c in (("mma", "kernel_us"), ("wgmma", "wgmma_us")) if row.get(c)}
+    ours = {n: row[c] for n, c in (("mma", "kernel_us"), ("wgmma", "wgmma_us")) if isinstance(row.get(c), float)}
     if ours:
         row["best"] = min(ours, key=ours.get)
         row["best_us"] = ours[row["best"]]
-    if row.get("kernel_us") and row.get("wgmma_us"):
-        row["wg_x"] = row["kernel_us"] / row["wgmma_us"]
+    if len(ours) == 2:
+        row["wg_x"] = ours["mma"] / ours["wgmma"]
     main = row.get("best_us") or row.get("ref_us")
     if main:
         row["GB/s"] = kv_bytes / (main * 1e-6) / 1e9
@@ -338,8 +353,8 @@ def main() -> None:
         rows.append(bench_row("decode", B, L, bs, C, dtype, device, kernels, bw, not args.no_baselines))
     for B, P, bs in prefill:
         rows.append(bench_row("prefill", B, 0, bs, P, dtype, device, kernels, bw, not args.no_baselines))
-    cols = ["kind", "B", "cache", "block", "C", "sets", "l2", "kernel_us", "wgmma_us", "wg_x", "call_us", "ref_us",
-            "sdpa_us", "sdpa", "flex_us", "fa_us", "best", "GB/s", "%copy", "TFLOP/s", "vs_best", "vs_flex"]
+    cols = ["kind", "B", "cache", "block", "C", "sets", "l2", "check", "kernel_us", "wgmma_us", "wg_x", "call_us",
+            "ref_us", "sdpa_us", "sdpa", "flex_us", "fa_us", "best", "GB/s", "%copy", "TFLOP/s", "vs_best", "vs_flex"]
     table = [{c: ("-" if r.get(c) is None else r[c]) for c in cols} for r in rows]
     print_table(table)
 

@@ -12,6 +12,7 @@ Rows (one loss + torch.autograd.grad w.r.t. hidden and the LM head per call):
   dense              materialized [T, V] logits + autograd (skipped when it would not fit)
   liger              Liger-Kernel's LigerFusedLinearGRPOLoss (when installed; its own loss variant "grpo",
                      token-chunked like ours), for time and memory only
+The kernel's loss is checked against the reference path's first (no kernel row is timed when it differs: "wrong").
 Columns: `ms` median per call, `TFLOP/s` = 6 T H V / time (the useful work: one forward and two backward GEMMs,
 whatever a path recomputes), `%gemm` that rate over the plain GEMM's, `peak_GiB` the extra peak allocated memory
 of one call over the inputs (torch.cuda.max_memory_allocated), gradients included.
@@ -28,7 +29,7 @@ import torch
 import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, device_name, kernels_dispatched, print_table, time_fn  # noqa: E402
+from common import RowLog, check, device_name, kernels_dispatched, print_table, time_fn  # noqa: E402
 
 from lightningrl_fast.ops import grpo_loss as gl  # noqa: E402
 
@@ -170,7 +171,16 @@ def main() -> None:
         gemm_tflops = 2.0 * T * H * V / (ms * 1e-3) / 1e12
         rows.append({"path": "gemm_bf16 [T,H]x[H,V]", "chunk": "", "ms": ms, "TFLOP/s": gemm_tflops, "%gemm": 100.0,
                      "peak_GiB": "", "note": "2 T H V flops"})
-    for c in args.chunks:
+    kernel_check = "ok"
+    if args.chunks:  # the kernel's loss checked against the reference path's before any kernel row is timed
+        with torch.no_grad():
+            want = reference_loss(hidden, weight, loss_args, args.ref_chunk, kw).float()
+            kernel_check = check(lambda: gl.fused_linear_grpo_loss(hidden, weight, *loss_args, chunk=args.chunks[0],
+                                                                   **kw)[0].float(), want, rel=0.02) or "ok"
+        if kernel_check != "ok":
+            rows.append({"path": "kernel", "chunk": args.chunks[0], "ms": "wrong", "TFLOP/s": "", "%gemm": "",
+                         "peak_GiB": "", "note": f"loss vs reference: {kernel_check}"[:120]})
+    for c in args.chunks if kernel_check == "ok" else []:
         add("kernel", grad_call(lambda c=c: gl.fused_linear_grpo_loss(hidden, weight, *loss_args, chunk=c, **kw)[0],
                                 hidden, weight), c)
     add("reference", grad_call(lambda: reference_loss(hidden, weight, loss_args, args.ref_chunk, kw), hidden, weight),

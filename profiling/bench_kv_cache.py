@@ -11,7 +11,8 @@ graph, rotating through copies of the new k/v whose bytes span 2x L2 where at mo
 measured device copy bandwidth (bytes = k and v read + written); `l2` "cold" where the rotated k/v span 2x L2
 (DRAM reads), "warm" where they are too small to (the smallest writes: GB/s then overstates DRAM bandwidth). In
 the sampler the write runs inside the captured decode step, so kernel_us is its cost there; op_us is what an
-eager caller pays.
+eager caller pays. `check`: the kernel's cache writes against the reference's before timing ("ok", else the error
+and no kernel columns).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RowLog, copy_bandwidth_gbs, device_name, graph_time_us, kernels_dispatched, l2_state,  # noqa: E402
-                    print_table, rotation, time_fn)
+                    check, print_table, rotation, time_fn)
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.kv_cache import kv_cache_write, kv_cache_write_reference  # noqa: E402
@@ -75,6 +76,12 @@ def main() -> None:
         row["ref_us"] = 1e3 * time_fn(lambda: kv_cache_write_reference(*t), device=device)
         if kernels:
             kernel = _ext.ext().kv_cache_write
+            # the kernel's writes checked against the reference's (a copy: exact) before anything is timed
+            got, want = [(t[0].clone(), t[1].clone()) for _ in range(2)]
+            kv_cache_write_reference(*want, *t[2:])
+            row["check"] = check(lambda: (kernel(*got, *t[2:], None), got)[1], want, rel=0.0) or "ok"
+            del got, want
+        if kernels and row["check"] == "ok":
             row["op_us"] = 1e3 * time_fn(lambda: kv_cache_write(*t, check_lengths=False), device=device)
             row["call_us"] = 1e3 * time_fn(lambda: kernel(*t, None), device=device)
             # more new k/v (and write offsets) into the same caches: the reads do not come from L2

@@ -15,6 +15,7 @@ that span 2x L2 so that every call streams its weights from DRAM, `common.graph_
                 previous call drains; in the decode step the previous kernel is a norm / attention / silu_mul)
   GB/s and %copy for the faster kernel column (weights + x + y bytes / time, against the measured copy
   bandwidth), and `x_cublas` = cublas_us / min(kernel_us, pdl_us);
+  `check` the kernel's output against F.linear's before it is timed ("ok", else the error and no kernel time);
   `l2` "cold" where the weight copies span 2x L2 (at most 8 copies: "warm" for the small projections of small
   configs, where GB/s overstates DRAM bandwidth); `timing` "graph", or the columns timed eagerly because their
   capture failed (CUDA events around each call, cycling through the same weight copies; host overhead included).
@@ -31,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RowLog, copy_bandwidth_gbs, device_name, device_time, ints, l2_state, print_table,  # noqa: E402
-                    rotation)
+from common import (RowLog, check, copy_bandwidth_gbs, device_name, device_time, ints, l2_state,  # noqa: E402
+                    print_table, rotation)
 
 from bench_decode import CONFIGS  # noqa: E402  (the named model shapes, REFERENCE §1)
 
@@ -87,7 +88,11 @@ def main() -> None:
 
             row = {"proj": name, "M": m, "N": n, "K": k, "l2": l2_state(wbytes, len(weights), device),
                    "cublas_us": timed("cublas_us", lambda w: lambda: F.linear(x, w))}
-            if kernels:
+            if kernels:  # the kernel's output checked against cuBLAS' before it is timed
+                want = F.linear(x, w0)
+                row["check"] = (check(lambda: mod.linear(x, w0, False), want)
+                                or check(lambda: mod.linear(x, w0, True), want) or "ok")
+            if kernels and row["check"] == "ok":
                 row["kernel_us"] = timed("kernel_us", lambda w: lambda: mod.linear(x, w, False))
                 row["pdl_us"] = timed("pdl_us", lambda w: lambda: mod.linear(x, w, True))
                 best = min(row["kernel_us"], row["pdl_us"])

@@ -10,7 +10,8 @@ SDAR-8B. So two tables' worth of rows in one:
     `compiled_us` the reference under torch.compile), each as device time: back-to-back calls in one CUDA
     graph over input copies spanning 2x L2 where at most 64 copies can (`l2` "cold"; "warm" at 8 / 256 tokens,
     where GB/s is not a DRAM figure), `common.device_time`; `timing` names the columns timed eagerly because their
-    capture failed. GB/s and % of the device copy bandwidth for the kernel (bytes: inputs read + outputs written,
+    capture failed; `check` the kernel's output against the reference before it is timed ("ok", else the error and
+    no kernel time). GB/s and % of the device copy bandwidth for the kernel (bytes: inputs read + outputs written,
     + cos/sin for RoPE);
   * `step` rows: the norm work of all layers of one step captured in one CUDA graph and replayed, for tokens
     per step = batch x chunk in {8, 256, 2048}: `ref_us` the eager formulas; `per_op_us` one kernel per
@@ -29,8 +30,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RowLog, copy_bandwidth_gbs, device_name, device_time, device_time_us, l2_state,  # noqa: E402
-                    print_table, rotation)
+from common import (RowLog, check, copy_bandwidth_gbs, device_name, device_time, device_time_us,  # noqa: E402
+                    l2_state, print_table, rotation)
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import rope_cos_sin  # noqa: E402
@@ -84,6 +85,7 @@ def main() -> None:
 
     rows = RowLog("rms_norm", device=device_name(device), copy_gbs=round(bw, 1), dtype=str(dtype)[6:])
     for tokens in (8, 256, 2048) if on_gpu else (8,):
+        checks = []  # the op rows' kernel checks: the step rows time kernels only when every one passed
         xb = tokens * hidden * torch.empty((), dtype=dtype).element_size()
         # copies of every input (x, residual, q, k, the packed q/k) whose x alone spans 2x L2 where 64 can
         sets = [inputs(tokens, hidden, hq, hkv, d, dtype, device, seed=i) for i in range(rotation(xb, device))]
@@ -116,7 +118,10 @@ def main() -> None:
                     row["compiled_us"] = timed("compiled_us", comp)
                 except Exception as e:  # an Inductor failure is reported, not fatal
                     row["compiled_us"] = f"failed: {type(e).__name__}"
-            if kernels:
+            if kernels:  # the kernel's output checked against the reference before it is timed
+                row["check"] = check(lambda: kern(*args_of(sets[0])), ref(*args_of(sets[0]))) or "ok"
+                checks.append(row["check"])
+            if kernels and row["check"] == "ok":
                 row["kernel_us"] = timed("kernel_us", kern)
                 row["GB/s"] = nbytes / (row["kernel_us"] * 1e-6) / 1e9
                 row["%copy"] = 100 * row["GB/s"] / bw
@@ -134,7 +139,7 @@ def main() -> None:
 
             row = {"kind": "step", "what": f"{args.layers} layers x (2 add+norm, q/k norm)", "tokens": tokens,
                    "ref_us": graph_time(eager_step, device)}
-            if kernels:
+            if kernels and all(c == "ok" for c in checks):
                 def per_op_step():  # the decode forward before the add / q+k fusion: 6 launches per layer
                     for _ in range(args.layers):
                         mod.rms_norm(x + r, w, EPS)

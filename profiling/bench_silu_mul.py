@@ -10,7 +10,8 @@ the eager `F.silu(gate) * up` (two launches), `compiled_us` the same under torch
 measured copy bandwidth for the kernel (bytes: gate_up read + the product written), and the speedups; `l2`
 "cold" where the input copies span 2x L2 (DRAM reads), "warm" where they cannot (8 tokens: GB/s is then not a
 DRAM figure); `timing` "graph", or the columns timed eagerly (CUDA events around each call, host overhead
-included) because their capture failed. At 8 tokens (batch-1 decode) every column is launch latency: the saving
+included) because their capture failed; `check` the kernel's output against the reference before it is timed
+("ok", else the error and no kernel time). At 8 tokens (batch-1 decode) every column is launch latency: the saving
 is one launch per layer, 36 per SDAR-8B forward.
 Prints one table and ends with one JSON line.
 """
@@ -24,7 +25,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, copy_bandwidth_gbs, device_name, device_time, l2_state, print_table, rotation  # noqa: E402
+from common import (RowLog, check, copy_bandwidth_gbs, device_name, device_time, l2_state, print_table,  # noqa: E402
+                    rotation)
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.silu_mul import silu_mul_reference  # noqa: E402
@@ -71,7 +73,9 @@ def main() -> None:
                 row["compiled_us"] = device_us(compiled, inputs, device, eager, "compiled_us")
             except Exception as e:  # an Inductor failure is reported, not fatal
                 row["compiled_us"] = f"failed: {type(e).__name__}"
-        if kernels:
+        if kernels:  # the kernel's output checked against the reference before it is timed
+            row["check"] = check(lambda: mod.silu_mul(one), silu_mul_reference(one)) or "ok"
+        if kernels and row["check"] == "ok":
             row["kernel_us"] = device_us(mod.silu_mul, inputs, device, eager, "kernel_us")
             row["GB/s"] = nbytes / (row["kernel_us"] * 1e-6) / 1e9
             row["%copy"] = 100 * row["GB/s"] / bw

@@ -16,6 +16,8 @@ are not, so this is its full workload); quota 1, tau 0.9. Columns:
   flashinfer_us  flashinfer.sampling.sampling_from_logits on the same logits (a sample per row only: no
               confidence, no selection) — a yardstick for one pass over the vocabulary
   x_ref       ref_us / kernel_us
+  check       one kernel call against the reference before timing: greedy, the same positions unmasked and every
+              pick a maximum of its logits; sampling, the quota unmasked in every block ("ok", else no kernel time)
 Modes: `greedy`; `sample` (temperature 1, noise="two_level", the default) on LLM-like logits (a few dominant
 tokens over N(0, 2) noise) and `sample-flat` on N(0, 3) logits: one noise value per bucket of 1024 ids and per
 token of the chosen bucket, whatever the logits (the scan should run at the greedy scan's speed);
@@ -111,6 +113,33 @@ def graph_time_us(logits, states, extra, greedy, noise, kernel, device) -> float
     return 1e3 * (times[0] - times[1]) / len(states)
 
 
+def kernel_check(logits, extra, greedy, noise, kernel) -> str:
+    """One kernel call on fresh all-masked states against the reference's, before the kernel is timed: "ok" or what
+    differs. Greedy: the same positions unmasked (quota 1, tau 0.9) and each picked token a maximum of its logits
+    (ties may break either way); sampling: at least the quota unmasked in every block, picks inside the vocabulary."""
+    b, vocab = logits.shape[0], logits.shape[-1]
+    (got, want) = make_states(b, 2, logits.device)
+    try:
+        kernel(logits, *got, *extra, 0.9, 1.0, 0, 1.0, greedy, noise == "two_level")
+    except Exception as e:  # a launcher that refuses the inputs: no time either
+        return f"raised {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    threshold_unmask_reference(logits, *want, *extra, 0.9, 1.0, 0, 1.0, greedy, noise)
+    tokens, masked = got[0], got[1]
+    picked = ~masked
+    if not bool(picked.any(-1).all()):
+        return "a block had nothing unmasked (quota 1)"
+    if not bool(((tokens[picked] >= 0) & (tokens[picked] < vocab)).all()):
+        return "a token outside the vocabulary"
+    if greedy:
+        if not torch.equal(masked, want[1]):
+            return f"{int((masked != want[1]).sum())} positions unmasked differently from the reference"
+        top = logits.float().amax(-1)
+        at = logits.float().gather(-1, tokens.clamp(0, vocab - 1)[..., None]).squeeze(-1)
+        if not bool((at[picked] == top[picked]).all()):
+            return "a greedy pick is not a maximum of its logits"
+    return "ok"
+
+
 def maybe_flashinfer():
     try:
         import flashinfer.sampling as fs  # noqa: PLC0415
@@ -191,6 +220,8 @@ def main() -> None:
         heavy = rows * vocab > (1 << 28)  # the reference and compile take seconds per call there
         warm, iters = (1, 3) if heavy or not on_gpu else (3, 10)
         if kernels:
+            row["check"] = kernel_check(logits, extra, greedy, noise, _ext.ext().threshold_unmask)
+        if kernels and row["check"] == "ok":
             row["kernel_us"] = graph_time_us(logits, states, extra, greedy, noise, _ext.ext().threshold_unmask,
                                              device)
             row["GB/s"] = nbytes / (row["kernel_us"] * 1e-6) / 1e9
@@ -211,15 +242,15 @@ def main() -> None:
         if fi is not None:
             flat = logits.view(-1, vocab)
             row["flashinfer_us"] = timed_or_none(lambda: fi(flat), device, 3, 10)
-        if kernels and isinstance(row.get("ref_us"), float):
+        if isinstance(row.get("kernel_us"), float) and isinstance(row.get("ref_us"), float):
             row["x_ref"] = row["ref_us"] / row["kernel_us"]
         rows_out.append({k: ("oom" if v is None else v) for k, v in row.items()})
         del logits, states
         if on_gpu:
             torch.cuda.empty_cache()
 
-    cols = ["rows", "B", "mode", "kernel_us", "GB/s", "%copy", "op_us", "ref_us", "compiled_us", "flashinfer_us",
-            "x_ref"]
+    cols = ["rows", "B", "mode", "check", "kernel_us", "GB/s", "%copy", "op_us", "ref_us", "compiled_us",
+            "flashinfer_us", "x_ref"]
     print_table([{c: r.get(c, "") for c in cols} for r in rows_out])
     rows_out.emit(kernels=kernels, block=BLOCK, flashinfer=fi is not None,
               rows=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows_out])

@@ -10,7 +10,8 @@
   previous call's inputs in L2 (at most 64), `l2_state(bytes, sets, device)` whether they do span 2x L2 ("cold")
   or not ("warm": GB/s then overstates DRAM bandwidth).
 * `kernels_dispatched(device, *names)`: whether the public ops run the `_C` kernels (CUDA build, LRF_DISABLE_KERNELS
-  unset): a bench timing kernels through the ops labels its rows by it.
+  unset): a bench timing kernels through the ops labels its rows by it; `mismatch(got, want)` / `check(fn, want)`:
+  the check of a kernel's output against the reference before it is timed (a timing of a wrong result is none).
 * `copy_bandwidth_gbs(device)`: measured device-to-device copy bandwidth (read + write bytes / s), the
   roofline for memory-bound kernels.
 * `ints("1,8,64")`: an argparse type for comma-separated positive integers (a clear usage error otherwise).
@@ -162,6 +163,43 @@ def kernels_dispatched(device: torch.device, *names: str) -> bool:
         return False
     probe = torch.empty(1, device=device)
     return all(cuda_kernel(n, probe) is not None for n in names)
+
+
+def mismatch(got, want, rel: float = 0.05) -> str | None:
+    """None when every tensor of `got` matches `want` (same shapes; max |got - want| <= rel x max |want|, no NaN /
+    inf where `want` is finite), else what differs: the check a bench runs on a kernel's output before it times
+    it (a timing of a wrong result is no result). Tensors or (nested) tuples / lists of tensors; bool / integer
+    tensors must be equal."""
+    if isinstance(got, (tuple, list)):
+        if not isinstance(want, (tuple, list)) or len(got) != len(want):
+            return "different number of outputs"
+        for i, (g, w) in enumerate(zip(got, want)):
+            bad = mismatch(g, w, rel)
+            if bad:
+                return f"output {i}: {bad}"
+        return None
+    if got is None or want is None:
+        return None if got is None and want is None else "an output is missing"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if not got.is_floating_point() or not want.is_floating_point():
+        n = int((got.to(want.device) != want).sum())
+        return f"{n} of {want.numel()} elements differ" if n else None
+    g, w = got.double().to(want.device), want.double()
+    if not bool(torch.isfinite(g[torch.isfinite(w)]).all()):
+        return "non-finite values where the reference is finite"
+    finite = w[torch.isfinite(w)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    err = float((g - w).abs().nan_to_num(0.0).max()) if w.numel() else 0.0
+    return f"max abs error {err:.3g} > {rel:g} x max |reference| {scale:.3g}" if err > rel * scale + 1e-6 else None
+
+
+def check(fn: Callable[[], object], want, rel: float = 0.05) -> str | None:
+    """`mismatch(fn(), want, rel)`, or what fn raised: the check before a kernel column is timed."""
+    try:
+        return mismatch(fn(), want, rel)
+    except Exception as e:  # a launcher that refuses the inputs: no time either
+        return f"raised {type(e).__name__}: {str(e).splitlines()[0][:80]}"
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:

@@ -420,3 +420,46 @@ def test_bench_block_attn_sdpa_mask_is_the_block_mask_made_once():
         got = F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
                                              attn_mask=mask).transpose(1, 2)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mismatch_and_check_catch_wrong_or_raising_kernels():
+    common = _common()
+    want = torch.tensor([[1.0, -2.0], [0.5, 4.0]])
+    assert common.mismatch(want + 0.01, want) is None  # bf16-sized error: fine
+    assert "max abs error" in common.mismatch(want + 0.5, want)
+    assert "non-finite" in common.mismatch(want * float("nan"), want)
+    assert "shape" in common.mismatch(want[:1], want)
+    assert common.mismatch((want, torch.tensor([1, 2])), (want, torch.tensor([1, 2]))) is None
+    got = (want, torch.tensor([1, 3]))
+    assert common.mismatch(got, (want, torch.tensor([1, 2]))) == "output 1: 1 of 2 elements differ"
+    assert "max abs error" in common.mismatch(want.to(torch.bfloat16) + 1e-2, want, rel=0.0)  # exact, for copies
+    assert common.check(lambda: want.clone(), want) is None
+    assert common.check(lambda: 1 / 0, want).startswith("raised ZeroDivisionError")
+
+
+def test_bench_unmask_kernel_check_rejects_a_kernel_that_did_no_work_or_picked_wrong():
+    """What bench_unmask runs on the kernel before timing it, here with the reference (and broken copies of it) in the
+    kernel's place: a kernel that leaves its state untouched or picks a non-maximal token gets no time."""
+    sys.path.insert(0, str(REPO / "profiling"))
+    try:
+        import bench_unmask as bu
+    finally:
+        sys.path.pop(0)
+    from lightningrl_fast.ops.unmask import threshold_unmask_reference
+
+    def as_kernel(*a):  # the reference with _C.threshold_unmask's signature (two_level as a bool)
+        return threshold_unmask_reference(*a[:-1], "two_level" if a[-1] else "per_token")
+
+    def idle(*a):
+        return None
+
+    def argmin(logits, *a):
+        as_kernel(-logits, *a)
+
+    cpu = torch.device("cpu")
+    logits = bu.make_logits(2 * bu.BLOCK, 300, "llm", torch.float32, cpu)
+    extra = bu.extras(2, cpu)
+    for greedy, noise in ((True, "two_level"), (False, "two_level"), (False, "per_token")):
+        assert bu.kernel_check(logits, extra, greedy, noise, as_kernel) == "ok"
+        assert "nothing unmasked" in bu.kernel_check(logits, extra, greedy, noise, idle)
+    assert bu.kernel_check(logits, extra, True, "two_level", argmin) != "ok"
