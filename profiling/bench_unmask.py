@@ -9,12 +9,16 @@ Prints one table and ends with one JSON line. Every position starts masked (the 
 are not, so this is its full workload); quota 1, tau 0.9. Columns:
   kernel_us   device time of one `_C.threshold_unmask` call: 20 calls captured in a CUDA graph, each after a
               reset of its `masked` tensor; the resets alone are timed in a second graph and subtracted
-  GB/s, %copy logit bytes / kernel_us, against the measured device copy bandwidth (profiling/common.py)
+  GB/s, %copy logit bytes / kernel_us, against the measured device copy bandwidth (profiling/common.py); the 20
+              calls read ONE logits tensor: `l2` "warm" where it is smaller than 2x L2 (32 / 128 rows: 9.7 / 39 MB,
+              served from L2 as the lm_head's fresh output is in a decode step: GB/s there is not a DRAM figure),
+              "cold" from 1024 rows on
   op_us       the public op called eagerly (validation + custom-op dispatch + launch, plus one fill_ that
               re-masks the state it is given; launch-bound when small)
   ref_us      the pure-PyTorch reference, eager; compiled_us the same under torch.compile
   flashinfer_us  flashinfer.sampling.sampling_from_logits on the same logits (a sample per row only: no
-              confidence, no selection) — a yardstick for one pass over the vocabulary
+              confidence, no selection) — a yardstick for one pass over the vocabulary; device time like kernel_us
+              (`flashinfer_timing` "graph"), or eager CUDA events around each call where its capture fails
   x_ref       ref_us / kernel_us
   check       one kernel call against the reference before timing: greedy, the same positions unmasked and every
               pick a maximum of its logits; sampling, the quota unmasked in every block ("ok", else no kernel time)
@@ -36,7 +40,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RowLog, copy_bandwidth_gbs, device_name, ints, kernels_dispatched, print_table, time_fn  # noqa: E402
+from common import (RowLog, copy_bandwidth_gbs, device_name, device_time, ints, kernels_dispatched, l2_state,  # noqa: E402
+                    print_table, time_fn)
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.unmask import threshold_unmask, threshold_unmask_reference  # noqa: E402
@@ -216,7 +221,7 @@ def main() -> None:
         extra = extras(b, device)
         states = make_states(b, COPIES, device)
         nbytes = logits.numel() * logits.element_size()
-        row = {"rows": rows, "B": b, "mode": mode}
+        row = {"rows": rows, "B": b, "mode": mode, "l2": l2_state(nbytes, 1, device)}
         heavy = rows * vocab > (1 << 28)  # the reference and compile take seconds per call there
         warm, iters = (1, 3) if heavy or not on_gpu else (3, 10)
         if kernels:
@@ -241,7 +246,11 @@ def main() -> None:
                 row["compiled_us"] = f"error: {type(e).__name__}"
         if fi is not None:
             flat = logits.view(-1, vocab)
-            row["flashinfer_us"] = timed_or_none(lambda: fi(flat), device, 3, 10)
+            try:  # device time as kernel_us (a graph of back-to-back calls), eager where it cannot be captured
+                row["flashinfer_us"], row["flashinfer_timing"] = device_time([lambda: fi(flat)], device)
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                row["flashinfer_us"] = None
         if isinstance(row.get("kernel_us"), float) and isinstance(row.get("ref_us"), float):
             row["x_ref"] = row["ref_us"] / row["kernel_us"]
         rows_out.append({k: ("oom" if v is None else v) for k, v in row.items()})
@@ -249,7 +258,7 @@ def main() -> None:
         if on_gpu:
             torch.cuda.empty_cache()
 
-    cols = ["rows", "B", "mode", "check", "kernel_us", "GB/s", "%copy", "op_us", "ref_us", "compiled_us",
+    cols = ["rows", "B", "mode", "l2", "check", "kernel_us", "GB/s", "%copy", "op_us", "ref_us", "compiled_us",
             "flashinfer_us", "x_ref"]
     print_table([{c: r.get(c, "") for c in cols} for r in rows_out])
     rows_out.emit(kernels=kernels, block=BLOCK, flashinfer=fi is not None,
