@@ -463,3 +463,42 @@ def test_bench_unmask_kernel_check_rejects_a_kernel_that_did_no_work_or_picked_w
         assert bu.kernel_check(logits, extra, greedy, noise, as_kernel) == "ok"
         assert "nothing unmasked" in bu.kernel_check(logits, extra, greedy, noise, idle)
     assert bu.kernel_check(logits, extra, True, "two_level", argmin) != "ok"
+
+
+def test_bench_unmask_greedy_check_tolerates_only_near_ties():
+    """The greedy check before timing allows a different selection only where the kernel may legitimately differ
+    (a confidence within 1e-4 of tau, or of the block's best when that is below tau); a different selection of a
+    clearly decided position, or a wrong written confidence, fails it."""
+    import math
+
+    sys.path.insert(0, str(REPO / "profiling"))
+    try:
+        import bench_unmask as bu
+    finally:
+        sys.path.pop(0)
+    from lightningrl_fast.ops.unmask import threshold_unmask_reference
+
+    cpu, vocab = torch.device("cpu"), 300
+    logits = torch.zeros(2, bu.BLOCK, vocab)
+
+    def with_conf(c):  # one token's logit such that its softmax probability over the row is c
+        return math.log(c * (vocab - 1) / (1 - c))
+
+    for s, c in enumerate([0.90005, 0.95, 0.99, 0.97]):
+        logits[:, s, 7 + s] = with_conf(c)  # positions 0..3 of each block clearly or barely above tau, rest low
+    extra = bu.extras(2, cpu)
+
+    def flip(pos, scale_conf=1.0):
+        def kernel(*a):
+            out = threshold_unmask_reference(*a[:-1], "two_level" if a[-1] else "per_token")
+            masked, conf = a[2], a[5]
+            assert not bool(masked[0, pos])  # the reference unmasked it
+            masked[0, pos] = True  # ... this "kernel" does not
+            conf.mul_(scale_conf)
+            return out
+        return kernel
+
+    assert bu.kernel_check(logits, extra, True, "two_level", flip(0)) == "ok"  # conf 0.90005: within 1e-4 of tau
+    assert "unmasked differently" in bu.kernel_check(logits, extra, True, "two_level", flip(1))  # conf 0.95
+    wrong_conf = flip(0, scale_conf=0.5)
+    assert "confidence differs" in bu.kernel_check(logits, extra, True, "two_level", wrong_conf)
