@@ -2,6 +2,7 @@
 
     python profiling/bench_block_attn.py              # GPU: decode + prefill shapes (32 q / 8 kv heads, d 128, bf16)
     python profiling/bench_block_attn.py --quick      # a few shapes
+    python profiling/bench_block_attn.py --quick --splits 1,4,8,16,32,64   # + the kernel at forced KV splits
     python profiling/bench_block_attn.py --cpu        # the reference only, one tiny shape each (no GPU needed)
     python profiling/bench_block_attn.py --ncu --batch 1 --cache 4096 --block 4   # one shape under an NVTX
                                                       # range "block_attn" (profiling/ncu_block_attn.sh)
@@ -35,6 +36,10 @@ overstates DRAM bandwidth). Columns (microseconds):
                 (bytes read + written per second, profiling/common.py)
   TFLOP/s       4 * D * (query, key) pairs allowed by the mask / kernel time
   vs_best       kernel time / fastest baseline time (< 1: the kernel is faster)
+With --splits (decode rows): `s<n>_us` the mma.sync kernel forced to n KV splits (device time as kernel_us, whose
+split count the launcher chose; "-" where n splits' fp32 partial outputs would exceed 1 GiB, i.e. large batches
+that need no split), `best_split` the fastest n and `split_x` = kernel_us / its time (> 1: the launcher's choice
+leaves that factor on the table; the data for tuning kernels::block_attn_num_splits).
 Ends with ONE JSON line.
 """
 
@@ -51,7 +56,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (RowLog, copy_bandwidth_gbs, device_name, emit_json, graph_time_us, l2_state,  # noqa: E402
-                    check, print_table, rotation, time_fn)
+                    check, ints, print_table, rotation, time_fn)
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.block_attn import VARIANTS, block_attention_reference  # noqa: E402
@@ -63,6 +68,7 @@ QUICK_DECODE = [(1, 8192, 4, 4), (32, 2048, 4, 4), (128, 4096, 32, 32), (256, 20
 # (batch, prompt length, block): prefill rows (cache 0)
 PREFILL = [(1, 4096, 32), (4, 2048, 4), (8, 1024, 32), (1, 8192, 4)]
 QUICK_PREFILL = [(1, 4096, 32), (4, 2048, 4)]
+SPLIT_PARTIAL_MAX_BYTES = 1 << 30  # --splits: skip a forced split count whose partial outputs exceed this
 REF_MAX_BYTES = 8 << 30  # skip the reference where its repeat_interleave'd K/V would exceed this
 
 
@@ -107,7 +113,8 @@ TIMINGS = set()  # how the timed columns of this run were measured ("graph", "ea
 
 def device_time(make_fn, sets, device):
     """Microseconds per call of make_fn(s)() rotating over the input sets `sets`: CUDA-graph device time when
-    the calls can be captured, else eager event timing of set 0; None when the call fails."""
+    the calls can be captured, else eager event timing of calls cycling through the sets; None when the call
+    fails."""
     fns = [make_fn(s) for s in sets]
     try:
         fns[0]()
@@ -228,7 +235,7 @@ def fa_baseline(sets, C, bs, device):
     return device_time(make_run, sets, device)
 
 
-def bench_row(kind, B, L, bs, C, dtype, device, kernels, bw, baselines=True):
+def bench_row(kind, B, L, bs, C, dtype, device, kernels, bw, baselines=True, splits=()):
     t = make(B, L, C, dtype, device)
     q, k, v, kc, vc, cl, nl = t
     row = {"kind": kind, "B": B, "cache": L, "block": bs, "C": C}
@@ -255,6 +262,21 @@ def bench_row(kind, B, L, bs, C, dtype, device, kernels, bw, baselines=True):
             row["call_us"] = time_or_none(lambda: kern(q, k, v, kc, vc, cl, nl, bs, scale), device)
         else:
             row["kernel_us"] = "wrong"
+        if splits and kind == "decode" and isinstance(row.get("kernel_us"), float):
+            mma = VARIANTS["mma"]
+            forced = {}
+            for ns in splits:  # each split count's output checked like the automatic one's before it is timed
+                if ns * B * C * HQ * (D + 1) * 4 > SPLIT_PARTIAL_MAX_BYTES:  # the fp32 partials of ns splits
+                    forced[ns] = None  # a batch that fills the GPU without splitting: not worth gigabytes
+                    continue
+                wrong = check(lambda: kern(q, k, v, kc, vc, cl, nl, bs, scale, ns, mma)[:n], want)
+                forced[ns] = "wrong" if wrong else \
+                    device_time(lambda s, ns=ns: (lambda: kern(*s, bs, scale, ns, mma)), sets, device)
+            row.update({f"s{ns}_us": us for ns, us in forced.items()})
+            timed = {ns: us for ns, us in forced.items() if isinstance(us, float)}
+            if timed:
+                row["best_split"] = min(timed, key=timed.get)
+                row["split_x"] = row["kernel_us"] / timed[row["best_split"]]
         if "wgmma" in bad:
             wg = VARIANTS["wgmma"]
             row["wgmma_us"] = device_time(lambda s: (lambda: kern(*s, bs, scale, 0, wg)), sets, device) \
@@ -323,7 +345,11 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=0, help="chunk length (default: one block)")
     ap.add_argument("--ncu-calls", type=int, default=2)
     ap.add_argument("--variant", choices=tuple(VARIANTS), default="auto", help="--ncu: the kernel variant profiled")
+    ap.add_argument("--splits", type=ints, default=[], help="decode rows: also time the mma.sync kernel forced to "
+                    "each of these KV split counts (1..64), e.g. 1,4,8,16,32,64")
     args = ap.parse_args()
+    if any(n > 64 for n in args.splits):
+        ap.error(f"--splits: at most 64 KV splits (kernels::kBlockAttnMaxSplits), got {max(args.splits)}")
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     on_gpu = device.type == "cuda"
@@ -350,11 +376,13 @@ def main() -> None:
     rows = RowLog("block_attention", device=device_name(device), copy_gbs=round(bw, 1), dtype=str(dtype)[6:],
                   hq=HQ, hkv=HKV, head_dim=D)
     for B, L, bs, C in decode:
-        rows.append(bench_row("decode", B, L, bs, C, dtype, device, kernels, bw, not args.no_baselines))
+        rows.append(bench_row("decode", B, L, bs, C, dtype, device, kernels, bw, not args.no_baselines, args.splits))
     for B, P, bs in prefill:
         rows.append(bench_row("prefill", B, 0, bs, P, dtype, device, kernels, bw, not args.no_baselines))
     cols = ["kind", "B", "cache", "block", "C", "sets", "l2", "check", "kernel_us", "wgmma_us", "wg_x", "call_us",
             "ref_us", "sdpa_us", "sdpa", "flex_us", "fa_us", "best", "GB/s", "%copy", "TFLOP/s", "vs_best", "vs_flex"]
+    if args.splits:
+        cols += [f"s{n}_us" for n in args.splits] + ["best_split", "split_x"]
     table = [{c: ("-" if r.get(c) is None else r[c]) for c in cols} for r in rows]
     print_table(table)
 

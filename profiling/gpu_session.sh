@@ -177,7 +177,9 @@ for s in "${stages[@]}"; do
       stage bench_decode1 200 bench_decode1.log python3 profiling/bench_decode.py --config sdar-8b --batches 1 \
         --blocks 4 --graphs on --impl kernels --gemm cublas,kernel --repeats 2 --new-tokens 128 ;;
     attn_quick)
-      stage "bench_block_attn.py --quick" 150 bench.log python3 profiling/bench_block_attn.py --quick ;;
+      # with the KV-split sweep of the decode rows (the data to tune kernels::block_attn_num_splits, #5 at batch 1)
+      stage "bench_block_attn.py --quick" 150 bench.log python3 profiling/bench_block_attn.py --quick \
+        --splits 1,2,4,8,16,32,64 ;;
     unmask_quick)
       # greedy and two-level sampling (the default) at 32 / 1024 / 8192 rows, no torch.compile column (minutes)
       stage "bench_unmask.py quick" 120 bench.log python3 profiling/bench_unmask.py --no-compile --rows 32,1024,8192 \
@@ -185,7 +187,7 @@ for s in "${stages[@]}"; do
     optim)
       stage bench_optim.py 150 bench.log python3 profiling/bench_optim.py ;;
     attn_full)
-      stage bench_block_attn 420 bench_attn_full.log python3 profiling/bench_block_attn.py ;;
+      stage bench_block_attn 420 bench_attn_full.log python3 profiling/bench_block_attn.py --splits 1,4,16,64 ;;
     decode)
       # kernels first (their rows are printed as each finishes), then the reference ops in a child process
       # $DECODE_ARGS replaces the default shapes (e.g. "--batches 1,8 --impl kernels")

@@ -502,3 +502,39 @@ def test_bench_unmask_greedy_check_tolerates_only_near_ties():
     assert "unmasked differently" in bu.kernel_check(logits, extra, True, "two_level", flip(1))  # conf 0.95
     wrong_conf = flip(0, scale_conf=0.5)
     assert "confidence differs" in bu.kernel_check(logits, extra, True, "two_level", wrong_conf)
+
+
+def test_bench_block_attn_split_sweep_checks_and_times_each_forced_split(monkeypatch):
+    """--splits: each forced KV split count of a decode row is checked against the reference, then timed (here with
+    the reference in the kernel's place, eagerly on the CPU); a wrong split count gets "wrong", never a time, and is
+    not the best; `split_x` compares the launcher's own choice with the fastest forced one."""
+    import types
+
+    sys.path.insert(0, str(REPO / "profiling"))
+    try:
+        import bench_block_attn as ba
+    finally:
+        sys.path.pop(0)
+    from lightningrl_fast import _ext
+    from lightningrl_fast.ops.block_attn import block_attention_reference
+
+    calls = []
+
+    def kernel(q, k, v, kc, vc, cl, nl, bs, scale, num_splits=0, variant=0):
+        calls.append((num_splits, variant))
+        out = block_attention_reference(q, k, v, kc, vc, cl, nl, bs, scale)
+        return out + 1.0 if num_splits == 3 else out  # split count 3 is "broken"
+
+    monkeypatch.setattr(_ext, "ext", lambda: types.SimpleNamespace(block_attention=kernel))
+    monkeypatch.setattr(ba, "HQ", 2)
+    monkeypatch.setattr(ba, "HKV", 1)
+    monkeypatch.setattr(ba, "D", 16)
+    cpu = torch.device("cpu")
+    row = ba.bench_row("decode", 2, 64, 4, 4, torch.float32, cpu, True, 10.0, baselines=False, splits=(1, 3, 8))
+    assert row["check"] == "ok" and isinstance(row["kernel_us"], float)
+    assert isinstance(row["s1_us"], float) and isinstance(row["s8_us"], float) and row["s3_us"] == "wrong"
+    assert row["best_split"] in (1, 8) and row["split_x"] == row["kernel_us"] / row[f"s{row['best_split']}_us"]
+    assert {(1, ba.VARIANTS["mma"]), (8, ba.VARIANTS["mma"])} <= set(calls)
+    assert sum(c == (3, ba.VARIANTS["mma"]) for c in calls) == 1  # checked once, never timed
+    prefill = ba.bench_row("prefill", 1, 0, 8, 16, torch.float32, cpu, True, 10.0, baselines=False, splits=(1, 8))
+    assert "s1_us" not in prefill and "best_split" not in prefill  # the sweep is for decode rows
