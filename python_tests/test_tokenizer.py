@@ -276,6 +276,81 @@ def test_gapped_added_token_ids(tmp_path):
     assert tok.mask_token_id == 12 and tok.eos_token_ids == {9} and tok.pad_token_id == 9
 
 
+def _tokens_folder(tmp_path: Path, added: dict[int, tuple[str, bool]], config: dict | None = None,
+                   **files) -> Path:
+    """A tiny vocab.json + merges.txt folder whose added tokens (id -> (content, special)) are declared in
+    tokenizer_config.json; `config` adds keys to that file, `files` adds files (name -> JSON-able object)."""
+    vocab = {c: i for i, c in enumerate("abcĠ")}
+    vocab["ab"] = 4
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
+    decl = {str(i): {"content": c, "special": sp} for i, (c, sp) in added.items()}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decl, **(config or {})}))
+    for name, obj in files.items():
+        (tmp_path / name.replace("__", ".")).write_text(json.dumps(obj))
+    return tmp_path
+
+
+def test_special_ids_follow_the_documented_precedence(tmp_path):
+    """eos = the config's eos_token + <|im_end|> + <|endoftext|> + generation_config's eos_token_id; pad =
+    pad_token, else <|endoftext|> (even when another eos has a smaller id); mask = mask_token, else
+    config.json's mask_token_id, else <|MASK|> before <MASK>."""
+    added = {5: ("<|im_end|>", True), 6: ("<|endoftext|>", True), 7: ("<MASK>", True), 8: ("<|MASK|>", False)}
+    tok = load_tokenizer(_tokens_folder(tmp_path / "a", added, generation_config__json={"eos_token_id": 3}))
+    assert tok.eos_token_ids == {3, 5, 6}  # 3 ('Ġ') only from generation_config.json
+    assert tok.pad_token_id == 6  # <|endoftext|>, not min(eos)
+    assert tok.mask_token_id == 8  # <|MASK|> before the legacy <MASK>
+    tok = load_tokenizer(_tokens_folder(tmp_path / "b", added, {"mask_token": "<|MASK|>"},
+                                        config__json={"mask_token_id": 7}))
+    assert tok.mask_token_id == 8  # the tokenizer's own mask_token beats config.json
+    assert load_tokenizer(_tokens_folder(tmp_path / "c", added, config__json={"mask_token_id": 7})).mask_token_id == 7
+
+
+def test_legacy_added_tokens_json_follows_the_transformers_rule(tmp_path):
+    """added_tokens.json adds only tokens whose id AND content tokenizer_config.json does not declare: a content
+    declared at another id stays at that id (no duplicate token, no id-mismatch error)."""
+    folder = _tokens_folder(tmp_path, {5: ("<|endoftext|>", True)},
+                            added_tokens__json={"<|endoftext|>": 6, "<extra>": 7})
+    tok = load_tokenizer(folder)
+    assert tok.token_to_id("<|endoftext|>") == 5 and tok.encode("<|endoftext|>") == [5]
+    assert tok.special_tokens == {"<|endoftext|>": 5, "<extra>": 7}
+    assert tok.decode([4, 7, 5], skip_special=True) == "ab"  # legacy tokens count as special
+
+
+@needs_sdar
+def test_sdar_added_tokens_stay_out_of_the_bpe_vocabulary(sdar_tok, tmp_path):
+    """SDAR's added tokens continue vocab.json's ids (151643..151669): as in the real tokenizer.json, they are
+    added tokens only, not entries of the BPE model's vocabulary (151643 entries)."""
+    n_base = len(json.loads((SDAR4B / "vocab.json").read_text(encoding="utf-8")))
+    assert n_base == 151643
+    assert sdar_tok.backend.get_vocab_size(with_added_tokens=False) == n_base
+    sdar_tok.save(tmp_path)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
+    assert len(spec["model"]["vocab"]) == n_base and "<|im_end|>" not in spec["model"]["vocab"]
+    assert {t["id"] for t in spec["added_tokens"]} == set(range(151643, 151670))
+
+
+def test_encode_never_adds_a_bos(tmp_path):
+    """A tokenizer.json whose post-processor would add a BOS: encode still returns the text's ids alone."""
+    from tokenizers import processors
+
+    backend = CharTokenizer("ab").backend
+    backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert backend.encode("ab").ids == [1, 4, 5]  # what the post-processor does when asked
+    assert tok.encode("ab") == [4, 5] and tok.encode_batch(["ba"]) == [[5, 4]]
+
+
+def test_saved_config_declares_no_bos(tmp_path):
+    """The saved tokenizer_config.json says no BOS (add_bos_token false, bos_token null), as SDAR's does, also for
+    a tokenizer whose own config did not say it."""
+    CharTokenizer().save(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert cfg["add_bos_token"] is False and cfg["bos_token"] is None
+
+
 # --- char tokenizer ---------------------------------------------------------------------------------------------
 
 def test_char_ids_and_round_trip():
@@ -292,6 +367,8 @@ def test_char_ids_and_round_trip():
     assert ids[0] == 1 and ids[-2:] == [2, 3]
     assert tok.decode(ids) == prompt + "3<|im_end|><|MASK|>"
     assert tok.decode(ids, skip_special=True) == "user\n3*(2-1)=?\nassistant\n3"
+    # skip_special drops the four specials only: id 4 is the alphabet's first character
+    assert tok.decode([0, 4, 1, 2, 3, 5], skip_special=True) == DEFAULT_ALPHABET[:2]
 
 
 def test_char_unknown_character_error():
