@@ -146,6 +146,65 @@ def test_train_sft_with_the_optimizer_state_offloaded_is_the_same_run():
     assert any(not torch.equal(runs[0][1][n], q) for n, q in tiny_model(dtype=torch.bfloat16).named_parameters())
 
 
+def test_collate_rounds_up_to_whole_blocks():
+    """n is the longest pair rounded UP to whole blocks: a pair that fills its blocks exactly gets no extra block."""
+    ids, plens, lens = collate([([1, 2], [3, 4]), ([5], [6])], BS, PAD)
+    assert ids.tolist() == [[1, 2, 3, 4], [5, 6, PAD, PAD]] and plens.tolist() == [2, 1] and lens.tolist() == [4, 2]
+    assert collate([([1] * 5, [2] * 4)], BS, PAD)[0].shape == (1, 12)
+
+
+def test_train_sft_schedule_and_optimizer(monkeypatch):
+    """The warm-up recipe (not in the SFT cache key: a change needs train.SFT_CACHE_VERSION bumped): AdamW, betas
+    (0.9, 0.98), no weight decay, gradients clipped at norm 1.0, learning rate = lr * min(1, (s + 1) / warmup) *
+    (0.1 + 0.9 * (1 + cos(pi * s / steps)) / 2) at step s (linear warm-up from lr / warmup, cosine decay to a
+    10% floor). Values for steps 4, warmup 2 worked out by hand."""
+    import lightningrl_fast.rl.sft as S
+
+    seen, lrs, clips = {}, [], []
+    real_make, real_clip = S.make_optimizer, torch.nn.utils.clip_grad_norm_
+
+    def make(params, **kw):
+        seen.update(kw)
+        seen["opt"] = real_make(params, **kw)
+        return seen["opt"]
+
+    def clip(params, max_norm, *a, **k):  # called once per step, right before opt.step: the lr that step uses
+        clips.append(max_norm)
+        lrs.append(seen["opt"].param_groups[0]["lr"])
+        return real_clip(params, max_norm, *a, **k)
+
+    monkeypatch.setattr(S, "make_optimizer", make)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    model = tiny_model(dtype=torch.float32)
+    bank = [([1, 2, 3], [7, 8, 9, 10])]
+    train_sft(model, lambda rng: rng.choice(bank), steps=4, batch_size=2, lr=1e-3, pad_id=PAD, warmup=2, log=None)
+    assert seen["lr"] == 1e-3 and seen["betas"] == (0.9, 0.98) and seen["weight_decay"] == 0.0
+    assert clips == [1.0] * 4
+    # s=0: 0.5 * 1; s=1: 0.1 + 0.45 * (1 + cos(pi/4)); s=2: 0.1 + 0.45; s=3: 0.1 + 0.45 * (1 - cos(pi/4))
+    assert lrs == pytest.approx([1e-3 * f for f in (0.5, 0.8681981, 0.55, 0.2318019)], rel=1e-6)
+    lrs.clear()
+    train_sft(tiny_model(dtype=torch.float32), lambda rng: rng.choice(bank), steps=2, batch_size=2, lr=1e-3,
+              pad_id=PAD, warmup=1, log=None)
+    assert lrs == pytest.approx([1e-3, 0.55e-3], rel=1e-6)  # warmup 1 = no warm-up: the first step at the peak
+
+
+def test_train_sft_time_budget_and_log_cadence(monkeypatch):
+    """The budget is checked after each step against the seconds since the start (a fake clock: 1 s per step);
+    a log line every `log_every` steps, after the step it names."""
+    import time as time_mod
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: float(next(clock)))
+    lines = []
+    bank = [([1, 2, 3], [7, 8, 9, 10])]
+    losses = train_sft(tiny_model(dtype=torch.float32), lambda rng: rng.choice(bank), steps=10, batch_size=2,
+                       lr=1e-3, pad_id=PAD, warmup=1, log=lines.append, log_every=2, time_budget_s=4.5)
+    # t0 = 0; step 1's budget check reads 1, step 2's log line 2 and its check 3, step 3's check 4, step 4's
+    # log line 5 and its check 6 > 4.5: four steps
+    assert len(losses) == 4
+    assert [l.split(" loss")[0] for l in lines] == ["sft step 2/10", "sft step 4/10"]
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(400)  # compiles FlexAttention (forward, or forward + backward) per shape: minutes
 @pytest.mark.parametrize("pack", [True, False])
