@@ -94,6 +94,8 @@ def test_memory_problem_names_sizes_and_options():
     assert D.memory_problem(n8, 2, 4, True, 80 * gib) is None  # 68.7 GiB
     assert "--reference-offload" in D.memory_problem(n8, 2, 4, True, 70 * gib)  # 68.7 > 0.95 x 70; 53.4 without
     assert D.memory_problem(4_410_000_000, 2, 1, True, 139 * gib) is None  # SDAR-4B on one H200
+    # SDAR-4B with a reference on a 70 GiB GPU: 74.0 GiB; on 2 ranks 49.3 <= 0.8 x 70, the fewest that fit
+    assert "torchrun --nproc-per-node 2 " in D.memory_problem(4_410_000_000, 2, 1, True, 70 * gib)
 
 
 def test_optimizer_offload_in_the_memory_plan():
@@ -236,8 +238,67 @@ def test_reduce_and_clip_against_a_float64_oracle(monkeypatch):
         assert (p.grad is None) == (o != env.rank)
         if p.grad is not None:
             torch.testing.assert_close(p.grad.double(), t, rtol=1e-6, atol=0)
+    got, norm, _, _ = run(1.0, 1e3)
+    got, norm2, params, total = run(1.0, 0.8 * norm)  # a coefficient just below 1 clips too (not only small ones)
+    assert norm2 == norm and got == pytest.approx(norm, rel=1e-6)
+    for p, t, o in zip(params, total, owners):
+        if o == env.rank:
+            torch.testing.assert_close(p.grad.double(), t * (0.8 * norm / (norm + 1e-6)), rtol=1e-6, atol=0)
     got, _, params, _ = run(1.0, 1.0, poison=True)
     assert math.isinf(got) and all(p.grad is None for p in params)
+
+
+def test_small_collectives_with_two_ranks(monkeypatch):
+    """all_sum adds in float64 (a count past 2**24 stays exact), all_max takes the maximum; the other rank's values
+    stand in through a replaced all_reduce that applies the requested op."""
+    env = D.DistEnv(0, 2, 0)
+    other = torch.tensor([3.0, -1.0, 0.25], dtype=torch.float64)
+
+    def all_reduce(t, op=D.dist.ReduceOp.SUM, **kw):
+        assert t.dtype == torch.float64
+        if op == D.dist.ReduceOp.MAX:
+            torch.maximum(t, other[: t.numel()], out=t)
+        else:
+            assert op == D.dist.ReduceOp.SUM
+            t += other[: t.numel()]
+
+    monkeypatch.setattr(D.dist, "all_reduce", all_reduce)
+    assert D.all_sum(env, [2**24 + 1, 2, 0.5]) == [2**24 + 4, 1.0, 0.75]
+    assert D.all_max(env, [1, 5, 0.5]) == [3.0, 5.0, 0.5]
+
+
+def test_env_and_init_defaults(monkeypatch):
+    """LOCAL_RANK absent: the rank itself (one node); `init` without a timeout (the eval and generate CLIs) waits
+    the 60 minutes --dist-timeout-min defaults to; a gloo group on CPU."""
+    e = D.env_from_environment({"WORLD_SIZE": "2", "RANK": "1"})
+    assert (e.rank, e.world, e.local_rank) == (1, 2, 1)
+    seen = {}
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(D.dist, "init_process_group", lambda backend, **kw: seen.update(kw, backend=backend))
+    env, dev = D.init(D.DistEnv(1, 2, 1), torch.device("cpu"))
+    assert seen["backend"] == "gloo" and (seen["rank"], seen["world_size"]) == (1, 2)
+    assert seen["timeout"].total_seconds() == 3600 and env.device == "cpu" and dev.type == "cpu"
+    from lightningrl_fast.config import OPTIONS
+
+    assert OPTIONS["dist_timeout_min"].default == 60.0
+
+
+def test_shutdown_waits_for_the_other_ranks_only_after_success(monkeypatch):
+    """ok: a barrier (no rank tears its end down while another still works), then the group is destroyed; after
+    an error: no barrier (the others may never reach it), a gloo group destroyed at once, an NCCL one left alone."""
+    env = D.DistEnv(0, 2, 0)
+    for ok, backend, want in ((True, "gloo", ["barrier", "destroy"]), (False, "gloo", ["destroy"]),
+                              (False, "nccl", []), (True, "nccl", ["barrier", "destroy"])):
+        calls = []
+        monkeypatch.setattr(D.dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(D.dist, "get_backend", lambda b=backend: b)
+        monkeypatch.setattr(D.dist, "barrier", lambda: calls.append("barrier"))
+        monkeypatch.setattr(D.dist, "destroy_process_group", lambda: calls.append("destroy"))
+        D.shutdown(env, ok=ok)
+        assert calls == want, (ok, backend)
+    calls.clear()
+    D.shutdown(D.SINGLE)  # one rank: nothing to leave
+    assert calls == []
 
 
 # ------------------------------------------------------------------------------------------------------------
