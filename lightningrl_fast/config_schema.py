@@ -453,6 +453,8 @@ def convert(opt: Option, value: Any, from_text: bool = False) -> Any:
                 raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
             return tuple(_scalar(a, v, key, from_text) for a, v in zip(args, value))
         elem = args[0] if args else str
+        if from_text and elem in (int, float):  # `--eval-thresholds 0.5,0.9` as eval's `--thresholds 0.5,0.9`
+            value = [p for v in value for p in (v.replace(",", " ").split() if isinstance(v, str) else [v])]
         items = [_scalar(elem, v, key, from_text) for v in value]
         return tuple(items) if origin is tuple else items
     out = _scalar(tp, value, key, from_text)

@@ -183,6 +183,13 @@ def test_converter_edge_cases():
     # a list flag given as one string (resolve's flags, from text) splits at commas and spaces
     assert config_schema.convert(o["eval_thresholds"], "0.5, 0.9,0.95", from_text=True) == [0.5, 0.9, 0.95]
     assert C.resolve({"eval_thresholds": "0.3,0.6"}).eval.eval_thresholds == [0.3, 0.6]
+    # was: `train --eval-thresholds 0.5,0.9` refused (a comma list inside argparse's list), while eval's
+    # `--thresholds 0.5,0.9` takes it; both forms now work, and spaces too
+    for argv in (["--eval-thresholds", "0.5,0.9"], ["--eval-thresholds", "0.5", "0.9"],
+                 ["--eval-thresholds", "0.5,", "0.9"]):
+        assert C.parse_config(argv, check_paths=False).eval.eval_thresholds == [0.5, 0.9], argv
+    with pytest.raises(C.ConfigError, match="expected a number"):
+        C.parse_config(["--eval-thresholds", "0.5,x"], check_paths=False)
 
 
 @pytest.mark.parametrize("file_text", ["group_size = true\n", "[rl]\nlr = true\n", "betas = [0.9, 0.99, 0.5]\n",
