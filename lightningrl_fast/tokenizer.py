@@ -21,7 +21,7 @@ Where it comes from, in order:
 
 Special ids: eos = the config's `eos_token` plus `<|im_end|>` and `<|endoftext|>` when present, plus
 `generation_config.json["eos_token_id"]` (SDAR stops on 151645 or 151643); pad = `pad_token` (else
-`<|endoftext|>`, else the eos token); mask = `mask_token` (else `config.json["mask_token_id"]`, else
+`<|endoftext|>`, else the smallest eos id); mask = `mask_token` (else `config.json["mask_token_id"]`, else
 `<|MASK|>` / `<MASK>`). Note: SDAR declares `<|MASK|>` with special=False, so `skip_special` keeps it, as
 the real tokenizer does.
 
