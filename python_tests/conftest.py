@@ -1,5 +1,6 @@
 """Shared test setup: deterministic seeds, the `gpu` marker's auto-skip, per-dtype tolerances, the build of
-the CPU emulator of device code (csrc/emu), the CUDA entry points a test needs (`cuda_ext_with`)."""
+the CPU emulator of device code (csrc/emu), the CUDA entry points a test needs (`cuda_ext_with`), SASS dumps,
+optimizer-state comparisons, and the tiny SDAR model and rollout batch of test_rl / test_logprobs."""
 
 from __future__ import annotations
 
