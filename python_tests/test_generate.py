@@ -391,12 +391,26 @@ def test_an_error_before_any_row_leaves_no_file(ckpt, tmp_path, capsys, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
 def test_out_may_be_a_device(ckpt, tmp_path, capsys):
-    """/dev/null is not renamed over (a device is written directly)."""
+    """An --out that is not a regular file (/dev/null, a pipe) is written directly, not renamed over. Tested on a
+    named pipe of the test's own: with the check broken, a test on /dev/null run as root replaced the machine's
+    /dev/null with a regular file (found by a mutation run)."""
+    import stat
+
     prompts = _write(tmp_path / "p.txt", ["1+2?"])
-    assert gen.main(["--model", str(ckpt), "--prompts", str(prompts), "--out", os.devnull, "--quiet",
-                     "--max-new-tokens", "4"]) == 0
-    assert "wrote /dev/null" in capsys.readouterr().out and Path(os.devnull).is_char_device()
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader, so that the writer's open does not wait
+    try:
+        assert gen.main(["--model", str(ckpt), "--prompts", str(prompts), "--out", str(fifo), "--quiet",
+                         "--max-new-tokens", "4"]) == 0
+        data = os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+    assert f"wrote {fifo}" in capsys.readouterr().out and stat.S_ISFIFO(fifo.stat().st_mode)
+    assert [json.loads(x)["prompt"] for x in data.decode().splitlines()] == ["1+2?"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.fifo", "p.txt"]  # no temporary file left
 
 
 def test_unpaired_surrogates_are_refused_by_line_before_loading(ckpt, tmp_path, capsys):
