@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -303,6 +304,7 @@ def test_cli_names_an_example_too_long_for_the_model_before_decoding(tmp_path, c
     err = capsys.readouterr().err
     assert "example 'long/2': the prompt does not fit:" in err and "+ max_new_tokens 16 = " in err
     assert "more than the 512 the cache holds" in err and "Traceback" not in err
+    assert "more example" not in err  # one example does not fit: no "(and 0 more example(s))"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -490,3 +492,309 @@ def test_cli_ctrl_c_is_one_line_and_leaves_no_results_file(synth_ckpt, tmp_path,
     assert (out / "x.synthetic.json").read_bytes() == before
     assert sorted(p.name for p in out.iterdir()) == sorted(["x.synthetic.json"] + (["x.synthetic.png"]
                                                                                    if _has_matplotlib() else []))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# audit: every number of a point against hand-computed values (a scripted decoder and clock stand in for the
+# sampler, so that TPF, forwards, lengths and finish reasons differ from row to row, which a random model's do not)
+# ------------------------------------------------------------------------------------------------------------
+
+_EXS = [ArithExample((1, 2, 3)), ArithExample((2, 2, 2)), ArithExample((3, 1, 4)), ArithExample((5, 0, 1)),
+        ArithExample((4, 4, 1))]
+# per threshold, per example: (response, finished with EOS, TPF, forwards of the row, response length)
+_SCRIPT = {
+    0.9: [("1+2=3,3+3=6#6", True, 1.0, 14, 14),   # right
+          ("2+2=4,4+2=7#7", True, 2.0, 8, 14),    # wrong answer
+          ("3+1=4,4+4=8#8", False, 1.5, 10, 13),  # a right trace cut at the length limit
+          ("5+0=5,5+1=6#6", True, 3.5, 5, 14),    # right
+          ("4+4", False, 1.25, 12, 13)],          # cut
+    0.5: [("1+2=3,3+3=6#6", True, 3.0, 5, 14),
+          ("2+2=4,4+2=6#6", True, 3.5, 4, 14),
+          ("3+1=4,4+4=8#8", True, 2.5, 6, 14),
+          ("5+0=5,5+1=6#6", True, 4.0, 4, 14),
+          ("4+4=8,8+1=8#8", True, 2.0, 7, 14)],   # wrong answer
+}
+
+
+def _scripted(monkeypatch, tok, calls: list, score_s: float = 0.25, tick: float = 1.0):
+    """ev.decode_texts answers from _SCRIPT (the engine's forwards of a batch: its rows' most + 1) and records
+    (threshold, seed, example indices, the model's attention block) per call; the clock advances `tick` per read,
+    so that each batch decodes in exactly `tick` seconds; scoring a batch takes `score_s`."""
+    import itertools
+    from types import SimpleNamespace
+
+    index = {tuple(tok.encode(ex.prompt)): i for i, ex in enumerate(_EXS)}
+
+    def decode_texts(model, tokenizer, prompt_ids, cfg, decoder=None):
+        idx = [index[tuple(p)] for p in prompt_ids]
+        calls.append((cfg.threshold, cfg.seed, idx, model.config.block_size))
+        rows = [_SCRIPT[cfg.threshold][i] for i in idx]
+        ro = SimpleNamespace(lengths=torch.tensor([r[4] for r in rows]),
+                             tpf=torch.tensor([r[2] for r in rows], dtype=torch.float32),
+                             forwards=torch.tensor([r[3] for r in rows]),
+                             eos_found=torch.tensor([r[1] for r in rows]),
+                             finish_reason=["eos" if r[1] else "length" for r in rows],
+                             total_forwards=max(r[3] for r in rows) + 1)
+        return ro, [r[0] for r in rows]
+
+    ticks = itertools.count()
+    monkeypatch.setattr(ev, "decode_texts", decode_texts)
+    monkeypatch.setattr(ev, "time", SimpleNamespace(perf_counter=lambda: tick * next(ticks)))
+    monkeypatch.setattr(ev, "_timed", lambda fn, *a: (fn(*a), score_s))
+
+
+def _script_cfg(tok, **kw):
+    return SamplerConfig(temperature=0, max_new_tokens=14, eos_ids=tuple(sorted(tok.eos_token_ids)), **kw)
+
+
+def _aup_oracle(points, y_max):
+    """d3LLM's AUP written out again (float64): sort by TPF (ties: higher accuracy first), keep y >= y_1 - 5."""
+    pts = sorted(points, key=lambda p: (p[0], -p[1]))
+    pts = [p for p in pts if p[1] >= pts[0][1] - 5]
+    w = [min(math.exp(-3 * (1 - y / y_max)), 1.0) for _, y in pts]
+    return pts[0][0] * pts[0][1] + sum((pts[i][0] - pts[i - 1][0]) * (pts[i][1] * w[i] + pts[i - 1][1] * w[i - 1]) / 2
+                                       for i in range(1, len(pts)))
+
+
+def test_evaluate_points_against_hand_computed_values(synth_ckpt, monkeypatch):
+    """Each number of a point, per example and per batch, from a script whose rows differ: mean TPF over the
+    examples, forwards per answer, the engine's forwards summed over batches, tokens/s and forwards/s over the
+    decode time (summed over batches), accuracy needing EOS, well_formed, the kept responses, AUP and its y_max,
+    a distinct seed per batch and the sampler's block size in force while decoding and recorded."""
+    task = SyntheticArithmetic()
+    model, _ = load_model(synth_ckpt)
+    calls: list = []
+    _scripted(monkeypatch, task.tokenizer, calls)
+    cfg = _script_cfg(task.tokenizer, seed=7, block_size=8)
+    res = ev.evaluate(model, task.tokenizer, task, _EXS, [0.9, 0.5], cfg, batch_size=2, keep_responses=True)
+    assert [(c[0], c[1], c[2]) for c in calls] == [(t, 7 + b, idx) for t in (0.9, 0.5)
+                                                   for b, idx in enumerate([[0, 1], [2, 3], [4]])]
+    assert {c[3] for c in calls} == {8} and model.config.block_size == BLOCK
+    p9, p5 = res["points"]
+    want9 = {"threshold": 0.9, "n": 5, "correct": 2, "accuracy": 0.4, "verifier_accuracy": 0.6, "finished": 0.6,
+             "well_formed": 0.4, "mean_tpf": 1.85, "forwards_per_answer": 9.8, "tokens": 68, "tokens_per_s": 68 / 3,
+             "forwards": 15 + 11 + 13, "forwards_per_s": 13.0, "truncated": 2, "decode_s": 3.0, "score_s": 0.75}
+    want5 = {"threshold": 0.5, "n": 5, "correct": 4, "accuracy": 0.8, "verifier_accuracy": 0.8, "finished": 1.0,
+             "well_formed": 0.8, "mean_tpf": 3.0, "forwards_per_answer": 5.2, "tokens": 70, "tokens_per_s": 70 / 3,
+             "forwards": 6 + 7 + 8, "forwards_per_s": 7.0, "truncated": 0, "decode_s": 3.0, "score_s": 0.75}
+    for got, want in ((p9, want9), (p5, want5)):
+        assert {k: got[k] for k in want} == pytest.approx(want, rel=1e-12)
+    assert [(r["response"], r["correct"], r["verified"], r["eos"], r["tpf"]) for r in p9["responses"]] == [
+        (s[0], ok, v, s[1], s[2]) for s, ok, v in zip(_SCRIPT[0.9], [True, False, False, True, False],
+                                                      [True, False, True, True, False])]
+    assert res["aup_y_max"] == 80.0
+    assert res["aup"] == pytest.approx(1.85 * 40 + (3.0 - 1.85) * (80 + 40 * math.exp(-1.5)) / 2, rel=1e-12)
+    assert res["aup"] == pytest.approx(_aup_oracle([(1.85, 40.0), (3.0, 80.0)], 80.0), rel=1e-12)
+    assert res["sampler"]["block_size"] == 8 and res["sampler"]["seed"] == 7
+    assert res["sampler"]["truncated_is_wrong"] is True
+    # the table printed by the CLI shows the same numbers (in percent, rates per second)
+    lines = ev.format_table(res).splitlines()
+    head = lines[0].split()
+    rows = [dict(zip(head, line.split())) for line in lines[2:]]
+    assert rows[0] == {"threshold": "0.9", "accuracy%": "40.00", "verifier%": "60.00", "well_formed%": "40.00",
+                       "mean_tpf": "1.850", "tokens/s": "22.7", "forwards/s": "13.0", "forwards": "39",
+                       "truncated": "2", "n": "5"}
+    # the verifier alone: the right trace cut at the limit counts, but is not well formed (it did not finish)
+    calls.clear()
+    loose = ev.evaluate(model, task.tokenizer, task, _EXS, [0.9], cfg, batch_size=2, keep_responses=True,
+                        truncated_is_wrong=False)
+    p = loose["points"][0]
+    assert (p["correct"], p["accuracy"], p["verifier_accuracy"], p["well_formed"]) == (3, 0.6, 0.6, 0.4)
+    assert [r["correct"] for r in p["responses"]] == [True, False, True, True, False]
+    assert loose["sampler"]["truncated_is_wrong"] is False
+
+
+def test_evaluate_with_no_decode_time_reports_nan_rates(synth_ckpt, monkeypatch):
+    """A decode time of 0 (a clock that did not move) gives NaN rates, not a ZeroDivisionError."""
+    task = SyntheticArithmetic()
+    model, _ = load_model(synth_ckpt)
+    _scripted(monkeypatch, task.tokenizer, [], tick=0.0)
+    res = ev.evaluate(model, task.tokenizer, task, _EXS, [0.9], _script_cfg(task.tokenizer))
+    p = res["points"][0]
+    assert p["decode_s"] == 0 and math.isnan(p["tokens_per_s"]) and math.isnan(p["forwards_per_s"])
+    assert p["tokens"] == 68 and p["forwards"] == 15  # one batch of 5: its rows' most forwards + 1
+
+
+def test_evaluate_on_two_ranks_merges_into_the_one_process_points(synth_ckpt, monkeypatch):
+    """Two ranks (all_gather replaced by the exchange of their parts): rank 0 decodes examples 0, 2, 4 in two
+    batches, rank 1 examples 1, 3 in one; the merged point is the one-process point, with the tokens and forwards
+    summed over the ranks and the decode time the slowest rank's (the ranks decode at once)."""
+    from lightningrl_fast.rl.distributed import DistEnv
+
+    task = SyntheticArithmetic()
+    model, _ = load_model(synth_ckpt)
+    calls: list = []
+    _scripted(monkeypatch, task.tokenizer, calls)
+    cfg = _script_cfg(task.tokenizer)
+    parts_1: list = []
+    monkeypatch.setattr(ev, "all_gather", lambda env, obj: parts_1.append(obj) or [obj])
+    ev.evaluate(model, task.tokenizer, task, _EXS, [0.9], cfg, batch_size=2, env=DistEnv(rank=1, world=2))
+    monkeypatch.setattr(ev, "all_gather", lambda env, obj: [obj, parts_1.pop(0)])
+    res = ev.evaluate(model, task.tokenizer, task, _EXS, [0.9], cfg, batch_size=2, env=DistEnv(rank=0, world=2))
+    assert [c[2] for c in calls] == [[1, 3], [0, 2], [4]]
+    p = res["points"][0]
+    want = {"n": 5, "correct": 2, "accuracy": 0.4, "verifier_accuracy": 0.6, "finished": 0.6, "well_formed": 0.4,
+            "mean_tpf": 1.85, "forwards_per_answer": 9.8, "tokens": 68, "forwards": 9 + 15 + 13, "truncated": 2,
+            "decode_s": 2.0, "tokens_per_s": 34.0, "forwards_per_s": 18.5, "score_s": 0.5}
+    assert {k: p[k] for k in want} == pytest.approx(want, rel=1e-12)
+    assert res["aup"] == pytest.approx(1.85 * 40, rel=1e-12)
+
+
+def test_aup_weight_is_capped_at_one_and_ties_keep_the_higher_accuracy_first():
+    # a y_max below a point's accuracy (a caller's shared y_max): W(y) = min(..., 1) is 1, not above
+    assert evr.aup_weight(90, 50) == 1.0
+    assert ev.aup([(1, 80), (2, 90)], y_max=50) == pytest.approx(80 + (90 + 80) / 2)
+    # two points at the lowest TPF: the higher accuracy is y_1 (floor 85), so the lower one (80) is dropped
+    want = 90 + (2 - 1) * (88 * math.exp(-3 * 2 / 90) + 90) / 2
+    assert ev.aup([(1, 80), (1, 90), (2, 88)]) == pytest.approx(want)
+    assert ev.aup([(1, 80), (1, 90), (2, 88)]) == pytest.approx(_aup_oracle([(1, 80), (1, 90), (2, 88)], 90))
+    # run_points: (TPF, accuracy %) of the points with a positive finite TPF only
+    pts = [{"mean_tpf": 0, "accuracy": 0.5}, {"mean_tpf": math.inf, "accuracy": 0.5},
+           {"mean_tpf": math.nan, "accuracy": 0.5}, {"mean_tpf": None, "accuracy": 0.5},
+           {"mean_tpf": 2.5, "accuracy": 0.25}]
+    assert evr.run_points({"points": pts}) == [(2.5, 25.0)]
+
+
+def test_another_models_results_are_refused_before_decoding_and_again_before_writing(synth_ckpt, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """The refusal to overwrite another model's results comes before decoding (nothing decoded in vain), and is
+    checked again before writing (another run may have written the file meanwhile): then the numbers are printed
+    rather than lost, and the other file is kept."""
+    out = tmp_path / "res"
+    out.mkdir()
+    theirs = out / "x.synthetic.json"
+    other = json.dumps({"model": str(tmp_path / "other-model"), "points": [{"accuracy": 1.0, "mean_tpf": 1.0}]})
+    theirs.write_text(other)
+
+    def no_decoding(*a, **kw):
+        raise AssertionError("decoded before the results target was checked")
+
+    with monkeypatch.context() as m:
+        m.setattr(ev, "evaluate", no_decoding)
+        assert ev.main(_synth_args(synth_ckpt, out, "--label", "x")) == 2
+    _one_error_line(capsys, "holds the results of another model")
+    assert theirs.read_text() == other
+    # written by another run while this one decoded
+    theirs.unlink()
+    real = ev.evaluate
+
+    def another_run_writes_meanwhile(*a, **kw):
+        res = real(*a, **kw)
+        theirs.write_text(other)
+        return res
+
+    monkeypatch.setattr(ev, "evaluate", another_run_writes_meanwhile)
+    assert ev.main(_synth_args(synth_ckpt, out, "--label", "x")) == 2
+    printed = capsys.readouterr()
+    assert "holds the results of another model" in printed.err and "accuracy%" in printed.out
+    assert theirs.read_text() == other and sorted(p.name for p in out.iterdir()) == ["x.synthetic.json"]
+
+
+def test_results_target_is_recognised_by_its_model_path(tmp_path):
+    """`model_path` (absolute) decides whose results a file holds; `model` only for files without it."""
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    mine.mkdir()
+    other.mkdir()
+    target = tmp_path / "r.json"
+    target.write_text(json.dumps({"model_path": str(mine.resolve()), "model": "other", "points": []}))
+    ev.check_results_target(target, mine)  # the same model: replaced
+    with pytest.raises(ev.CLIError, match="holds the results of another model"):
+        ev.check_results_target(target, other)
+    target.write_text(json.dumps({"model": str(other), "points": []}))  # an older file: `model` alone
+    ev.check_results_target(target, other)
+    with pytest.raises(ev.CLIError, match="another model"):
+        ev.check_results_target(target, mine)
+    target.unlink()
+    target.symlink_to(tmp_path / "gone.json")  # a dangling link is not written through
+    with pytest.raises(ev.CLIError, match="exists and is not a results file"):
+        ev.check_results_target(target, mine)
+
+
+def test_labels_and_results_file_names(tmp_path):
+    """A checkpoint folder of a run (checkpoint-<step> or the reference model) is led by its run folder's name even
+    without a `latest` file; other folders keep their name; a label is made file-safe."""
+    for name in ("checkpoint-7", "reference"):
+        (tmp_path / "B" / name).mkdir(parents=True)
+        assert ev.default_label(tmp_path / "B" / name) == f"B-{name}"
+    (tmp_path / "B" / "plain").mkdir()
+    assert ev.default_label(tmp_path / "B" / "plain") == "plain"
+    assert ev.results_path(tmp_path, "/a b:c/", "math") == tmp_path / "a_b_c.math.json"
+    assert ev.results_path(tmp_path, "//", "code") == tmp_path / "run.code.json"
+    # an overlay without a label is named by its file's stem
+    f = tmp_path / "base-run.json"
+    f.write_text(json.dumps({"points": [{"accuracy": 0.5, "mean_tpf": 2.0}]}))
+    assert ev.load_results(f)["label"] == "base-run"
+
+
+def test_overlays_are_scored_under_the_shared_y_max(synth_ckpt, tmp_path, capsys):
+    """aup_shared of every run uses the best accuracy of all the runs; `overlays` also keeps each file's own AUP."""
+    good, weak = tmp_path / "good.json", tmp_path / "weak.json"
+    good.write_text(json.dumps({"points": [{"accuracy": 0.9, "mean_tpf": 2.0}]}))
+    weak.write_text(json.dumps({"aup": 123.0, "points": [{"accuracy": 0.5, "mean_tpf": 1.0},
+                                                         {"accuracy": 0.45, "mean_tpf": 2.0}]}))
+    out = tmp_path / "o"
+    assert ev.main(_synth_args(synth_ckpt, out, "--label", "x", "--overlay", str(good), str(weak))) == 0
+    capsys.readouterr()
+    res = json.loads((out / "x.synthetic.json").read_text())
+    y_max = max(90.0, *(100 * p["accuracy"] for p in res["points"]))
+    assert res["aup_shared_y_max"] == pytest.approx(y_max)
+    w = [math.exp(-3 * (1 - y / y_max)) for y in (50, 45)]
+    assert res["overlays"]["weak"]["aup_shared"] == pytest.approx(50 + (45 * w[1] + 50 * w[0]) / 2)
+    assert res["overlays"]["weak"]["aup"] == 123.0 and res["overlays"]["good"]["aup"] is None
+    assert res["overlays"]["good"]["aup_shared"] == pytest.approx(180.0)
+
+
+def test_thresholds_and_synthetic_rows_are_checked(tmp_path):
+    assert ev.parse_thresholds("0, 0.5,,1,") == [0.0, 0.5, 1.0]  # 0 and 1 are thresholds; empty items skipped
+    for bad in ("-0.1", "1.5"):
+        with pytest.raises(ev.CLIError, match=r"must be in \[0, 1\]"):
+            ev.parse_thresholds(bad)
+    f = tmp_path / "s.jsonl"
+    for row in ({"operands": [5]}, {"operands": [1, -2]}, {"prompt": "7?"}):
+        f.write_text(json.dumps(row) + "\n")
+        with pytest.raises(ev.CLIError, match=f"{f}:1: expected"):
+            ev.load_synthetic(f, None)
+
+
+def test_evaluate_refuses_a_block_size_below_one(synth_ckpt):
+    task = SyntheticArithmetic()
+    model, _ = load_model(synth_ckpt)
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1, got 0"):
+        ev.evaluate(model, task.tokenizer, task, task.test[:1], [0.9], _cfg(task.tokenizer, block_size=0))
+
+
+@pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib is not installed")
+def test_plot_curves_draws_the_points_sorted_with_the_shared_aup(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figs = []
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figs.append(fig), real_close(fig)))
+    runs = [{"label": "a", "aup": 10.0, "aup_shared": 7.25, "sampler": {"block_size": 4},
+             "points": [{"threshold": 0.5, "accuracy": 0.4, "mean_tpf": 3.0},
+                        {"threshold": 0.9, "accuracy": 0.5, "mean_tpf": 1.5}]},
+            {"label": "b", "aup": 20.0, "points": [{"threshold": 0.9, "accuracy": 0.7, "mean_tpf": 2.0}]}]
+    assert ev.plot_curves(runs, tmp_path / "c.png")
+    ax = figs[0].axes[0]
+    lines = ax.get_lines()
+    assert [(list(ln.get_xdata()), list(ln.get_ydata())) for ln in lines] == [([1.5, 3.0], [50.0, 40.0]),
+                                                                              ([2.0], [70.0])]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a b4 (AUP 7.2)", "b (AUP 20.0)"]
+    assert ax.get_ylim() == pytest.approx((40 - 3, 70 + 3))  # margin max(2, 10% of 30)
+    assert ax.get_xlim()[0] == 0
+
+
+def test_results_are_written_through_a_hidden_sibling(tmp_path, monkeypatch):
+    """The temporary file of an atomic write is a hidden file in the target's own folder (a rename across file
+    systems is not atomic, or fails), named per writer."""
+    from lightningrl_fast import _jsonfile
+
+    target = tmp_path / "x.synthetic.json"
+    a, b = _jsonfile.temp_sibling(target), _jsonfile.temp_sibling(target)
+    assert a.parent == target.parent and a.name.startswith(".x.synthetic.json.tmp-") and a != b
+    moved = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (moved.append(Path(src)), real(src, dst)))
+    ev.write_text_atomic(target, "{}\n")
+    assert target.read_text() == "{}\n" and [m.parent for m in moved] == [tmp_path]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.synthetic.json"]
