@@ -563,3 +563,243 @@ def test_mask_token_mismatch_warns(ckpt, tmp_path, capsys):
             and "cannot load the model" in err), err
     assert gen.main(["--model", str(_no_weights(ckpt, tmp_path / "same")), *argv]) == 2
     assert "warning" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------------
+# audit: the summary's numbers against the rows and the sampler, sampled decoding's seeds, the flag checks' edges
+# ------------------------------------------------------------------------------------------------------------
+
+def _clock(monkeypatch, tick: float = 1.0) -> None:
+    """generate's clock advances `tick` per read: each batch decodes in exactly `tick` seconds."""
+    import itertools
+    from types import SimpleNamespace
+
+    ticks = itertools.count()
+    monkeypatch.setattr(gen, "time", SimpleNamespace(perf_counter=lambda: tick * next(ticks)))
+
+
+def test_summary_numbers_against_the_rows_and_the_sampler(ckpt, tmp_path, capsys, monkeypatch):
+    """tokens (EOS included), engine forwards summed over batches, finish counts, mean TPF, the decode time summed
+    over batches, the rates over it, the weight bandwidth and its share of a (stubbed) copy bandwidth."""
+    from lightningrl_fast import profiling
+    from lightningrl_fast.checkpoint import load_model
+
+    _clock(monkeypatch, 0.5)
+    monkeypatch.setattr(profiling, "copy_bandwidth_gbs", lambda device: 1e-4)  # GB/s: a share far above 100%
+    texts = ["1+2?", "what is 7*8", "hello there"]
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": t}) for t in texts])
+    out = tmp_path / "o.jsonl"
+    args = gen.build_parser().parse_args(["--model", str(ckpt), "--prompts", str(prompts), "--out", str(out),
+                                          "--max-new-tokens", "12", "--batch-size", "2", "--threshold", "0.3",
+                                          "--device", "cpu", "--quiet"])
+    s = gen.run(args)
+    rows = _read_rows(out)
+    model, _ = load_model(ckpt)
+    tok = CharTokenizer()
+    scfg = SamplerConfig(temperature=0, threshold=0.3, max_new_tokens=12, eos_ids=tuple(sorted(tok.eos_token_ids)))
+    ids = [tok.encode(chat_prompt(t)) for t in texts]
+    ros = [generate(model, b, scfg) for b in (ids[:2], ids[2:])]
+    tokens = sum(int(ro.lengths.sum()) for ro in ros)
+    forwards = sum(ro.total_forwards for ro in ros)
+    tpfs = [float(t) for ro in ros for t in ro.tpf]
+    reasons = [r for ro in ros for r in ro.finish_reason]
+    assert forwards > max(int(ro.forwards.max()) for ro in ros)  # the engine's forwards, not one row's
+    assert tokens == sum(r["tokens"] for r in rows) and tokens != sum(len(r["text"]) for r in rows)
+    assert (s["prompts"], s["batches"], s["tokens"], s["forwards"], s["seconds"]) == (3, 2, tokens, forwards, 1.0)
+    assert s["finish"] == {"eos": reasons.count("eos"), "length": reasons.count("length")}
+    assert s["finish"]["eos"] > 0 and s["finish"]["length"] > 0
+    assert s["tokens_per_s"] == pytest.approx(tokens / 1.0) and s["forwards_per_s"] == pytest.approx(forwards / 1.0)
+    assert s["mean_tpf"] == pytest.approx(sum(tpfs) / 3, rel=1e-6) and s["block_size"] == BLOCK
+    wbytes = model.forward_weight_bytes()
+    assert s["weight_gb_per_forward"] == pytest.approx(wbytes / 1e9)
+    assert s["weight_gbs"] == pytest.approx(wbytes * forwards / 1.0 / 1e9)
+    assert s["copy_gbs"] == 1e-4 and s["bandwidth_use"] == pytest.approx(s["weight_gbs"] / 1e-4)
+    assert s["bandwidth_use"] > 10
+    printed = capsys.readouterr().out
+    assert f"= {100 * s['weight_gbs'] / 1e-4:.1f}% of the device copy bandwidth (0 GB/s)" in printed
+    assert f"finish: eos {reasons.count('eos')}, length {reasons.count('length')}" in printed
+    # --block-size other than the checkpoint's: the summary says which block size decoded
+    out.unlink()
+    args = gen.build_parser().parse_args(["--model", str(ckpt), "--prompts", str(prompts), "--out", str(out),
+                                          "--max-new-tokens", "8", "--block-size", "8", "--device", "cpu", "--quiet"])
+    assert gen.run(args)["block_size"] == 8
+
+
+def test_two_ranks_summary_takes_the_slowest_rank_and_sums_the_rest(ckpt, tmp_path, capsys, monkeypatch):
+    """Rank 0 of two (all_gather replaced by the exchange with a scripted rank 1): rank 0 decodes batches 0 and 2,
+    rank 1 batch 1; rows in input order; tokens, forwards and TPF over all rows; the decode time of the slowest rank;
+    the bandwidth share per GPU."""
+    from lightningrl_fast import profiling
+    from lightningrl_fast.rl import distributed
+    from lightningrl_fast.rl.distributed import DistEnv
+
+    _clock(monkeypatch, 1.0)  # rank 0: two batches, 2 s
+    monkeypatch.setattr(profiling, "copy_bandwidth_gbs", lambda device: 100.0)
+    theirs = {"prompt": "b", "text": "xy", "tokens": 5, "token_ids": [1, 2, 3, 4, 5], "tpf": 2.5, "forwards": 2,
+              "finish_reason": "length"}
+    answers = [[theirs], [], (7.0, 11, 2.5, 1)]  # rank 1: its rows per round, then (seconds, forwards, sum tpf, n)
+    monkeypatch.setattr(distributed, "all_gather", lambda env, obj: [obj, answers.pop(0)])
+    prompts = _write(tmp_path / "p.txt", ["a", "b", "c"])
+    out = tmp_path / "o.jsonl"
+    args = gen.build_parser().parse_args(["--model", str(ckpt), "--prompts", str(prompts), "--out", str(out),
+                                          "--max-new-tokens", "4", "--batch-size", "1", "--no-chat", "--quiet"])
+    s = gen._generate(args, DistEnv(rank=0, world=2), torch.device("cpu"), ckpt, gen.read_prompts(prompts))
+    rows = _read_rows(out)
+    assert [r["prompt"] for r in rows] == ["a", "b", "c"] and rows[1] == theirs and not answers
+    mine = [rows[0], rows[2]]
+    assert s["seconds"] == 7.0 and s["tokens"] == 5 + sum(r["tokens"] for r in mine)
+    assert s["tokens_per_s"] == pytest.approx(s["tokens"] / 7.0)
+    fwd0 = s["forwards"] - 11
+    assert fwd0 >= max(r["forwards"] for r in mine) and s["forwards_per_s"] == pytest.approx(s["forwards"] / 7.0)
+    assert s["mean_tpf"] == pytest.approx((2.5 + sum(r["tpf"] for r in mine)) / 3, abs=1e-4)
+    assert s["finish"]["length"] == 1 + sum(r["finish_reason"] == "length" for r in mine)
+    assert s["bandwidth_use"] == pytest.approx(s["weight_gbs"] / 2 / 100.0)
+    assert " per GPU" in capsys.readouterr().out
+
+
+def test_sampled_decoding_gives_each_batch_its_own_seed(ckpt, tmp_path):
+    """--temperature > 0: batch g draws with seed + g (the Philox stream a one-process run uses), so three equal
+    prompts in three batches are three draws, as the sampler gives them."""
+    from lightningrl_fast.checkpoint import load_model
+
+    prompts = _write(tmp_path / "p.txt", ["1+2?"] * 3)
+    out = tmp_path / "o.jsonl"
+    assert gen.main(["--model", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--no-chat",
+                     "--max-new-tokens", "12", "--batch-size", "1", "--temperature", "3", "--seed", "5",
+                     "--threshold", "0.5", "--device", "cpu", "--quiet"]) == 0
+    model, _ = load_model(ckpt)
+    tok = CharTokenizer()
+    want = [generate(model, [tok.encode("1+2?")], SamplerConfig(temperature=3.0, seed=5 + g, threshold=0.5,
+                                                               max_new_tokens=12,
+                                                               eos_ids=tuple(sorted(tok.eos_token_ids))))
+            .response_ids(0) for g in range(3)]
+    assert len({tuple(w) for w in want}) == 3  # the draws differ: the check bites
+    assert [r["token_ids"] for r in _read_rows(out)] == want
+
+
+def test_sampler_config_takes_every_decoding_flag():
+    from lightningrl_fast._cli import sampler_config_from_args
+
+    args = gen.build_parser().parse_args(["--model", "m", "--prompts", "p", "--block-size", "8", "--threshold", "0.7",
+                                          "--rule", "quota", "--steps-per-block", "3", "--temperature", "0.8",
+                                          "--top-k", "5", "--top-p", "0.9", "--noise", "per_token",
+                                          "--max-new-tokens", "17", "--seed", "11", "--no-cuda-graphs"])
+    cfg = sampler_config_from_args(args, (2, 7))
+    assert (cfg.block_size, cfg.threshold, cfg.rule, cfg.steps_per_block, cfg.temperature, cfg.top_k, cfg.top_p,
+            cfg.noise, cfg.max_new_tokens, cfg.eos_ids, cfg.cuda_graphs, cfg.seed) == (
+        8, 0.7, "quota", 3, 0.8, 5, 0.9, "per_token", 17, (2, 7), False, 11)
+
+
+def test_decoding_flag_checks_at_their_edges():
+    """The edges of each range: accepted at the edge, refused just past it."""
+    from lightningrl_fast._cli import check_decoding_args
+
+    def args(*extra):
+        return gen.build_parser().parse_args(["--model", "m", "--prompts", "p", *extra])
+
+    for ok in (["--threshold", "0"], ["--seed", str(2**62 - 1)], ["--seed", str(-2**62)], ["--block-size", "1"],
+               ["--temperature", "0"], ["--steps-per-block", "1"], ["--top-p", "1"]):
+        check_decoding_args(args(*ok))
+    for bad, named in ((["--seed", str(2**62)], "--seed must be in"), (["--block-size", "0"], "--block-size"),
+                       (["--temperature", "-0.5"], "--temperature must be >= 0"),
+                       (["--steps-per-block", "0"], "--steps-per-block must be in")):
+        with pytest.raises(gen.CLIError, match=named):
+            check_decoding_args(args(*bad))
+
+
+def test_block_size_and_eos_checks_at_their_edges(tmp_path):
+    from lightningrl_fast._cli import check_block_size, check_checkpoint_block_size, eos_ids_for
+
+    check_block_size(256, 256)  # a block as wide as the positions fits
+    check_checkpoint_block_size(None, 256, 256, tmp_path)
+    with pytest.raises(gen.CLIError, match="--block-size 257 exceeds"):
+        check_block_size(257, 256)
+    with pytest.raises(gen.CLIError, match="block_size 257 exceeds max_position_embeddings 256"):
+        check_checkpoint_block_size(None, 257, 256, tmp_path)
+    check_checkpoint_block_size(8, 257, 256, tmp_path)  # --block-size given: the config's is not used
+
+    class Tok:
+        eos_token_ids = (10, 5, -1, 3)
+
+    assert eos_ids_for(Tok(), 10) == (3, 5)  # ids inside [0, vocab_size), sorted
+    Tok.eos_token_ids = (10,)
+    with pytest.raises(gen.CLIError, match="no EOS token inside"):
+        eos_ids_for(Tok(), 10)
+
+
+def test_prompt_rows_ids_txt_suffix_and_error_list(tmp_path):
+    rows = gen.read_prompts(_write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a", "id": 0}),
+                                                          json.dumps({"prompt": "b", "id": ""}),
+                                                          json.dumps({"prompt": "c", "id": False})]))
+    assert [r.id for r in rows] == [0, "", False]
+    assert [r.text for r in gen.read_prompts(_write(tmp_path / "P.TXT", ["{not json}"]))] == ["{not json}"]
+    bad = _write(tmp_path / "bad.jsonl", ["[]"] * 11)  # ten listed, one counted
+    with pytest.raises(gen.CLIError) as e:
+        gen.read_prompts(bad)
+    msg = str(e.value)
+    assert msg.startswith(f"11 malformed prompt row(s) in {bad}:") and msg.endswith("\n  ... and 1 more")
+    assert f"{bad}:10:" in msg and f"{bad}:11:" not in msg
+
+
+def test_falsy_ids_are_written_back(ckpt, tmp_path):
+    """An "id" of 0 or "" is an id: copied to the output row."""
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a", "id": 0}),
+                                            json.dumps({"prompt": "b", "id": ""}), json.dumps({"prompt": "c"})])
+    out = tmp_path / "o.jsonl"
+    assert gen.main(["--model", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--no-chat",
+                     "--max-new-tokens", "4", "--quiet"]) == 0
+    assert [r.get("id", "absent") for r in _read_rows(out)] == [0, "", "absent"]
+
+
+def test_out_checks_nested_folders_partial_file_and_permissions(ckpt, tmp_path, monkeypatch):
+    model = tmp_path / "model"
+    (model / "sub").mkdir(parents=True)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "hi"})])
+    with pytest.raises(gen.CLIError, match="is inside the model folder"):
+        gen.check_out_file(str(model / "sub" / "o.jsonl"), prompts, model_dirs=(model,))
+    partial_is_prompts = _write(tmp_path / "o.jsonl.partial", [json.dumps({"prompt": "hi"})])
+    with pytest.raises(gen.CLIError, match=r"o\.jsonl\.partial \(where a failed run leaves its rows\) is the prompts"):
+        gen.check_out_file(str(tmp_path / "o.jsonl"), partial_is_prompts)
+    out = _write(tmp_path / "ro.jsonl", ["old"])
+    real = os.access
+    # os.access answers True for root whatever the mode bits: the file is made unwritable for the check alone
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == out else real(p, mode))
+    with pytest.raises(gen.CLIError, match="the file is not writable"):
+        gen.check_out_file(str(out), prompts)
+
+
+def test_run_folder_detection_keeps_a_checkpoint_with_its_own_config(ckpt, tmp_path):
+    """A checkpoint folder whose config.json is a model's (vocab_size) is itself, even with extra keys named like
+    a run's sections or with checkpoint-<step> folders inside."""
+    from lightningrl_fast.rl.checkpointing import TRAINER_STATE
+
+    model = Path(shutil.copytree(ckpt, tmp_path / "model"))
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "checkpoint": {"note": "x"}}))
+    inner = Path(shutil.copytree(ckpt, model / "checkpoint-1"))
+    (inner / TRAINER_STATE).write_bytes(b"")
+    assert gen.check_model_dir(model) == model
+    from lightningrl_fast._cli import split_lines
+
+    assert split_lines("a\r\nb\rc\n\nd") == ["a", "b", "c", "", "d"]  # "\r\n" is one line end
+
+
+def test_forwards_are_the_engines_not_the_busiest_rows(ckpt, tmp_path, monkeypatch):
+    """The summary's forwards (and forwards/s, the bandwidth) count `Rollout.total_forwards`, the forwards the
+    engine ran: more than any row took part in when a batch is decoded in chunks (their forwards add up)."""
+    real, totals = gen.decode_texts, []
+
+    def decode(*a, **kw):
+        ro, texts = real(*a, **kw)
+        ro.total_forwards += 100  # as the chunks of a large batch
+        totals.append(ro.total_forwards)
+        return ro, texts
+
+    monkeypatch.setattr(gen, "decode_texts", decode)
+    _clock(monkeypatch, 0.5)
+    prompts = _write(tmp_path / "p.txt", ["1+2?", "abc", "hello"])
+    args = gen.build_parser().parse_args(["--model", str(ckpt), "--prompts", str(prompts), "--out",
+                                          str(tmp_path / "o.jsonl"), "--max-new-tokens", "4", "--batch-size", "2",
+                                          "--no-chat", "--quiet"])
+    s = gen.run(args)
+    assert len(totals) == 2 and s["forwards"] == sum(totals) and s["forwards_per_s"] == pytest.approx(sum(totals))
