@@ -8,6 +8,7 @@ their own CPU tests (test_linear.py, test_generate.py).
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -20,6 +21,16 @@ import torch
 from conftest import find_cuobjdump
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def profiling_module(name: str):
+    """A module of profiling/ (a bench script or common.py), imported as the benches import each other."""
+    sys.path.insert(0, str(REPO / "profiling"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
 
 # script, CPU arguments, the "bench" name its JSON line carries, the timing key every row must have
 BENCHES = [
@@ -89,11 +100,7 @@ def test_bench_rejects_a_bad_argument_with_a_usage_error(args, message):
 
 
 def test_results_rows_turns_json_lines_into_results_md_rows(tmp_path):
-    sys.path.insert(0, str(REPO / "profiling"))
-    try:
-        import results_rows
-    finally:
-        sys.path.pop(0)
+    results_rows = profiling_module("results_rows")
     gpu = {"bench": "decode", "device": "NVIDIA H100 80GB HBM3", "copy_gbs": 2985.2, "config": "sdar-8b",
            "dtype": "bfloat16", "tpf": 4, "rows": [
                {"batch": 1, "block": 4, "graphs": "on", "impl": "kernels", "fwd/s": 151.234, "tok/s": 604.9,
@@ -282,17 +289,8 @@ def test_gpu_session_tests_stage_runs_files_in_parallel_and_joins_their_logs(tmp
 
 # ------------------------------------------------------------------------------------------------ common.py helpers
 
-def _common():
-    sys.path.insert(0, str(REPO / "profiling"))
-    try:
-        import common
-    finally:
-        sys.path.pop(0)
-    return common
-
-
 def test_rotation_spans_twice_l2_with_the_read_bytes_and_says_when_it_cannot(monkeypatch):
-    common = _common()
+    common = profiling_module("common")
     cuda = torch.device("cuda")  # only its type is read: no GPU needed
     monkeypatch.setattr(common, "l2_bytes", lambda device: 50 << 20)
     # block_attn B1 x cache 512 (2.1 MB of K/V) needs 50 copies: the old cap of 16 left them in L2 (34 MB)
@@ -312,7 +310,7 @@ def test_rotation_spans_twice_l2_with_the_read_bytes_and_says_when_it_cannot(mon
 
 
 def test_device_time_falls_back_to_eager_over_every_input_set_and_says_so():
-    common = _common()
+    common = profiling_module("common")
     calls = [0, 0, 0]
 
     def make(i):
@@ -332,7 +330,7 @@ def test_kernels_dispatched_follows_the_ops_dispatch_and_lrf_disable_kernels(mon
 
     from lightningrl_fast import _ext
 
-    common = _common()
+    common = profiling_module("common")
     assert common.kernels_dispatched(torch.device("cpu"), "kv_cache_write") is False
     fake = types.SimpleNamespace(kv_cache_write=object(), threshold_unmask=object(), has_cuda=lambda: True)
     monkeypatch.setattr(_ext, "ext", lambda: fake)
@@ -350,17 +348,8 @@ def test_kernels_dispatched_follows_the_ops_dispatch_and_lrf_disable_kernels(mon
 
 
 
-def _bench_decode():
-    sys.path.insert(0, str(REPO / "profiling"))
-    try:
-        import bench_decode
-    finally:
-        sys.path.pop(0)
-    return bench_decode
-
-
 def test_bench_decode_steady_bound_uses_the_context_of_the_differenced_forwards():
-    bd = _bench_decode()
+    bd = profiling_module("bench_decode")
     from lightningrl_fast.model import SDARConfig
 
     cfg = SDARConfig(**bd.CONFIGS["sdar-8b"])
@@ -375,7 +364,7 @@ def test_bench_decode_steady_bound_uses_the_context_of_the_differenced_forwards(
 def test_bench_decode_reads_the_samplers_capture_warnings():
     """A failed capture with PDL on is retried without PDL (a graph, not an eager step): the row must say pdl off,
     not graphs failed; only the second failure means an eager step. The fragments are the sampler's wording."""
-    bd = _bench_decode()
+    bd = profiling_module("bench_decode")
     src = (REPO / "lightningrl_fast" / "sampler.py").read_text()
     assert "retrying with it off" in src and "decoding continues eagerly" in src
     retry = ("CUDA graph capture of the denoising step failed (RuntimeError: x) with programmatic dependent launch "
@@ -385,22 +374,14 @@ def test_bench_decode_reads_the_samplers_capture_warnings():
     assert bd.capture_outcome([retry]) == (False, True)
     assert bd.capture_outcome([retry, eager]) == (True, False)
     assert bd.capture_outcome([eager, "an unrelated warning"]) == (True, False)
-    sys.path.insert(0, str(REPO / "profiling"))
-    try:
-        import results_rows
-    finally:
-        sys.path.pop(0)
+    results_rows = profiling_module("results_rows")
     assert results_rows.column("steady bound", 150.0) == "bound"
 
 
 def test_bench_block_attn_sdpa_mask_is_the_block_mask_made_once():
     """SDPA's baseline gets its additive mask built outside the timing (a bool mask is converted, and padded for the
     efficient kernel, on every call): the same attention as block attention, aligned rows, broadcast over B."""
-    sys.path.insert(0, str(REPO / "profiling"))
-    try:
-        import bench_block_attn as ba
-    finally:
-        sys.path.pop(0)
+    ba = profiling_module("bench_block_attn")
     import torch.nn.functional as F
 
     from lightningrl_fast.ops.block_attn import block_attention_reference
@@ -423,7 +404,7 @@ def test_bench_block_attn_sdpa_mask_is_the_block_mask_made_once():
 
 
 def test_mismatch_and_check_catch_wrong_or_raising_kernels():
-    common = _common()
+    common = profiling_module("common")
     want = torch.tensor([[1.0, -2.0], [0.5, 4.0]])
     assert common.mismatch(want + 0.01, want) is None  # bf16-sized error: fine
     assert "max abs error" in common.mismatch(want + 0.5, want)
@@ -440,11 +421,7 @@ def test_mismatch_and_check_catch_wrong_or_raising_kernels():
 def test_bench_unmask_kernel_check_rejects_a_kernel_that_did_no_work_or_picked_wrong():
     """What bench_unmask runs on the kernel before timing it, here with the reference (and broken copies of it) in the
     kernel's place: a kernel that leaves its state untouched or picks a non-maximal token gets no time."""
-    sys.path.insert(0, str(REPO / "profiling"))
-    try:
-        import bench_unmask as bu
-    finally:
-        sys.path.pop(0)
+    bu = profiling_module("bench_unmask")
     from lightningrl_fast.ops.unmask import threshold_unmask_reference
 
     def as_kernel(*a):  # the reference with _C.threshold_unmask's signature (two_level as a bool)
@@ -471,11 +448,7 @@ def test_bench_unmask_greedy_check_tolerates_only_near_ties():
     clearly decided position, or a wrong written confidence, fails it."""
     import math
 
-    sys.path.insert(0, str(REPO / "profiling"))
-    try:
-        import bench_unmask as bu
-    finally:
-        sys.path.pop(0)
+    bu = profiling_module("bench_unmask")
     from lightningrl_fast.ops.unmask import threshold_unmask_reference
 
     cpu, vocab = torch.device("cpu"), 300
@@ -510,11 +483,7 @@ def test_bench_block_attn_split_sweep_checks_and_times_each_forced_split(monkeyp
     not the best; `split_x` compares the launcher's own choice with the fastest forced one."""
     import types
 
-    sys.path.insert(0, str(REPO / "profiling"))
-    try:
-        import bench_block_attn as ba
-    finally:
-        sys.path.pop(0)
+    ba = profiling_module("bench_block_attn")
     from lightningrl_fast import _ext
     from lightningrl_fast.ops.block_attn import block_attention_reference
 
