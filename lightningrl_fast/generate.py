@@ -25,7 +25,8 @@ A checkpoint whose config mask_token_id differs from its tokenizer's mask token 
 model's id is used, as train does).
 
 `--chat` (default) wraps each prompt in the ChatML user turn (`tokenizer.chat_prompt`); `--no-chat` feeds it
-as is. Decoding is greedy unless `--temperature` > 0. `--block-size` other than the checkpoint's also sets the
+as is. Decoding is greedy unless `--temperature` > 0. `--max-new-tokens` defaults to 256, or, where the model's
+positions cannot hold that after the longest prompt, to what they leave (said on stderr). `--block-size` other than the checkpoint's also sets the
 model's attention block size for this run (the sampler's blocks and the attention mask must agree).
 
 Output: one JSON row per prompt, in input order — `prompt`, `text` (the response decoded, EOS dropped),
@@ -173,31 +174,48 @@ def read_prompts(path: str | Path) -> list[PromptRow]:
     return rows
 
 
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def fitted_max_new_tokens(prompt_lens: Sequence[int], max_len: int, block_size: int,
+                          cap: int = DEFAULT_MAX_NEW_TOKENS) -> int:
+    """The default response cap: `cap`, or less where the model's positions cannot hold it after the longest
+    prompt (the last block, aligned at position 0, must end within them: `prompt + n <= (max_len // block_size)
+    * block_size`). `cap` when even one new token does not fit the longest prompt: that prompt's error then names
+    the positions."""
+    room = (max_len // block_size) * block_size - max(prompt_lens, default=0)
+    return min(cap, room) if room >= 1 else cap
+
+
 def encode_prompts(rows: Sequence[PromptRow], tokenizer, path: str | Path, chat: bool, vocab_size: int,
-                   max_len: int, max_new_tokens: int, mask_id: int, *, block_size: int) -> list[list[int]]:
-    """Token ids per row; CLIError naming `file:line` for rows that cannot be decoded with this checkpoint:
-    `max_len` is its max_position_embeddings and `block_size` the decoding block size (the last block, aligned at
-    position 0, must end within the positions: `sampler.prompt_problem`, the sampler's own rule)."""
+                   max_len: int, max_new_tokens: int | None, mask_id: int, *,
+                   block_size: int) -> tuple[list[list[int]], int]:
+    """(token ids per row, max_new_tokens); CLIError naming `file:line` for rows that cannot be decoded with this
+    checkpoint: `max_len` is its max_position_embeddings and `block_size` the decoding block size (the last block,
+    aligned at position 0, must end within the positions: `sampler.prompt_problem`, the sampler's own rule).
+    `max_new_tokens` None: `fitted_max_new_tokens` of the prompts that tokenize."""
     from .sampler import prompt_problem
     from .tokenizer import chat_prompt
 
-    out, errors = [], []
+    encoded, errors = [], []
     for r in rows:
         text = chat_prompt(r.text) if chat else r.text
-        where = f"{path}:{r.line}"
         try:
-            ids = tokenizer.encode(text)
+            encoded.append((r, tokenizer.encode(text)))
         except ValueError as e:
             hint = " (try --no-chat)" if chat else ""
-            errors.append(f"{where}: cannot tokenize{hint}: {e}")
-            continue
+            errors.append((r.line, f"{path}:{r.line}: cannot tokenize{hint}: {e}"))
+    if max_new_tokens is None:
+        max_new_tokens = fitted_max_new_tokens([len(ids) for _, ids in encoded], max_len, block_size)
+    out = []
+    for r, ids in encoded:
         problem = prompt_problem(ids, vocab_size, mask_id, max_new_tokens, block_size, None, max_len)
         if problem is not None:
-            errors.append(f"{where}: the prompt {problem.text}")
+            errors.append((r.line, f"{path}:{r.line}: the prompt {problem.text}"))
             continue
         out.append(ids)
-    _fail_rows(Path(path), errors, "prompt(s) that cannot be decoded")
-    return out
+    _fail_rows(Path(path), [msg for _, msg in sorted(errors)], "prompt(s) that cannot be decoded")  # file order
+    return out, max_new_tokens
 
 
 def out_target(out: str | Path) -> Path:
@@ -349,7 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                     help="wrap prompts in the ChatML user turn (default: on)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_decoding_args(ap)
+    add_decoding_args(ap, max_new_tokens=None,
+                      max_new_tokens_help=f"response length cap (default {DEFAULT_MAX_NEW_TOKENS}, or what the "
+                                          "model's positions leave after the longest prompt when that is less)")
     return ap
 
 
@@ -388,8 +408,14 @@ def _generate(args, env, device, model_dir: Path, rows: list) -> dict:
         print(f"--model {args.model} is a training run folder: decoding its latest checkpoint {model_dir}",
               file=sys.stderr, flush=True)
     eos_ids = eos_ids_for(tokenizer, mcfg.vocab_size)
-    ids = encode_prompts(rows, tokenizer, args.prompts, args.chat, mcfg.vocab_size, mcfg.max_position_embeddings,
-                         args.max_new_tokens, mcfg.mask_token_id, block_size=args.block_size or mcfg.block_size)
+    bs = args.block_size or mcfg.block_size
+    asked = args.max_new_tokens
+    ids, args.max_new_tokens = encode_prompts(rows, tokenizer, args.prompts, args.chat, mcfg.vocab_size,
+                                              mcfg.max_position_embeddings, asked, mcfg.mask_token_id, block_size=bs)
+    if asked is None and args.max_new_tokens < DEFAULT_MAX_NEW_TOKENS and env.main and not args.quiet:
+        print(f"max_new_tokens {args.max_new_tokens}: what the model's {mcfg.max_position_embeddings} positions "
+              f"leave after the longest prompt ({max(map(len, ids))} tokens, block {bs}); --max-new-tokens sets it",
+              file=sys.stderr, flush=True)
     cfg = sampler_config_from_args(args, eos_ids)
 
     model = load_model_checked(model_dir, device, dtype)

@@ -150,7 +150,7 @@ def test_cli_stdout_when_no_out_and_chat_template(ckpt, tmp_path, capsys):
     assert "tokens/s" in cap.err  # the summary moves to stderr
     # --chat encodes the ChatML template around the prompt
     rows_ = gen.read_prompts(prompts)
-    ids = gen.encode_prompts(rows_, CharTokenizer(), prompts, True, 10**6, 10**6, 4, -1, block_size=BLOCK)
+    ids, _ = gen.encode_prompts(rows_, CharTokenizer(), prompts, True, 10**6, 10**6, 4, -1, block_size=BLOCK)
     assert ids[0] == CharTokenizer().encode(chat_prompt("hi"))
 
 
@@ -803,3 +803,34 @@ def test_forwards_are_the_engines_not_the_busiest_rows(ckpt, tmp_path, monkeypat
                                           "--no-chat", "--quiet"])
     s = gen.run(args)
     assert len(totals) == 2 and s["forwards"] == sum(totals) and s["forwards_per_s"] == pytest.approx(sum(totals))
+
+
+def test_fitted_max_new_tokens_rule():
+    """The default cap: 256, or the room the positions leave after the longest prompt with the last block aligned
+    at position 0 (prompt + n <= floor(positions / block) * block); 256 where not even one token fits."""
+    assert gen.fitted_max_new_tokens([6, 3], 4096, 8) == 256
+    assert gen.fitted_max_new_tokens([6, 3], 256, 8) == 250
+    assert gen.fitted_max_new_tokens([6], 260, 8) == 250  # positions 256..259 hold no whole block of 8
+    assert gen.fitted_max_new_tokens([255], 256, 8) == 1
+    assert gen.fitted_max_new_tokens([256], 256, 8) == 256  # nothing fits: the prompt's own error says why
+    assert gen.fitted_max_new_tokens([], 100, 4) == 100
+
+
+def test_default_max_new_tokens_fits_a_small_models_positions(ckpt, tmp_path, capsys):
+    """Was: without --max-new-tokens every prompt of a model with 256 positions failed ("6 prompt tokens +
+    max_new_tokens 256 = 262 positions, more than the 256 ..."): the default cap is now what the positions leave
+    after the longest prompt, said on stderr; an explicit --max-new-tokens is kept and checked as before."""
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "hi"}), json.dumps({"prompt": "hello there"})])
+    longest = len(CharTokenizer().encode(chat_prompt("hello there")))
+    out = tmp_path / "o.jsonl"
+    assert gen.main(["--model", str(ckpt), "--prompts", str(prompts), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    fitted = (256 // BLOCK) * BLOCK - longest
+    assert f"max_new_tokens {fitted}: what the model's 256 positions leave after the longest prompt ({longest} " \
+           f"tokens, block {BLOCK})" in err
+    rows = _read_rows(out)
+    assert len(rows) == 2 and all(r["tokens"] == len(r["token_ids"]) <= fitted for r in rows)
+    assert [r["tokens"] for r in rows if r["finish_reason"] == "length"] == [fitted]  # decoded to the fitted cap
+    assert gen.main(["--model", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--quiet",
+                     "--max-new-tokens", "256"]) == 2
+    assert "max_new_tokens 256" in capsys.readouterr().err
