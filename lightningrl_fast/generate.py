@@ -26,8 +26,9 @@ model's id is used, as train does).
 
 `--chat` (default) wraps each prompt in the ChatML user turn (`tokenizer.chat_prompt`); `--no-chat` feeds it
 as is. Decoding is greedy unless `--temperature` > 0. `--max-new-tokens` defaults to 256, or, where the model's
-positions cannot hold that after the longest prompt, to what they leave (said on stderr). `--block-size` other than the checkpoint's also sets the
-model's attention block size for this run (the sampler's blocks and the attention mask must agree).
+positions cannot hold that after the longest prompt, to what they leave (said on stderr). `--block-size` other
+than the checkpoint's also sets the model's attention block size for this run (the sampler's blocks and the
+attention mask must agree).
 
 Output: one JSON row per prompt, in input order — `prompt`, `text` (the response decoded, EOS dropped),
 `tokens` (response length, EOS included), `token_ids`, `tpf`, `forwards` (forwards the row took part in),
