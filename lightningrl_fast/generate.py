@@ -24,11 +24,12 @@ is neither the prompts file nor inside the model folder (real paths compared: sy
 A checkpoint whose config mask_token_id differs from its tokenizer's mask token gets a warning on stderr (the
 model's id is used, as train does).
 
-`--chat` (default) wraps each prompt in the ChatML user turn (`tokenizer.chat_prompt`); `--no-chat` feeds it
-as is. Decoding is greedy unless `--temperature` > 0. `--max-new-tokens` defaults to 256, or, where the model's
-positions cannot hold that after the longest prompt, to what they leave (said on stderr). `--block-size` other
-than the checkpoint's also sets the model's attention block size for this run (the sampler's blocks and the
-attention mask must agree).
+`--chat` wraps each prompt in the ChatML user turn (`tokenizer.chat_prompt`); `--no-chat` feeds it as is; the
+default is `--chat` where the tokenizer can encode the template (every SDAR tokenizer), else `--no-chat` (said
+on stderr). Decoding is greedy unless `--temperature` > 0. `--max-new-tokens` defaults to 256, or, where the
+model's positions cannot hold that after the longest prompt, to what they leave (said on stderr). `--block-size`
+other than the checkpoint's also sets the model's attention block size for this run (the sampler's blocks and
+the attention mask must agree).
 
 Output: one JSON row per prompt, in input order — `prompt`, `text` (the response decoded, EOS dropped),
 `tokens` (response length, EOS included), `token_ids`, `tpf`, `forwards` (forwards the row took part in),
@@ -176,6 +177,18 @@ def read_prompts(path: str | Path) -> list[PromptRow]:
 
 
 DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def can_chat(tokenizer) -> bool:
+    """Whether `tokenizer` encodes the ChatML user turn (`--chat`'s default): every SDAR BPE tokenizer does; a
+    CharTokenizer whose alphabet lacks its letters (the embedded default's arithmetic one) does not."""
+    from .tokenizer import chat_prompt
+
+    try:
+        tokenizer.encode(chat_prompt(""))
+    except ValueError:
+        return False
+    return True
 
 
 def fitted_max_new_tokens(prompt_lens: Sequence[int], max_len: int, block_size: int,
@@ -365,8 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None,
                     help="output JSONL, replaced only by a complete result (on an error or Ctrl-C the rows so far go "
                          "to OUT.partial); not inside the model folder (default: stdout, summary on stderr)")
-    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                    help="wrap prompts in the ChatML user turn (default: on)")
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                    help="wrap prompts in the ChatML user turn (default: on when the checkpoint's tokenizer can "
+                         "encode that template, as every SDAR tokenizer can; off for the embedded default's "
+                         "arithmetic alphabet)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     add_decoding_args(ap, max_new_tokens=None,
                       max_new_tokens_help=f"response length cap (default {DEFAULT_MAX_NEW_TOKENS}, or what the "
@@ -409,6 +424,11 @@ def _generate(args, env, device, model_dir: Path, rows: list) -> dict:
         print(f"--model {args.model} is a training run folder: decoding its latest checkpoint {model_dir}",
               file=sys.stderr, flush=True)
     eos_ids = eos_ids_for(tokenizer, mcfg.vocab_size)
+    if args.chat is None:
+        args.chat = can_chat(tokenizer)
+        if not args.chat and env.main and not args.quiet:
+            print("prompts fed as they are (--no-chat): this tokenizer cannot encode the ChatML template",
+                  file=sys.stderr, flush=True)
     bs = args.block_size or mcfg.block_size
     asked = args.max_new_tokens
     ids, args.max_new_tokens = encode_prompts(rows, tokenizer, args.prompts, args.chat, mcfg.vocab_size,

@@ -834,3 +834,23 @@ def test_default_max_new_tokens_fits_a_small_models_positions(ckpt, tmp_path, ca
     assert gen.main(["--model", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--quiet",
                      "--max-new-tokens", "256"]) == 2
     assert "max_new_tokens 256" in capsys.readouterr().err
+
+
+def test_chat_default_follows_what_the_tokenizer_can_encode(tmp_path, capsys):
+    """Was: --chat was always the default, so a checkpoint of the embedded default (an arithmetic alphabet without
+    the letters of the ChatML template) failed every prompt ("cannot tokenize (try --no-chat)"). Now the default is
+    --chat only where the tokenizer encodes the template (SDAR's BPE, a full-alphabet CharTokenizer); an explicit
+    --chat is kept and still names the problem."""
+    tok = CharTokenizer("0123456789+=,# ?")
+    folder = tmp_path / "arith"
+    save_model(build_model(_tiny_config(tok), dtype=torch.float32, seed=0), _tiny_config(tok), folder, tokenizer=tok)
+    assert gen.can_chat(CharTokenizer()) and not gen.can_chat(tok)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "1+2+3="})])
+    out = tmp_path / "o.jsonl"
+    assert gen.main(["--model", str(folder), "--prompts", str(prompts), "--out", str(out),
+                     "--max-new-tokens", "8"]) == 0
+    assert "prompts fed as they are (--no-chat)" in capsys.readouterr().err
+    assert len(_read_rows(out)) == 1
+    assert gen.main(["--model", str(folder), "--prompts", str(prompts), "--out", str(out), "--chat",
+                     "--max-new-tokens", "8"]) == 2
+    assert "cannot tokenize (try --no-chat)" in capsys.readouterr().err
