@@ -40,8 +40,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RowLog, copy_bandwidth_gbs, device_name, device_time, ints, kernels_dispatched, l2_state,  # noqa: E402
-                    print_table, time_fn)
+from common import (RowLog, copy_bandwidth_gbs, device_name, device_time, ints,  # noqa: E402
+                    kernels_dispatched, l2_state, print_table, time_fn)
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.unmask import threshold_unmask, threshold_unmask_reference  # noqa: E402

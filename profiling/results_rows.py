@@ -13,11 +13,11 @@ Each field of a benchmark row goes to one column by its name: timings and rates 
 line's own bounds: `gemm_tflops`, the pinned copy bandwidths) to **bound**, fractions of a bound and speed-ups
 (`%...`, `... %bw`, `x`, `x_...`, `..._x`, `vs_...`, `speedup`) to **ratio**, text fields named `note(s)` to
 **notes**, everything else (sizes, modes, implementation names) to **shapes**, after the line's own shape fields
-(dtype, config, vocab, heads, layers, samples, ...). The rows are drafts: read them against the log, then add what a number means
-(met / not met, the target) in the notes before pasting them into RESULTS.md. Rows of a CPU run are dropped
-unless `--cpu` is given (RESULTS.md holds GPU figures only). A bench stopped before its final line (a stage's
-time limit) still has the rows it wrote to stderr as it measured them (`{"bench_row": ...}` lines,
-common.RowLog): those become rows with the note "partial".
+(dtype, config, vocab, heads, layers, samples, ...). The rows are drafts: read them against the log, then add
+what a number means (met / not met, the target) in the notes before pasting them into RESULTS.md. Rows of a CPU
+run are dropped unless `--cpu` is given (RESULTS.md holds GPU figures only). A bench stopped before its final
+line (a stage's time limit) still has the rows it wrote to stderr as it measured them (`{"bench_row": ...}`
+lines, common.RowLog): those become rows with the note "partial".
 """
 
 from __future__ import annotations

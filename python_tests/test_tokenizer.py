@@ -336,7 +336,8 @@ def test_encode_never_adds_a_bos(tmp_path):
     from tokenizers import processors
 
     backend = CharTokenizer("ab").backend
-    backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                           special_tokens=[("<|im_start|>", 1)])
     backend.save(str(tmp_path / "tokenizer.json"))
     tok = load_tokenizer(tmp_path)
     assert backend.encode("ab").ids == [1, 4, 5]  # what the post-processor does when asked

@@ -16,9 +16,9 @@ Keys at in-copy positions >= lengths[b] are padding and never attended.
 A `PackedLayout` puts several such sequences ("segments") back to back in one row, the way the trainer packs
 its micro-batches (rl/logprobs.py). It is given position by position (segment, copy, block, key valid), so a
 segment may be any subset of whole blocks of its copies: the trainer keeps only the noisy blocks that hold
-targets and the clean blocks before the last of them. A query sees keys of its own segment only, under the same predicate on (copy,
-block), and positions outside every segment are padding. Packing removes the padding of short sequences to
-the longest one, and gives every full micro-batch one shape.
+targets and the clean blocks before the last of them. A query sees keys of its own segment only, under the same
+predicate on (copy, block), and positions outside every segment are padding. Packing removes the padding of
+short sequences to the longest one, and gives every full micro-batch one shape.
 
 Two implementations of the same predicate:
   * CUDA: FlexAttention with a `mask_mod`; the block mask is built once per layout (`prepare`) and

@@ -382,9 +382,10 @@ def iter_micro_batches(lb: LayoutBatch, rows: Sequence[int], budget: int, pad_sh
 
     Each sample keeps only what its targets need (see MicroBatch): its clean copy cut before its last noisy
     block (and to its own decoded length), and the noisy blocks holding targets (block proxy: the response blocks
-    of x_t, not its prompt-only blocks; trace: per round only the blocks that unmask something in it), so no sample pays for the longest one or for
-    the most rounds. `pad_shapes` (CUDA) rounds each row to `packed_length`: a few shapes per run for the
-    compiled attention; otherwise rows are exactly as long as their segments. Samples without targets are left
+    of x_t, not its prompt-only blocks; trace: per round only the blocks that unmask something in it), so no
+    sample pays for the longest one or for the most rounds. `pad_shapes` (CUDA) rounds each row to
+    `packed_length`: a few shapes per run for the compiled attention; otherwise rows are exactly as long as their
+    segments. Samples without targets are left
     out. Exact: every kept position sees what it sees in the LayoutBatch, and padding is never attended.
     The plan (which samples go where) is made, and input errors raised, at the call; each micro-batch is built
     when the iteration asks for it, so a training loop packs the next one while the GPU runs the current one."""
