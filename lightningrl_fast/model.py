@@ -47,6 +47,21 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 _OFFICIAL_DEFAULTS = {"num_key_value_heads": 32, "head_dim": 128, "rope_theta": 10000.0}
 
 
+def _unsupported_architecture(extra: dict[str, Any]) -> str | None:
+    """What in a config's other keys describes a model this file does not compute (None: nothing)."""
+    experts = extra.get("num_experts")
+    if isinstance(experts, int) and not isinstance(experts, bool) and experts > 0:
+        return f"a mixture-of-experts checkpoint (config.num_experts {experts}, e.g. SDAR-30B-A3B)"
+    if extra.get("attention_bias") is True:
+        return "config.attention_bias true (biases on the q/k/v/o projections)"
+    if extra.get("use_sliding_window") is True and extra.get("sliding_window") is not None:
+        return f"sliding-window attention (config.use_sliding_window true, sliding_window {extra['sliding_window']})"
+    kinds = extra.get("layer_types")
+    if isinstance(kinds, list) and any(k != "full_attention" for k in kinds):
+        return f"config.layer_types {sorted(set(map(str, kinds)))} (only full_attention layers are computed here)"
+    return None
+
+
 @dataclass
 class SDARConfig:
     """The config.json of an SDAR/TraDo/LightningRL checkpoint. Unknown keys are kept in `extra`."""
@@ -98,6 +113,10 @@ class SDARConfig:
             raise ValueError(f"config.rope_scaling {self.rope_scaling!r} is not supported (SDAR checkpoints use none)")
         if self.torch_dtype not in _DTYPES:
             raise ValueError(f"config.torch_dtype {self.torch_dtype!r} is not one of {sorted(_DTYPES)}")
+        unsupported = _unsupported_architecture(self.extra)
+        if unsupported:
+            raise ValueError(f"{unsupported} is not supported: this package implements the dense SDAR model "
+                             "(SDAR / TraDo 1.7B, 4B, 8B)")
 
     @property
     def dtype(self) -> torch.dtype:

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from lightningrl_fast.checkpoint import CheckpointError, read_config
 from lightningrl_fast.model import KVCache, SDARConfig, SDARForCausalLM, build_model
 from lightningrl_fast.ops.masked_attn import MaskLayout
 
@@ -211,6 +212,29 @@ def test_config_keys_left_out_mean_what_the_official_config_assumes():
     assert cfg.torch_dtype == "float32" and "dtype" not in cfg.to_dict()
     cfg = SDARConfig.from_dict({**base, "dtype": "float16", "torch_dtype": "bfloat16"})
     assert cfg.torch_dtype == "bfloat16" and "dtype" not in cfg.to_dict()
+
+
+@pytest.mark.parametrize("keys, named", [
+    ({"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}, "mixture-of-experts.*128"),
+    ({"attention_bias": True}, "attention_bias true"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, "sliding-window attention.*4096"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types.*sliding_attention"),
+])
+def test_configs_of_other_architectures_are_refused(tmp_path, keys, named):
+    """A config whose other keys describe layers this model does not compute (experts, biases, a sliding window)
+    is refused by name, not loaded as a dense SDAR model that would silently compute something else; the keys
+    the real SDAR configs carry with their dense values load."""
+    d = tiny_config().to_dict()
+    with pytest.raises(ValueError, match=f"{named}.*not supported"):
+        SDARConfig.from_dict({**d, **keys})
+    (tmp_path / "config.json").write_text(json.dumps({**d, **keys}))
+    with pytest.raises(CheckpointError, match=f"config.json.*{named}"):
+        read_config(tmp_path)
+    dense = {"num_experts": 0, "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+             "layer_types": ["full_attention"] * d["num_hidden_layers"]}
+    assert SDARConfig.from_dict({**d, **dense}).extra["attention_bias"] is False
+    no_window = SDARConfig.from_dict({**d, "use_sliding_window": True, "sliding_window": None})
+    assert no_window.hidden_size == d["hidden_size"]
 
 
 def test_bad_model_inputs():
