@@ -50,8 +50,9 @@ def test_block_attention_block_size_and_scale_are_checked():
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="softmax_scale must"):
             block_attention(*attn_args(), 4, softmax_scale=bad)
-    with pytest.raises(TypeError, match="softmax_scale must be a number"):
-        block_attention(*attn_args(), 4, softmax_scale="0.1")
+    for bad in ("0.1", True):
+        with pytest.raises(TypeError, match="softmax_scale must be a number"):
+            block_attention(*attn_args(), 4, softmax_scale=bad)
 
 
 def overlapping_caches():
@@ -63,6 +64,14 @@ def overlapping_caches():
     yield "same strided", strided, strided, torch.randn(B, C, H, D)
     c2 = torch.zeros(B, L, H, D)
     yield "k inside", c2, torch.zeros(B, L, H, D), c2[:, 2 : 2 + C]
+    n = L * H * D
+    yield "rows overlap", torch.zeros(B * n).as_strided((B, L, H, D), (n // 2, H * D, D, 1)), torch.zeros(B, L, H, D), \
+        torch.randn(B, C, H, D)  # no stride 0, but row 1 starts halfway through row 0
+    yield "expanded with gaps", torch.zeros(1, L, 3 * H, D)[:, :, :H].expand(B, L, H, D), torch.zeros(B, L, H, D), \
+        torch.randn(B, C, H, D)  # fewer elements than its span: only the stride 0 gives it away
+    buf = torch.zeros(B, L, 2 * H, D)
+    yield "k holds the cache's last element", buf[:, :, :H], torch.zeros(B, L, H, D), \
+        buf.view(-1)[-B * C * H * D :].view(B, C, H, D)  # k dense at the buffer's end: not a start-to-start overlap
 
 
 @pytest.mark.parametrize("op", ["kv_cache_write", "block_attention"])
@@ -80,6 +89,14 @@ def test_caches_that_share_memory_are_refused_before_any_write(op):
                 block_attention(torch.randn(B, C, H, D), k, v, kc, vc, lens, n, 4)
         assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]), label
         assert ("k_cache" in str(e.value)), label
+    # inputs that are only read may share memory (an expanded k / v: one chunk for every row): accepted
+    kc, vc = torch.zeros(B, L, H, D), torch.zeros(B, L, H, D)
+    k1, v1 = torch.randn(1, C, H, D), torch.randn(1, C, H, D)
+    lens, n = torch.zeros(B, dtype=torch.int32), torch.full((B,), C, dtype=torch.int32)
+    kv_cache_write(kc, vc, k1.expand(B, C, H, D), v1.expand(B, C, H, D), lens, n)
+    assert torch.equal(kc[:, :C], k1.expand(B, C, H, D)) and torch.equal(vc[:, :C], v1.expand(B, C, H, D))
+    block_attention(torch.randn(1, C, H, D).expand(B, C, H, D), k1.expand(B, C, H, D), v1.expand(B, C, H, D),
+                    torch.zeros(B, L, H, D), torch.zeros(B, L, H, D), lens, n, 4)
     # interleaved halves of one buffer do not overlap: accepted
     kv = torch.zeros(B, L, 2, H, D)
     kv_cache_write(kv[:, :, 0], kv[:, :, 1], torch.randn(B, C, H, D), torch.randn(B, C, H, D),
@@ -147,8 +164,14 @@ def test_threshold_unmask_outputs_that_share_memory_are_refused_before_any_write
         threshold_unmask(**a)
     assert a["tokens"].eq(0).all() and a["step_map"].eq(-2).all() and a["conf"].eq(0).all()
     shared = torch.zeros(2, 4)
-    with pytest.raises(ValueError, match="logp is written in place and must not share memory with conf"):
+    with pytest.raises(ValueError, match=r"logp is written in place and must not share memory with conf \(also "
+                                         r"written by this op\)"):
         threshold_unmask(**unmask_args(logp=shared, conf=shared))
+    a = unmask_args()
+    a["conf"] = a["logits"][..., 0]  # an output inside the logits: the step would read what it overwrote
+    with pytest.raises(ValueError, match=r"conf is written in place and must not share memory with logits \(also "
+                                         r"read by this op\)"):
+        threshold_unmask(**a)
     for name in ("tokens", "step_map", "logp", "conf"):
         t = unmask_args()[name]
         with pytest.raises(ValueError, match=f"{name} is written in place"):
@@ -231,6 +254,21 @@ def test_grpo_loss_scalar_arguments_are_checked():
     for chunk in (2.5, "8"):
         with pytest.raises(TypeError, match="chunk must be an integer"):
             linear_logprobs(h, w, y, chunk=chunk)
+
+
+def test_suppress_token_must_be_an_integer():
+    """suppress_token went through int(): 2.5 suppressed token 2, True token 1 and "3" token 3, silently."""
+    h, w = torch.randn(5, 4), torch.randn(7, 4)
+    y = torch.tensor([0, 1, 2, 3, 6])
+    a = loss_args()
+    for bad, what in ((2.5, "float 2.5"), (True, "bool"), ("3", "str '3'")):
+        with pytest.raises(TypeError, match=f"suppress_token must be an integer, got {what}"):
+            linear_logprobs(h, w, y, suppress_token=bad)
+        with pytest.raises(TypeError, match="suppress_token must be an integer"):
+            fused_linear_grpo_loss(h, w, y, None, a["ref_logp"], a["advantages"], a["seq_idx"], 2, a["correct"],
+                                   suppress_token=bad)
+    torch.testing.assert_close(linear_logprobs(h, w, y, suppress_token=torch.tensor(4)),
+                               linear_logprobs(h, w, y, suppress_token=4), rtol=0, atol=0)  # an integer tensor is fine
 
 
 # -- rms_norm ----------------------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lightningrl_fast import _ext
-from lightningrl_fast.ops.block_attn import VARIANTS, block_attention, block_attention_reference, kernel_supports
+from lightningrl_fast.ops.block_attn import (VARIANT_ENV, VARIANTS, block_attention, block_attention_reference,
+                                             kernel_supports, kernel_variant)
 
 
 def make_inputs(bsz, c, hq, hkv, d, cap, cache_lens, chunk_lens, dtype=torch.float64, device="cpu", seed=0):
@@ -92,6 +93,20 @@ def test_reference_out_of_range_rows_write_nothing_and_output_zeros():
 def test_opcheck():
     q, k, v, kc, vc, cl, nl = make_inputs(2, 4, 4, 2, 8, 12, [0, 4], [4, 3], dtype=torch.float32)
     torch.library.opcheck(torch.ops.lightningrl_fast.block_attention.default, (q, k, v, kc, vc, cl, nl, 4, 0.35))
+    for dtype in (torch.bfloat16, torch.float64):  # the fake's output has q's dtype and shape
+        q, k, v, kc, vc, cl, nl = make_inputs(2, 4, 6, 2, 8, 12, [0, 4], [4, 3], dtype=dtype)
+        torch.library.opcheck(torch.ops.lightningrl_fast.block_attention.default, (q, k, v, kc, vc, cl, nl, 4, 0.35))
+
+
+def test_kernel_variant_default_and_names(monkeypatch):
+    monkeypatch.delenv(VARIANT_ENV, raising=False)
+    assert kernel_variant() == VARIANTS["auto"] == 0
+    assert [kernel_variant(n) for n in ("auto", "mma", "wgmma")] == [0, 1, 2]
+    monkeypatch.setenv(VARIANT_ENV, "wgmma")
+    assert kernel_variant() == 2 and kernel_variant("mma") == 1
+    monkeypatch.setenv(VARIANT_ENV, "fast")
+    with pytest.raises(ValueError, match=f"{VARIANT_ENV} must be one of auto, mma, wgmma, got 'fast'"):
+        kernel_variant()
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -114,6 +129,29 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="exceeds"):
         block_attention(q, k, v, kc, vc, torch.tensor([0, 10], dtype=torch.int32), nl, 4)
     assert torch.equal(kc, before)  # nothing written on a rejected call
+    cases = [  # (argument index, replacement, error, match)
+        (3, kc[:1], ValueError, r"k_cache must have shape \[2, \*, \*, 8\], got \[1, 12, 2, 8\]"),
+        (4, vc[:, :11], ValueError, r"v_cache must have shape \[2, 12, 2, 8\], got \[2, 11, 2, 8\]"),
+        (4, vc.double(), TypeError, r"v_cache must have dtype in \(float32\)"),
+        (1, k[:, :, :1], ValueError, r"k must have shape \[2, 4, 2, 8\], got \[2, 4, 1, 8\]"),
+        (6, nl[:1], ValueError, r"chunk_lens must have shape \[2\], got \[1\]"),
+        (5, torch.tensor([-1, 0], dtype=torch.int32), ValueError, "cache_lens/chunk_lens must be >= 0"),
+        # int32 cache_lens + chunk_lens past 2^31 must not wrap around to a small (fitting) sum
+        (5, torch.tensor([2**31 - 1, 0], dtype=torch.int32), ValueError,
+         "= 2147483651 exceeds the KV cache capacity 12"),
+    ]
+    for i, new, error, match in cases:
+        args = [q, k, v, kc.clone(), vc.clone(), cl, nl]
+        args[i] = new
+        if i == 3:
+            args[4] = vc[: new.shape[0], :, : new.shape[2]].clone()
+        with pytest.raises(error, match=match):
+            block_attention(*args, 4)
+    with pytest.raises(ValueError, match=r"q heads \(4\) must be a positive multiple of the cache's kv heads \(0\)"):
+        block_attention(q, k[:, :, :0], v[:, :, :0], kc[:, :, :0], vc[:, :, :0], cl, nl, 4)  # was ZeroDivisionError
+    kq = torch.zeros(2, 12, 2, 8)  # q inside k_cache: the cache write would overwrite queries before they are read
+    with pytest.raises(ValueError, match="k_cache is written in place and must not share memory with q"):
+        block_attention(kq.view(-1)[16 : 16 + q.numel()].view(q.shape), k, v, kq, vc.clone(), cl, nl, 4)
 
 
 
@@ -141,6 +179,10 @@ def test_kernel_supports_only_caches_it_can_move_in_16_byte_units():
     assert not kernel_supports(q, kc, torch.empty(2, 64, 2, 129, dtype=kc.dtype)[..., :128])  # 258-byte head stride
     assert not kernel_supports(q, kc.transpose(-1, -2).contiguous().transpose(-1, -2), kc)  # strided last dim
     assert kernel_supports(q, kc[:1].expand(1, 64, 2, 128).clone()[:, :, :1], kc[:, :, :1])  # one head, size-1 dims
+    wide = torch.empty(2, 64, 2, 136, dtype=torch.bfloat16)[..., :128]  # heads 272 bytes apart: 16-byte multiples
+    assert kernel_supports(q, wide, wide.clone())
+    odd = torch.empty(2, 64, 1, 128, dtype=torch.bfloat16).as_strided((2, 64, 1, 128), (8192, 128, 3, 1))
+    assert kernel_supports(q[:, :, :4], odd, odd.clone())  # a size-1 dim's stride (6 bytes) is never used
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -170,6 +170,68 @@ def test_token_loss_errors():
         grpo_token_loss(t, t, t, t, seq + 1, 1, torch.ones(1, dtype=torch.bool))
 
 
+def test_loss_and_lm_head_inputs_are_checked():
+    """Every tensor's length (a length-1 advantages or old_logp would broadcast silently, a short `correct` be
+    indexed out of range), the value ranges (negative seq_idx or targets, a target or suppress_token equal to V),
+    eps >= 0, four totals and chunk >= 1 are refused by name before anything is computed."""
+    g = torch.Generator().manual_seed(1)
+    a = dict(logp=torch.randn(5, generator=g), old_logp=torch.randn(5, generator=g),
+             ref_logp=torch.randn(5, generator=g), advantages=torch.randn(5, generator=g),
+             seq_idx=torch.tensor([0, 0, 1, 1, 1]), num_seqs=2, correct=torch.tensor([True, False]))
+    cases = [
+        (dict(advantages=torch.randn(1)), ValueError, r"advantages must have shape \[5\], got \[1\]"),
+        (dict(old_logp=torch.randn(1)), ValueError, r"old_logp must have shape \[5\], got \[1\]"),
+        (dict(ref_logp=torch.randn(4)), ValueError, r"ref_logp must have shape \[5\], got \[4\]"),
+        (dict(correct=torch.tensor([True])), ValueError, r"correct must have shape \[2\], got \[1\]"),
+        (dict(seq_idx=torch.tensor([0, 0, 1, 1, -1])), ValueError, r"seq_idx values must lie in \[0, 2\)"),
+    ]
+    for change, error, match in cases:
+        with pytest.raises(error, match=match):
+            grpo_token_loss(**(a | change))
+    with pytest.raises(ValueError, match="eps_low must be >= 0.0, got -0.1"):
+        grpo_token_loss(**a, eps_low=-0.1)
+    with pytest.raises(ValueError, match=r"totals must be \(sequences, tokens, correct sequences, correct tokens\)"):
+        grpo_token_loss(**a, totals=(2, 5, 1))
+    h, w, y = torch.randn(5, 4, generator=g), torch.randn(7, 4, generator=g), torch.tensor([0, 1, 2, 3, 6])
+    cases = [
+        (dict(weight=w[:, :3]), ValueError, r"weight must have shape \[\*, 4\], got \[7, 3\]"),
+        (dict(targets=y[:4]), ValueError, r"targets must have shape \[5\], got \[4\]"),
+        (dict(targets=torch.tensor([0, 1, 2, 3, -1])), ValueError, r"targets must lie in \[0, 7\)"),
+        (dict(targets=torch.tensor([0, 1, 2, 3, 7])), ValueError, r"targets must lie in \[0, 7\)"),
+        (dict(suppress_token=7), ValueError, r"suppress_token must be None or in \[0, 7\), got 7"),
+        (dict(chunk=0), ValueError, "chunk must be >= 1, got 0"),
+    ]
+    for change, error, match in cases:
+        kw = dict(hidden=h, weight=w, targets=y) | change
+        with pytest.raises(error, match=match):
+            linear_logprobs(**kw)
+        with pytest.raises(error, match=match):
+            fused_linear_grpo_loss(kw.pop("hidden"), kw.pop("weight"), kw.pop("targets"), None, a["ref_logp"],
+                                   a["advantages"], a["seq_idx"], 2, a["correct"], **kw)
+
+
+def test_group_normalize_inputs_dtypes_and_opcheck():
+    """int32 group ids are accepted (and group as int64 ones do), weights of another length are refused, and the
+    fake's dtype follows the rewards' (float64 in, float64 out; float32 for the others)."""
+    rewards = torch.randn(12, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    ids = torch.arange(12) % 4
+    assert torch.equal(group_normalize(rewards, ids.int()), group_normalize(rewards, ids))
+    assert group_normalize(rewards, ids).dtype == torch.float64
+    assert group_normalize(rewards.half(), ids).dtype == torch.float32
+    with pytest.raises(ValueError, match=r"weights must have shape \[2\], got \[3\]"):
+        group_normalize(rewards, ids, torch.ones(3, dtype=torch.float64))
+    for r in (rewards, rewards.bfloat16()):
+        torch.library.opcheck(torch.ops.lightningrl_fast.group_normalize.default, (r, ids, torch.ones(2), "sum"))
+
+
+def test_linear_logprobs_of_no_tokens():
+    """T = 0: an empty result in the accumulation dtype (float32 for bf16 input, float64 for float64), as for T > 0."""
+    w = torch.randn(7, 4)
+    for dtype, want in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        out = linear_logprobs(torch.zeros(0, 4, dtype=dtype), w.to(dtype), torch.zeros(0, dtype=torch.long))
+        assert out.shape == (0,) and out.dtype == want
+
+
 def test_linear_logprobs_and_fused_loss_match_dense():
     g = torch.Generator().manual_seed(3)
     T, H, V = 123, 16, 111
@@ -392,6 +454,58 @@ def test_fused_on_policy_old_logp_none(kdev):
     assert abs(float(got.detach()) - float(want)) < 1e-10 and float(stats["ratio"]) == 1.0
     torch.testing.assert_close(gh2.cpu(), wh, rtol=1e-8, atol=1e-11)
     torch.testing.assert_close(gw2.cpu(), ww, rtol=1e-8, atol=1e-11)
+
+
+def test_reference_path_on_policy_old_logp_none():
+    """The CPU path (no kernel): old_logp=None is old = logp DETACHED, so rho = 1 with the gradient of rho * A
+    (an attached old would cancel it), and the returned logp is detached."""
+    hidden, weight, y, old, ref, adv, seq, nseq, correct = _loss_case(97, 7, 111, 16, seed=9)
+    kw = dict(eps_low=0.2, eps_high=0.28, beta=0.02, mu=0.1)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp = torch.log_softmax(h @ w.t(), -1).gather(-1, y[:, None]).squeeze(-1)
+    want, _ = grpo_token_loss(logp, logp.detach(), ref, adv, seq, nseq, correct, **kw)
+    wh, ww = torch.autograd.grad(want, (h, w))
+    got, stats, lp = fused_linear_grpo_loss(h, w, y, None, ref, adv, seq, nseq, correct, chunk=20, **kw)
+    gh, gw = torch.autograd.grad(got, (h, w))
+    assert not lp.requires_grad and float(stats["ratio"]) == 1.0
+    assert abs(float(got.detach()) - float(want.detach())) < 1e-12
+    torch.testing.assert_close(gh, wh, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(gw, ww, rtol=1e-9, atol=1e-12)
+
+
+def test_kernel_path_checks_shapes_and_asks_only_for_needed_gradients(monkeypatch):
+    """The kernel path (the `_C` entry points replaced by their recording PyTorch models, CPU): a frozen LM head
+    costs no [V, H] weight gradient, a frozen hidden none for the hidden states: need_grad_hidden /
+    need_grad_weight follow autograd in the fused loss and in linear_logprobs' backward. An old_logp of the wrong
+    length is refused by name before the kernel runs."""
+    from lightningrl_fast import _ext
+
+    flags = []
+
+    class Recorder(_gl._KernelModel):
+        @staticmethod
+        def fused_linear_grpo_loss(*args):
+            flags.append(("fused", args[15], args[16]))
+            return _gl._KernelModel.fused_linear_grpo_loss(*args)
+
+        @staticmethod
+        def linear_logprobs_backward(*args):
+            flags.append(("backward", args[7], args[8]))
+            return _gl._KernelModel.linear_logprobs_backward(*args)
+
+    monkeypatch.setattr(_gl, "cuda_kernel", lambda name, *tensors: getattr(Recorder, name, None))
+    monkeypatch.setattr(_ext, "ext", lambda: Recorder)
+    hidden, weight, y, old, ref, adv, seq, nseq, correct = _loss_case(40, 4, 50, 8, seed=2)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    for hh, ww in ((h, weight), (hidden, w), (h, w)):
+        loss, _, _ = fused_linear_grpo_loss(hh, ww, y, old, ref, adv, seq, nseq, correct, chunk=16)
+        loss.backward()
+    for hh, ww in ((h, weight), (hidden, w)):
+        linear_logprobs(hh, ww, y, chunk=16).sum().backward()
+    assert flags == [("fused", True, False), ("fused", False, True), ("fused", True, True), ("backward", True, False),
+                     ("backward", False, True)]
+    with pytest.raises(ValueError, match=r"old_logp must have shape \[40\], got \[39\]"):
+        fused_linear_grpo_loss(h, w, y, old[:39], ref, adv, seq, nseq, correct, chunk=16)
 
 
 def _rel_err(x, ref):

@@ -169,6 +169,13 @@ def _good_args(dtype=torch.float32):
         (dict(chunk_lens=torch.tensor([-2, 0], dtype=torch.int32)), ValueError, "row 0 does not fit"),
         (dict(k_cache=torch.zeros(2, 10, 4, 2).transpose(2, 3)), ValueError, "k_cache must have a contiguous last"),
         (dict(k_cache=[[0.0]]), TypeError, "k_cache must be a torch.Tensor"),
+        (dict(v_cache=torch.zeros(2, 10, 2, 4, dtype=torch.float64)), TypeError,
+         r"v_cache must have dtype in \(float32\)"),
+        (dict(chunk_lens=torch.tensor([3, 3])), TypeError, r"chunk_lens must have dtype in \(int32\), got int64"),
+        (dict(cache_lens=torch.zeros(2, 1, dtype=torch.int32)), ValueError,
+         r"cache_lens must have shape \[2\], got \[2, 1\]"),
+        (dict(chunk_lens=torch.tensor([3, 3], dtype=torch.int32, device="meta")), ValueError, "chunk_lens is on meta"),
+        (dict(v_cache=torch.zeros(2, 10, 4, 2).transpose(2, 3)), ValueError, "v_cache must have a contiguous last"),
     ],
 )
 def test_bad_inputs_raise(change, error, match):
@@ -182,6 +189,43 @@ def test_bad_error_flag_raises():
         kv_cache_write(**_good_args(), error_flag=torch.zeros(1))
     with pytest.raises(ValueError, match="error_flag must have at least one element"):
         kv_cache_write(**_good_args(), error_flag=torch.zeros(0, dtype=torch.int32))
+    with pytest.raises(ValueError, match="error_flag is on meta but the other inputs are on cpu"):
+        kv_cache_write(**_good_args(), error_flag=torch.zeros(1, dtype=torch.int32, device="meta"))
+
+
+def test_chunk_inside_its_own_cache_is_refused():
+    """v (read) lying inside v_cache (written): the write would read values it has already overwritten."""
+    a = _good_args()
+    a["v"] = a["v_cache"][:, 2:5]
+    before = a["k_cache"].clone()
+    with pytest.raises(ValueError, match=r"v_cache is written in place and must not share memory with v \(also read"):
+        kv_cache_write(**a)
+    assert torch.equal(a["k_cache"], before)
+
+
+def test_kernel_gets_dense_lengths_and_dense_rows(monkeypatch):
+    """The CUDA launcher reads cache_lens / chunk_lens densely and k / v rows as vectors: strided lengths and a
+    strided last dim of k / v are made dense before the op (a stand-in for the kernel, on the CPU, records what it
+    is given and writes with the reference)."""
+    from lightningrl_fast.ops import kv_cache as kv_mod
+
+    seen = []
+
+    def kernel(k_cache, v_cache, k, v, cache_lens, chunk_lens, error_flag):
+        seen.append((cache_lens.is_contiguous(), chunk_lens.is_contiguous(), k.stride(-1), v.stride(-1)))
+        kv_cache_write_reference(k_cache, v_cache, k, v, cache_lens, chunk_lens, error_flag)
+
+    monkeypatch.setattr(kv_mod, "cuda_kernel", lambda name, *tensors: kernel)
+    a = _good_args()
+    k, v = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (a["k"], a["v"]))  # last dim strided
+    lens = torch.tensor([0, 9, 7, 9], dtype=torch.int32)[::2]
+    n = torch.tensor([3, 0, 2, 0], dtype=torch.int32)[::2]
+    k_want, v_want = a["k_cache"].clone(), a["v_cache"].clone()
+    naive_write(k_want, v_want, k, v, lens, n)
+    kv_cache_write(a["k_cache"], a["v_cache"], k, v, lens, n)
+    assert seen == [(True, True, 1, 1)]
+    assert_bits_equal(a["k_cache"], k_want)
+    assert_bits_equal(a["v_cache"], v_want)
 
 
 def test_reference_is_vectorized_oracle_for_bad_rows():

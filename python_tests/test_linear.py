@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lightningrl_fast.ops import linear as linear_mod
-from lightningrl_fast.ops.linear import IMPL_ENV, gemm_impl, kernel_eligible, linear, linear_reference
+from lightningrl_fast.ops.linear import IMPL_ENV, gemm_impl, kernel_eligible, linear
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,6 +60,9 @@ def test_cpu_op_is_the_reference_for_every_impl(monkeypatch):
 def test_opcheck():
     x, w = make(4, 16, 32, torch.float32)
     torch.library.opcheck(torch.ops.lightningrl_fast.linear.default, (x, w, True, False))
+    for dtype in (torch.bfloat16, torch.float64):  # the fake's output dtype is x's, not a fixed one
+        x, w = make(3, 8, 16, dtype)
+        torch.library.opcheck(torch.ops.lightningrl_fast.linear.default, (x[None], w, True, True))
 
 
 def test_bad_inputs_raise_clear_errors(monkeypatch):
@@ -72,6 +75,8 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         linear(x, w[None])
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         linear([1.0], w)
+    with pytest.raises(ValueError, match=r"x's last dimension must equal .*got x of shape \[\]"):
+        linear(torch.tensor(1.0), w[:, :1])  # 0-d x: was an IndexError without the rank check
     with pytest.raises(ValueError, match="impl must be one of cublas, kernel, got 'triton'"):
         linear(x, w, impl="triton")
     monkeypatch.setenv(IMPL_ENV, "fast")
@@ -89,6 +94,30 @@ def test_pdl_switch(monkeypatch):
     assert not pdl_allowed()
     monkeypatch.setenv(PDL_ENV, "1")
     assert pdl_allowed()
+
+
+def test_cuda_kernel_dispatch(monkeypatch):
+    """`cuda_kernel` (every op's dispatch): the `_C` entry point only when EVERY tensor is on CUDA, the extension
+    has it and LRF_DISABLE_KERNELS is not 1; else None (the reference). Stand-ins for CUDA tensors and `_C` (all
+    it reads is `.is_cuda` and the attribute), so this runs without a GPU."""
+    from types import SimpleNamespace
+
+    from lightningrl_fast import _ext
+    from lightningrl_fast.ops._common import cuda_kernel
+
+    fake_ext = SimpleNamespace(linear=object())
+    monkeypatch.setattr(_ext, "ext", lambda: fake_ext)
+    monkeypatch.delenv("LRF_DISABLE_KERNELS", raising=False)
+    gpu, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    assert cuda_kernel("linear", gpu, gpu) is fake_ext.linear
+    assert cuda_kernel("linear", gpu, cpu) is None and cuda_kernel("linear", cpu, gpu) is None
+    assert cuda_kernel("rms_norm", gpu) is None  # an entry point the extension lacks
+    monkeypatch.setenv("LRF_DISABLE_KERNELS", "1")
+    assert cuda_kernel("linear", gpu) is None
+    monkeypatch.setenv("LRF_DISABLE_KERNELS", "0")
+    assert cuda_kernel("linear", gpu) is fake_ext.linear
+    monkeypatch.setattr(_ext, "ext", lambda: None)  # no extension built
+    assert cuda_kernel("linear", gpu) is None
 
 
 def test_kernel_eligibility_rules():
@@ -109,7 +138,17 @@ def test_kernel_eligibility_rules():
     assert not kernel_eligible(x, w[:1].expand(16, 32))
     flat = torch.zeros(64, dtype=torch.bfloat16)
     assert not kernel_eligible(flat.as_strided((4, 32), (8, 1)), w)
-    assert kernel_eligible(x, w[:1].expand(1, 32))  # one feature: its row stride is never used
+    assert kernel_eligible(x, w[:1].as_strided((1, 32), (0, 1)))  # one feature: its row stride is never used
+    assert kernel_eligible(torch.zeros(64, 32, dtype=torch.bfloat16), w)  # 64 rows: the most the kernel takes
+    assert not kernel_eligible(x, w[:0])  # no output features
+    xs, _ = make(4, 16, 32, torch.bfloat16, x_stride=36)
+    assert not kernel_eligible(xs, w)  # rows 36 elements (72 bytes) apart: not 16-byte aligned
+    wbuf = torch.zeros(16, 64, dtype=torch.bfloat16)
+    assert not kernel_eligible(x, wbuf[:, ::2])  # weight rows not dense (element stride 2)
+    assert not kernel_eligible(x, torch.zeros(16, 36, dtype=torch.bfloat16)[:, :32])  # weight rows 72 bytes apart
+    wflat = torch.zeros(16 * 32 + 8, dtype=torch.bfloat16)
+    assert kernel_eligible(x, wflat[8 : 8 + 16 * 32].view(16, 32))  # 16 bytes in: aligned
+    assert not kernel_eligible(x, wflat[1 : 1 + 16 * 32].view(16, 32))  # weight pointer 2 bytes past a boundary
 
 
 def test_grad_enabled_inputs_take_the_reference(monkeypatch):
@@ -120,6 +159,25 @@ def test_grad_enabled_inputs_take_the_reference(monkeypatch):
     w.requires_grad_(True)
     y = linear(x, w, impl="kernel")
     assert y.requires_grad and not calls
+
+
+def test_op_dispatch_by_impl_and_grad_mode(monkeypatch):
+    """impl "cublas" (the default without $LRF_DECODE_GEMM) never enters the custom op; impl "kernel" does, with
+    `pdl` passed on, also for weights that require grad under no_grad (the decode forward: nn.Linear parameters
+    inside torch.no_grad())."""
+    calls = []
+    monkeypatch.setattr(linear_mod, "_linear_op", lambda *a: calls.append(a) or F.linear(a[0], a[1]))
+    monkeypatch.delenv(IMPL_ENV, raising=False)
+    assert gemm_impl() == "cublas"
+    x, w = make(4, 16, 32, torch.float32)
+    assert torch.equal(linear(x, w), F.linear(x, w)) and not calls
+    assert torch.equal(linear(x, w, impl="cublas", pdl=True), F.linear(x, w)) and not calls
+    linear(x, w, impl="kernel", pdl=True)
+    assert len(calls) == 1 and calls[0][2:] == (True, True)
+    w.requires_grad_(True)
+    with torch.no_grad():
+        linear(x, w, impl="kernel")
+    assert len(calls) == 2 and calls[1][2:] == (True, False)
 
 
 # ----------------------------------------------------------------------- the kernel source under emulation

@@ -105,6 +105,72 @@ def test_public_ops_on_cpu_run_the_reference_and_check_inputs():
     torch.library.opcheck(torch.ops.lightningrl_fast.qk_norm_rope.default, (q6, wq, cos6, sin6, EPS, wk, 4))
 
 
+def test_references_honour_eps_against_float64():
+    """A non-default eps reaches the norm (the other checks use EPS = 1e-6), against the float64 formula
+    x / sqrt(mean(x^2) + eps) * w (to float32 precision: the references take the norm in float32, as the model's
+    RMSNorm); eps = 0 is allowed (a plain RMS), +-inf / NaN / negative are not."""
+    x = rand(3, 16, dtype=torch.float64, scale=0.3)
+    w = rand(16, dtype=torch.float64, seed=1)
+    r = rand(3, 16, dtype=torch.float64, seed=2)
+    for eps in (0.5, 0.0):
+        want = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+        torch.testing.assert_close(rms_norm(x, w, eps), want, rtol=1e-6, atol=1e-7)
+        y, s = add_rms_norm(x, r, w, eps)
+        torch.testing.assert_close(y, (x + r) / torch.sqrt(((x + r) ** 2).mean(-1, keepdim=True) + eps) * w,
+                                   rtol=1e-6, atol=1e-7)
+    q = rand(1, 2, 3, 16, dtype=torch.float64)
+    one, zero = torch.ones(1, 2, 16, dtype=torch.float64), torch.zeros(1, 2, 16, dtype=torch.float64)
+    torch.testing.assert_close(qk_norm_rope(q, w, one, zero, 0.5),  # cos 1, sin 0: RoPE is the identity
+                               q / torch.sqrt((q * q).mean(-1, keepdim=True) + 0.5) * w, rtol=1e-6, atol=1e-7)
+    for bad in (float("inf"), float("nan"), -1e-9):
+        with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+            rms_norm(x, w, bad)
+    with pytest.raises(TypeError, match="eps must be a number, got bool"):
+        rms_norm(x, w, True)
+
+
+def test_public_ops_refuse_scalars_mixed_devices_and_dtypes():
+    """0-d inputs (were an IndexError without the rank checks), tensors on another device, a q/k-norm weight of
+    another dtype (the output would not be x's dtype, which the op's fake declares)."""
+    x, w = rand(4, 8), rand(8, seed=1)
+    with pytest.raises(ValueError, match="x must have at least one dimension"):
+        rms_norm(torch.tensor(1.0), w[:1], EPS)
+    with pytest.raises(ValueError, match="x must have at least one dimension"):
+        add_rms_norm(torch.tensor(1.0), torch.tensor(1.0), w[:1], EPS)
+    with pytest.raises(ValueError, match="weight is on meta but the other inputs are on cpu"):
+        rms_norm(x, w.to("meta"), EPS)
+    with pytest.raises(ValueError, match="residual is on meta but the other inputs are on cpu"):
+        add_rms_norm(x, x.to("meta"), w, EPS)
+    q, wq, cos, sin = rope_inputs(2, 3, 4, 64, torch.float32)
+    with pytest.raises(TypeError, match=r"weight must have dtype in \(float32\), got float64"):
+        qk_norm_rope(q, wq.double(), cos, sin, EPS)
+    # split = heads: every head takes `weight`; without weight2 the split is ignored
+    assert torch.equal(qk_norm_rope(q, wq, cos, sin, EPS, wq * 0.5, 4), qk_norm_rope(q, wq, cos, sin, EPS))
+    assert torch.equal(qk_norm_rope(q, wq, cos, sin, EPS, None, 99), qk_norm_rope(q, wq, cos, sin, EPS))
+
+
+def test_opcheck_mixed_dtypes_and_permuted_layouts():
+    """The fakes declare what the CPU path returns: the promoted dtype of x and a weight of another float dtype,
+    and a contiguous output for permuted (dense but not contiguous) inputs. Was: the reference kept the input's
+    permuted strides while the fakes (and the CUDA kernels) return contiguous tensors, a stride mismatch that
+    opcheck's fake-tensor test reports (torch.compile would have traced the wrong layout)."""
+    ops = torch.ops.lightningrl_fast
+    xb, w32 = rand(3, 8, dtype=torch.bfloat16), rand(8, seed=1)
+    assert rms_norm(xb, w32, EPS).dtype == torch.float32
+    torch.library.opcheck(ops.rms_norm.default, (xb, w32, EPS))
+    torch.library.opcheck(ops.add_rms_norm.default, (xb, xb * 2, w32, EPS))
+    xt = rand(8, 3).t()  # [3, 8] with strides (1, 3)
+    torch.library.opcheck(ops.rms_norm.default, (xt, w32, EPS))
+    torch.library.opcheck(ops.add_rms_norm.default, (xt, rand(8, 3, seed=4).t(), w32, EPS))
+    y, s = add_rms_norm(xt, xt, w32, EPS)
+    assert y.is_contiguous() and s.is_contiguous() and rms_norm(xt, w32, EPS).is_contiguous()
+    torch.testing.assert_close(rms_norm(xt, w32, EPS), rms_norm_reference(xt.contiguous(), w32, EPS))
+    q, wq, cos, sin = rope_inputs(2, 3, 4, 64, torch.float32)
+    qp = q.transpose(1, 2).contiguous().transpose(1, 2)  # heads outermost in memory
+    torch.library.opcheck(ops.qk_norm_rope.default, (qp, wq, cos, sin, EPS, None, 0))
+    assert qk_norm_rope(qp, wq, cos, sin, EPS).is_contiguous()
+
+
 # ------------------------------------------------------------------- the device code on the CPU emulator
 
 

@@ -40,6 +40,27 @@ def test_reference_is_the_mlp_formula_and_the_public_op_checks_inputs():
     torch.library.opcheck(torch.ops.lightningrl_fast.silu_mul.default, (gu,))
 
 
+def test_scalar_input_permuted_layout_and_kernel_layout_rule():
+    """A 0-d gate_up is refused by name (was an IndexError without the rank check); a permuted (dense, not
+    contiguous) input gives the contiguous output the fake declares (was: the reference kept the input's strides,
+    a fake/real stride mismatch under opcheck); `_kernel_ok` (the CUDA dispatch, metadata only) wants rows one
+    16-byte multiple apart."""
+    from lightningrl_fast.ops.silu_mul import _kernel_ok
+
+    with pytest.raises(ValueError, match=r"gate_up must have an even last dimension .* got shape \[\]"):
+        silu_mul(torch.tensor(1.0))
+    gu = rand(16, 3).t()  # [3, 16] with strides (1, 3)
+    out = silu_mul(gu)
+    assert out.is_contiguous() and torch.equal(out, silu_mul_reference(gu.contiguous()))
+    torch.library.opcheck(torch.ops.lightningrl_fast.silu_mul.default, (gu,))
+    buf = torch.zeros(4, 40, dtype=torch.bfloat16)
+    assert _kernel_ok(buf[:, :32])  # rows 80 bytes apart
+    assert not _kernel_ok(torch.zeros(4, 36, dtype=torch.bfloat16)[:, :32])  # rows 72 bytes apart
+    assert _kernel_ok(torch.zeros(1, 36, dtype=torch.bfloat16)[:, :32])  # one row: its stride is never used
+    assert not _kernel_ok(buf[:, :24])  # I = 12: not whole 16-byte vectors
+    assert not _kernel_ok(buf.double()[:, :32])  # float64: the reference
+
+
 class Emulated:
     def __init__(self, lib):
         p, i32, i64, u32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint, ctypes.c_uint64

@@ -369,6 +369,26 @@ def test_bad_inputs():
         threshold_unmask(*state, *extra, top_p=0.0)
     with pytest.raises(ValueError, match="noise must be one of"):
         threshold_unmask(*state, *extra, noise="per_bucket")
+    with pytest.raises(ValueError, match=r"top_k must be >= 0 \(0 = off\), got -1"):
+        threshold_unmask(*state, *extra, top_k=-1)
+    with pytest.raises(ValueError, match="top_p must be in .*got nan"):
+        threshold_unmask(*state, *extra, top_p=float("nan"))
+    one = torch.ones(1, dtype=torch.int64)
+    cases = [  # (argument index, replacement, error, match): shapes the kernel indexes by row, dtypes it reads raw
+        (6, step[:1], ValueError, r"step must have shape \[2\], got \[1\]"),
+        (7, step.long(), TypeError, r"quota must have dtype in \(int32\), got int64"),
+        (9, torch.cat([one, one]), ValueError, r"seed must have shape \[1\], got \[2\]"),
+        (5, state[5].double(), TypeError, r"conf must have dtype in \(float32\), got float64"),
+        (0, state[0][..., :0], ValueError,
+         r"logits must have at least one position and one token, got shape \[2, 4, 0\]"),
+    ]
+    for i, new, error, match in cases:
+        args = [x.clone() for x in state] + list(extra)
+        args[i] = new
+        with pytest.raises(error, match=match):
+            threshold_unmask(*args)
+    with pytest.raises(ValueError, match="logp is written in place and must not share memory with logits"):
+        threshold_unmask(state[0], *state[1:4], state[0][..., 0], state[5], *extra)
 
 
 def test_kernel_supported_routing():
@@ -381,6 +401,7 @@ def test_kernel_supported_routing():
     assert not kernel_supported(x, 1.0, 0, 0.9, False)
     assert not kernel_supported(x.double(), 1.0, 0, 1.0, True)
     assert not kernel_supported(torch.zeros(1, 1025, 3), 1.0, 0, 1.0, True)
+    assert kernel_supported(torch.zeros(1, 1024, 3), 1.0, 0, 1.0, True)  # KERNEL_MAX_POSITIONS itself
 
 
 # ------------------------------------------------------------------ shared helpers of the kernel tests

@@ -299,7 +299,7 @@ def _check_lm_head(hidden, weight, targets, chunk: int, suppress_token: int | No
     check_values = host_checks_allowed(hidden.device) if check_values is None else check_values
     if targets.numel() and check_values and not (0 <= int(targets.min()) and int(targets.max()) < vocab):
         raise ValueError(f"targets must lie in [0, {vocab})")
-    suppress = -1 if suppress_token is None else int(suppress_token)
+    suppress = -1 if suppress_token is None else check_int("suppress_token", suppress_token)
     if not -1 <= suppress < vocab:
         raise ValueError(f"suppress_token must be None or in [0, {vocab}), got {suppress_token}")
     return suppress

@@ -88,7 +88,7 @@ def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     fn = cuda_kernel("rms_norm", x, weight)
     if fn is not None and _rms_kernel_ok(x, weight):
         return fn(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+    return rms_norm_reference(x, weight, eps).contiguous()  # the fake's (and the kernel's) layout
 
 
 @_rms_norm_op.register_fake
@@ -113,7 +113,8 @@ def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     fn = cuda_kernel("add_rms_norm", x, residual, weight)
     if fn is not None and _rms_kernel_ok(x, weight, residual):
         return fn(x, residual, weight, eps)
-    return add_rms_norm_reference(x, residual, weight, eps)
+    y, s = add_rms_norm_reference(x, residual, weight, eps)
+    return y.contiguous(), s.contiguous()  # the fake's (and the kernel's) layout
 
 
 @_add_rms_norm_op.register_fake
@@ -143,7 +144,7 @@ def _qk_norm_rope_op(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
     if (fn is not None and x.dtype in KERNEL_DTYPES and x.shape[-1] in (64, 128) and x.stride(-1) == 1
             and all(t.dtype == x.dtype and t.is_contiguous() for t in (*weights, cos, sin))):
         return fn(x, weight, cos, sin, eps, weight2, split)
-    return qk_norm_rope_reference(x, weight, cos, sin, eps, weight2, split)
+    return qk_norm_rope_reference(x, weight, cos, sin, eps, weight2, split).contiguous()  # as the fake and kernel
 
 
 @_qk_norm_rope_op.register_fake

@@ -49,7 +49,7 @@ def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
     fn = cuda_kernel("silu_mul", gate_up)
     if fn is not None and _kernel_ok(gate_up):
         return fn(gate_up)
-    return silu_mul_reference(gate_up)
+    return silu_mul_reference(gate_up).contiguous()  # the fake's (and the kernel's) layout
 
 
 @_silu_mul_op.register_fake
