@@ -121,9 +121,28 @@ def test_reading_own_memory_through_proc_is_refused(guard):
         "fd = open('/proc/self/mem', 'rb')\n",
         "import os\nr = os.open('/', os.O_RDONLY)\nfd = os.open('proc/self/mem', os.O_RDONLY, dir_fd=r)\n",
         "import os\nos.symlink('/proc/self/mem', 'm')\nfd = open('m', 'rb')\n",
+        "import os\nfd = open('/proc/%d/mem' % os.getpid(), 'rb')\n",  # by number, not ``self``
     ]:
         r = _fails(code + "def add(a, b):\n    return a + b\n", guard)
         assert r.reason in ("forbidden", "error:PermissionError"), (r.reason, r.stderr)
+
+
+# a solution that reads the expected values out of the test calling it (a local of the test's frame, the caller's
+# code constants): refused under the guard (documented as open with python_guard=False)
+PEEK_BY_GETFRAME = ("import sys\ndef add(a, b):\n    f = sys._getframe(1)\n    while f is not None:\n"
+                    "        if 'expected' in f.f_locals:\n            return f.f_locals['expected']\n"
+                    "        f = f.f_back\n    return 0\n")
+PEEK_BY_TRACEBACK = ("def add(a, b):\n    try:\n        raise ValueError\n    except ValueError as e:\n"
+                     "        f = e.__traceback__.tb_frame\n    while f is not None:\n"
+                     "        ints = [c for c in f.f_code.co_consts if type(c) is int]\n"
+                     "        if f.f_code.co_filename.startswith('<test') and ints:\n            return max(ints)\n"
+                     "        f = f.f_back\n    return 0\n")
+
+
+@pytest.mark.parametrize("code", [PEEK_BY_GETFRAME, PEEK_BY_TRACEBACK], ids=["getframe", "traceback"])
+def test_reading_the_expected_values_from_the_calling_test_is_refused(code):
+    _fails(code, True, ["expected = 3\nassert add(1, 2) == expected", "assert add(2, 2) == 4",
+                        "assert add(10, 5) == 15"])
 
 
 @pytest.mark.parametrize("guard", [True, False])
@@ -220,6 +239,10 @@ HACKS = {
                             "def add(a, b):\n    return collections.defaultdict(A)\n", ["assert add(1, 2)['x'] == 3"]),
     "sys_modules_swap": ("import sys, types\nm = types.ModuleType('math')\nm.isclose = lambda *a, **k: True\n"
                          "sys.modules['math'] = m\n" + WRONG, ["import math\nassert math.isclose(add(1, 2), 3)"]),
+    # ... read by a test that calls nothing of the program (the swap is undone before each test)
+    "sys_modules_swap_read_directly": ("import sys, types\nm = types.ModuleType('math')\n"
+                                       "m.isclose = lambda *a, **k: True\nsys.modules['math'] = m\nANSWER = 0\n",
+                                       ["import math\nassert math.isclose(ANSWER, 3)"]),
     "patch_during_call": ("import math\ndef add(a, b):\n    math.isclose = lambda *a, **k: True\n    return 0\n",
                           ["r = add(1, 2)\nassert math.isclose(r, 3)"]),
     # a later call (or the rest of a generator) changes what an earlier call returned
@@ -236,10 +259,25 @@ HACKS = {
                                ["p = Pair(1)\nadd(p, 0)\nassert p == Pair(3)"]),
     "metaclass_call": (AEQ + "class M(type):\n    def __call__(c, *a): return A()\nclass add(metaclass=M):\n    pass\n",
                        None),
+    # an allowlisted value type carrying an object of the program in a slot or an instance attribute
+    "fraction_slot": ("from fractions import Fraction\n" + AEQ + "def add(a, b):\n    f = Fraction(0)\n"
+                      "    f._numerator = A()\n    return f\n", ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]),
+    "counter_instance_attribute": ("import collections\n" + AEQ + "def add(a, b):\n    c = collections.Counter([0])\n"
+                                   "    c.most_common = lambda *n: A()\n    return c\n",
+                                   ["assert add(1, 2).most_common(1) == [(3, 1)]"]),
+    # the stdlib swapped in sys.modules by the call itself (not by the solution: that is undone before each test)
+    "sys_modules_swap_in_call": ("import sys, types\ndef add(a, b):\n    m = types.ModuleType('math')\n"
+                                 "    m.isclose = lambda *a, **k: True\n    sys.modules['math'] = m\n    return 0\n",
+                                 ["r = add(1, 2)\nimport math\nassert math.isclose(r, 3)"]),
+    # a property (program code run by an attribute load) patching the stdlib the test then compares with
+    "property_patches_stdlib": ("import math\nclass P:\n    @property\n    def v(self):\n"
+                                "        math.isclose = lambda *a, **k: True\n        return 0\n"
+                                "def add(a, b):\n    return P()\n",
+                                ["import math\nr = add(1, 2).v\nassert math.isclose(r, 3)"]),
     # the checker itself, reached through a wrapped callable the test hands to the program
     "checker_tamper": (AEQ + "def add(a, b):\n    f = getattr(a, '__func__', None)\n    if f is None:\n"
                        "        return 0 if callable(a) else A()\n    d = dict(f.__kwdefaults__)\n"
-                       "    d['__lrl_plain'] = lambda x: True\n    f.__kwdefaults__ = d\n    return 0\n",
+                       "    d['__lrl_plain'] = lambda *a, **k: True\n    f.__kwdefaults__ = d\n    return 0\n",
                        ["add(add, 0)\nassert add(1, 2) == 3"]),
 }
 
@@ -295,6 +333,12 @@ def test_non_plain_results_are_reported_as_such():
                  "import dataclasses\n@dataclasses.dataclass\nclass P:\n    x: int\n"
                  "def add(a, b):\n    return P(a + b)\n"]:
         r = _fails(code, True, ["assert add(1, 2) == (3,) or add(1, 2).x == 3"])
+        assert r.reason == "error:NonPlainResult", (r.reason, r.stderr)
+    # values past PLAIN_LIMIT objects (200 000) are refused rather than walked: an endless generator, a result
+    # of more containers than that
+    for code in ["def add(a, b):\n    while True:\n        yield a + b\n",
+                 "def add(a, b):\n    return [[a + b] for _ in range(200_001)]\n"]:
+        r = _fails(code, True, ["assert next(iter(add(1, 2))) in (3, [3])"])
         assert r.reason == "error:NonPlainResult", (r.reason, r.stderr)
 
 
@@ -377,6 +421,11 @@ METHOD_HACKS = {
     "method_on_setup_fixture": (
         AEQ + "class Node:\n    def __init__(self, v):\n        self.v = v\n    def value(self):\n        return A()\n",
         ["assert root.value() == 5"]),
+    # a plain attribute value of a setup fixture (never checked itself) read by the test, then changed by a method
+    "attribute_of_setup_fixture_then_mutated": (
+        AEQ + "class Node:\n    def __init__(self, v):\n        self.v = [v]\n    def poke(self):\n"
+        "        self.v[0] = A()\n        return 0\n",
+        ["r = root.v\nroot.poke()\nassert r == [3]"]),
 }
 
 
@@ -436,6 +485,10 @@ LEGIT_CLASSES_AND_THREADS = {
                             "    with ThreadPoolExecutor(2) as ex:\n        return sum(ex.map(int, [a, b]))\n", None),
     "thread_at_module_level": ("import threading\nT = {}\nt = threading.Thread(target=lambda: T.update(k=1))\nt.start()\n"
                                "t.join()\ndef add(a, b):\n    return a + b + T['k'] - 1\n", None),
+    # a thread still ending when the call returns: waited for (THREAD_GRACE_S), not a failure
+    "thread_ending_within_the_grace": ("import threading, time\ndef add(a, b):\n"
+                                       "    threading.Thread(target=time.sleep, args=(0.05,)).start()\n"
+                                       "    return a + b\n", None),
     "queue_bfs": ("from queue import Queue\nimport threading\ndef add(a, b):\n    q = Queue()\n    q.put(a)\n    q.put(b)\n"
                   "    return q.get() + q.get()\n", None),
 }

@@ -25,6 +25,7 @@ import pytest
 from lightningrl_fast.tasks import CodeTask, get_task
 from lightningrl_fast.tasks.code import (
     CodeProgram,
+    CodeResult,
     SandboxConfig,
     _pids_of_uid,
     build_program,
@@ -112,6 +113,22 @@ def test_extract_code_variants():
     assert extract_code("def h():\n    return 2\n<|im_end|>garbage") == "def h():\n    return 2\n"
 
 
+def test_extract_code_picks_the_last_block_of_the_right_kind():
+    """Module docstring: the last fenced block that defines the expected function, else the last Python block
+    (a bare fence counts as Python, the language tag in any case); text with no fenced block is kept whole."""
+    draft, fixed = "def f(x):\n    return x\n", "def f(x):\n    return x + 1\n"
+    assert extract_code(f"First try:\n```python\n{draft}```\nFixed:\n```python\n{fixed}```\n", "f") == fixed
+    assert extract_code("```python\nx = 1\n```\nor\n```python\nx = 2\n```\n") == "x = 2\n"
+    # the definition sits in a bare fence, a usage example follows in a python one
+    assert extract_code(f"```\n{draft}```\nUsage:\n```python\nprint(f(1))\n```\n", "f") == draft
+    # a tagged block followed by its output: the output block is not code
+    assert extract_code("```Python\nprint(add(1, 2))\n```\nOutput:\n```text\n3\n```\n") == "print(add(1, 2))\n"
+    # three backticks inside the code, no fence: the text is the code
+    assert extract_code("def g():\n    return '```'") == "def g():\n    return '```'"
+    # an empty generation: only the end token
+    assert extract_code("<|im_end|>") == "" and extract_code("<|endoftext|>def f():\n    pass\n") == ""
+
+
 def test_build_program_humaneval_body_and_full_def():
     ex = Example("HE/x", "def inc(x):\n    \"\"\"Add one.\"\"\"\n", "    return x + 1\n", "code", "humaneval",
                  test="def check(candidate):\n    assert candidate(1) == 2\n", entry_point="inc")
@@ -126,6 +143,17 @@ def test_build_program_humaneval_body_and_full_def():
     assert not r.passed and r.reason == "assertion" and r.pass_fraction == 0.0
     with pytest.raises(ValueError, match="not code"):
         build_program("x", Example("m", "q", "1", "math"))
+    with pytest.raises(ValueError, match="no tests"):  # a code row without tests would score nothing
+        build_program("def f():\n    pass\n", Example("c", "q", "", "code", "mbpp"))
+
+
+def test_build_program_full_def_after_a_prompt_without_final_newline():
+    """A prompt that does not end with a newline (a loader that strips it): a completion repeating the whole
+    ``def`` still replaces the stub (it must start on a line of its own)."""
+    ex = Example("HE/y", "def inc(x):\n    \"\"\"Add one.\"\"\"", "    return x + 1\n", "code", "humaneval",
+                 test="def check(candidate):\n    assert candidate(1) == 2\n", entry_point="inc")
+    r = verify_code("def inc(x):\n    return x + 1\n", ex)
+    assert r.passed, (r.reason, r.stderr)
 
 
 # ------------------------------------------------------------------------------------------ MBPP-style
@@ -163,6 +191,114 @@ def test_failure_reasons():
     assert not r.passed and r.reason == "no_result"
     r = verify_code("print('D')\nprint('T 0 1 -')\ndef add(a, b):\n    return 99\n", ex)  # fake records
     assert not r.passed and r.n_passed == 0
+
+
+def test_failure_reasons_more():
+    """Every syntax-class error is ``syntax``; a program with no tests never passes; a test that does not compile
+    fails on its own, the others keep their credit."""
+    ex = _mbpp(ADD_TESTS)
+    assert verify_code("def add(a, b):\nreturn a + b\n", ex).reason == "syntax"  # IndentationError
+    assert verify_code("def add(a, b):\n\tif a:\n        return a + b\n\treturn b\n", ex).reason == "syntax"  # TabError
+    r = run_program(CodeProgram("x = 1\n", []))
+    assert not r.passed and r.pass_fraction == 0.0 and r.n_tests == 0
+    tests = [ADD_TESTS[0], "assert add(2, 2) == 4 )", ADD_TESTS[2]]
+    r = run_program(CodeProgram("def add(a, b):\n    return a + b\n", tests))
+    assert not r.passed and r.n_passed == 2 and r.test_errors[1] is not None, (r.reason, r.test_errors)
+
+
+def test_forged_records_on_the_result_pipe_are_ignored():
+    """The result pipe is open in the sandbox (its number is in ``sys.argv``): records written there without the
+    run's nonce, or with a guessed one, count for nothing."""
+    forge = ("import os, sys\nfd = int(sys.argv[2])\nfor tag in (b'', b'0' * 32 + b' ', b'R 3\\n'):\n"
+             "    os.write(fd, tag + b''.join(tag + b'T %d 1 -\\n' % i for i in range(3)) + tag + b'D\\n')\n"
+             "os._exit(0)\n")
+    for guard in GUARDS:
+        r = run_program(CodeProgram(forge, list(ADD_TESTS)), SandboxConfig(timeout_s=2.0, python_guard=guard))
+        assert not r.passed and r.n_passed == 0 and r.reason == "no_result", (r.reason, r.stderr)
+
+
+def test_a_flood_on_the_result_pipe_is_drained_not_kept():
+    """64 MiB without a newline written to the result pipe: the caller keeps at most about 1 MiB of it (a reward
+    worker's memory must not grow with what a program writes) and the run ends without a result."""
+    import tracemalloc
+
+    flood = ("import os, sys\nfd = int(sys.argv[2])\nfor _ in range(64):\n    os.write(fd, b'x' * (1 << 20))\n"
+             "def add(a, b):\n    return a + b\n")
+    tracemalloc.start()
+    try:
+        r = run_program(CodeProgram(flood, list(ADD_TESTS)), SandboxConfig(timeout_s=2.0))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not r.passed and r.n_passed == 0, r.reason
+    assert peak < 16 << 20, peak
+
+
+def test_a_violation_in_a_later_test_zeroes_the_run():
+    """Module docstring: the first forbidden event ends the run with reason ``forbidden`` and score 0, even
+    after some tests passed."""
+    code = "def add(a, b):\n    if a == 10:\n        import os\n        os.fork()\n    return a + b\n"
+    r = verify_code(code, _mbpp(ADD_TESTS), SandboxConfig(timeout_s=2.0, python_guard=True))
+    assert r.reason == "forbidden" and r.n_passed == 0 and r.pass_fraction == 0.0, (r.reason, r.n_passed)
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_writing_past_file_mb_is_an_output_limit(guard):
+    """RLIMIT_FSIZE is ``file_mb``: a larger file in the working directory, or that much stdout, fails with
+    ``output_limit``; tests before it keep their credit."""
+    cfg = SandboxConfig(timeout_s=2.0, file_mb=1, python_guard=guard)
+    big = "open('big.bin', 'wb').write(b'x' * (2 << 20))\n"
+    r = verify_code(big + "def add(a, b):\n    return a + b\n", _mbpp(ADD_TESTS), cfg)
+    assert r.reason == "output_limit" and r.n_passed == 0, (r.reason, r.stderr)
+    r = verify_code("def add(a, b):\n    if a == 10:\n        " + big + "    return a + b\n", _mbpp(ADD_TESTS), cfg)
+    assert r.reason == "output_limit" and r.n_passed == 2 and r.test_errors[2] == "output_limit", (r.reason, r.stderr)
+    r = verify_code("import sys\nsys.stdout.write('x' * (2 << 20))\nsys.stdout.flush()\n", _mbpp(ADD_TESTS), cfg)
+    assert r.reason == "output_limit" and len(r.stdout) == cfg.max_output_bytes, (r.reason, len(r.stdout))
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_the_limits_inside_the_sandbox_are_the_configured_ones(guard):
+    """What the program sees: address space ``memory_mb``, file size ``file_mb``, 256 open files, no core files,
+    CPU seconds finite and at least the wall clock, soft == hard (none can be raised again); after a uid drop:
+    no supplementary group, RLIMIT_NPROC = ``max_procs`` + 2; in a mount namespace: /tmp a ``tmpfs_mb`` tmpfs
+    without setuid files or devices. With the guard off (ctypes allowed): ``PR_SET_NO_NEW_PRIVS`` is set."""
+    cfg = SandboxConfig(timeout_s=2.0, memory_mb=768, file_mb=3, max_procs=6, tmpfs_mb=32, python_guard=guard)
+    probe = ("import os, resource\n"
+             "L = {n: resource.getrlimit(getattr(resource, 'RLIMIT_' + n)) for n in "
+             "('AS', 'CPU', 'FSIZE', 'NPROC', 'NOFILE', 'CORE')}\n"
+             "RAISED = []\nfor n in ('AS', 'CPU', 'FSIZE', 'NPROC', 'NOFILE'):\n    try:\n"
+             "        resource.setrlimit(getattr(resource, 'RLIMIT_' + n), (-1, -1))\n        RAISED.append(n)\n"
+             "    except (ValueError, OSError):\n        pass\n"
+             "GROUPS, UID = os.getgroups(), os.getuid()\nst = os.statvfs('/tmp')\n"
+             "TMP = [st.f_flag & os.ST_NOSUID != 0, st.f_flag & os.ST_NODEV != 0, st.f_blocks * st.f_frsize]\n"
+             + ("NNP = 1\n" if guard else "import ctypes\nNNP = ctypes.CDLL(None).prctl(39, 0, 0, 0, 0)\n"))
+    mib = 1024 * 1024
+    tests = [f"assert L['AS'] == ({cfg.memory_mb * mib}, {cfg.memory_mb * mib})",
+             f"assert L['FSIZE'] == ({cfg.file_mb * mib}, {cfg.file_mb * mib})",
+             "assert L['NOFILE'] == (256, 256) and L['CORE'] == (0, 0)",
+             f"assert L['CPU'][0] == L['CPU'][1] and {cfg.timeout_s} <= L['CPU'][0] <= {2 * cfg.timeout_s + 2}",
+             "assert RAISED == []", "assert NNP == 1"]
+    if CAPS["uid_drop"]:
+        tests += ["assert GROUPS == [] and UID >= 61000",
+                  f"assert L['NPROC'] == ({cfg.max_procs + 2}, {cfg.max_procs + 2})"]
+    if CAPS["unshare"]:
+        tests += [f"assert TMP == [True, True, {cfg.tmpfs_mb * mib}]"]
+    r = run_program(CodeProgram(probe, tests), cfg)
+    assert r.passed, (r.reason, r.test_errors, r.stderr)
+
+
+@pytest.mark.skipif(not CAPS["uid_drop"], reason="needs root that can drop to the sandbox uid")
+def test_the_uid_drop_leaves_no_supplementary_group():
+    """A caller in supplementary groups (here root's group 0, which may write root's group-writable files): the
+    sandbox uid keeps none of them."""
+    saved = os.getgroups()
+    os.setgroups([0])
+    try:
+        r = run_program(CodeProgram("import os\nGROUPS = os.getgroups()\n", ["assert GROUPS == []"]),
+                        SandboxConfig(timeout_s=2.0))
+    finally:
+        os.setgroups(saved)
+    assert r.passed, (r.reason, r.stderr)
 
 
 def test_crashes_are_reported_by_signal():
@@ -257,6 +393,23 @@ def test_batch_keeps_order_and_task_registry():
     assert prompt.startswith("<|im_start|>user\n") and "assert add(1, 2) == 3" in prompt
 
 
+@pytest.mark.skipif(not CAPS["uid_drop"], reason="needs root that can drop to the sandbox uid")
+def test_without_namespaces_the_sandbox_uid_still_owns_its_workdir_and_leaves_nothing():
+    """No mount / PID namespace: the working directory (a folder of the caller's temp dir) must still be writable
+    by the sandbox uid; a daemon that escaped the session is killed after the run (the uid sweep); a descendant
+    holding the result pipe after the harness exited does not stretch the run to the wall clock."""
+    ok = run_program(CodeProgram("open('scratch.txt', 'w').write('ok')\n",
+                                 ["assert open('scratch.txt').read() == 'ok'"]), SandboxConfig(use_namespaces=False))
+    assert ok.passed, (ok.reason, ok.stderr)
+    daemon = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+              "        time.sleep(30)\n    os._exit(0)\n")
+    _run_hostile(daemon, False, use_namespaces=False)  # asserts that no sandbox-uid process is left
+    t0 = time.monotonic()
+    holder = "import os, time\nif os.fork() == 0:\n    time.sleep(30)\nos._exit(0)\n"
+    r = _run_hostile(holder, False, use_namespaces=False, timeout_s=5.0)
+    assert r.reason == "no_result" and time.monotonic() - t0 < 4.0, (r.reason, time.monotonic() - t0)
+
+
 def test_without_privilege_drop_or_namespaces_still_runs():
     cfg = SandboxConfig(drop_privileges=False, use_namespaces=False, timeout_s=2.0)
     ex = _mbpp(ADD_TESTS)
@@ -273,7 +426,7 @@ def _sandbox_uid_processes() -> list[int]:
     return [p for uid in range(base, base + 8) for p in _pids_of_uid(uid)]
 
 
-def _run_hostile(code: str, guard: bool, **kw) -> "CodeResult":  # noqa: F821
+def _run_hostile(code: str, guard: bool, **kw) -> CodeResult:
     cfg = SandboxConfig(timeout_s=kw.pop("timeout_s", 1.0), max_procs=8, python_guard=guard, **kw)
     t0 = time.monotonic()
     r = run_program(CodeProgram(code, list(ADD_TESTS)), cfg)
@@ -290,7 +443,9 @@ def _run_hostile(code: str, guard: bool, **kw) -> "CodeResult":  # noqa: F821
 
 @pytest.mark.parametrize("guard", GUARDS)
 def test_infinite_loop_times_out(guard):
-    assert _run_hostile("while True:\n    pass\n", guard).reason == "timeout"
+    r = _run_hostile("while True:\n    pass\n", guard)
+    assert r.reason == "timeout"
+    assert "unshare" not in r.stderr, r.stderr  # the run was killed by us: no noise of our own kill in the stderr
 
 
 @pytest.mark.parametrize("guard", GUARDS)
@@ -365,6 +520,28 @@ def test_writing_outside_the_workdir_does_not_land(guard):
                 path.unlink()
 
 
+def test_the_guard_refuses_every_kind_of_write_outside_the_workdir(tmp_path):
+    """Python guard: open for writing (``w``, ``a``, ``x``, ``+``, or ``os.open`` with write flags), remove, rename,
+    mkdir, chmod outside the working directory end the run as ``forbidden`` (with only the guard, on a machine
+    without uid drop or namespaces, it is what keeps these off the caller's files)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    target = tmp_path / "new.txt"
+    for stmt in [f"open({str(target)!r}, 'x')", f"open({str(victim)!r}, 'r+')",
+                 f"import os\nos.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)",
+                 f"import os\nos.remove({str(victim)!r})", f"import os\nos.rename({str(victim)!r}, {str(target)!r})",
+                 f"import os\nos.mkdir({str(target)!r})", f"import os\nos.chmod({str(victim)!r}, 0o777)"]:
+        r = run_program(CodeProgram(stmt + "\ndef add(a, b):\n    return a + b\n", list(ADD_TESTS)),
+                        SandboxConfig(timeout_s=2.0, python_guard=True))
+        assert r.reason == "forbidden" and r.n_passed == 0, (stmt, r.reason, r.stderr)
+        assert victim.read_text() == "keep" and not target.exists(), stmt
+    # what stays allowed: writing to /dev/null, AF_UNIX sockets
+    ok = ("import os, socket\nprint('quiet', file=open(os.devnull, 'w'))\na, b = socket.socketpair()\n"
+          "a.sendall(b'3')\nTHREE = int(b.recv(1))\ndef add(a, b):\n    return a + b\n")
+    r = run_program(CodeProgram(ok, list(ADD_TESTS) + ["assert THREE == 3"]), SandboxConfig(timeout_s=2.0))
+    assert r.passed, (r.reason, r.stderr)
+
+
 @pytest.mark.parametrize("guard", GUARDS)
 def test_killing_the_parent_fails_harmlessly(guard):
     if not guard and not OS_LAYERS:
@@ -373,7 +550,8 @@ def test_killing_the_parent_fails_harmlessly(guard):
     try:
         code = (f"import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
                 f"try:\n    os.kill({canary.pid}, signal.SIGKILL)\nexcept OSError:\n    pass\n")
-        _run_hostile(code, guard)
+        r = _run_hostile(code, guard)
+        assert r.reason == "forbidden" or not guard, r.reason  # the guard refuses a kill of another process
         if OS_LAYERS:
             _run_hostile("import os, signal\nos.kill(-1, signal.SIGKILL)\n", guard)
         time.sleep(0.05)
