@@ -110,12 +110,6 @@ def _describe(where, e):
         pass
 
 
-def _err_name(e):
-    if isinstance(e, OSError) and getattr(e, "errno", None) == 27:  # EFBIG: RLIMIT_FSIZE hit
-        return "OutputLimit"
-    return _clean(type(e).__name__)
-
-
 def _mount_tmpfs(libc, target, size_mb):
     MS_NOSUID, MS_NODEV = 2, 4
     if not os.path.isdir(target):
