@@ -200,7 +200,7 @@ def test_failure_reasons_more():
     assert verify_code("def add(a, b):\nreturn a + b\n", ex).reason == "syntax"  # IndentationError
     assert verify_code("def add(a, b):\n\tif a:\n        return a + b\n\treturn b\n", ex).reason == "syntax"  # TabError
     r = run_program(CodeProgram("x = 1\n", []))
-    assert not r.passed and r.pass_fraction == 0.0 and r.n_tests == 0
+    assert not r.passed and r.pass_fraction == 0.0 and r.n_tests == 0 and r.reason == "no_tests"
     tests = [ADD_TESTS[0], "assert add(2, 2) == 4 )", ADD_TESTS[2]]
     r = run_program(CodeProgram("def add(a, b):\n    return a + b\n", tests))
     assert not r.passed and r.n_passed == 2 and r.test_errors[1] is not None, (r.reason, r.test_errors)

@@ -16,9 +16,9 @@ else the last Python block; an unterminated fence is taken to the end; ChatML en
 
 `run_program` executes one program in a fresh process and returns a `CodeResult` (pass fraction over the
 tests, passed, failure reason: ``timeout``, ``syntax``, ``assertion``, ``memory``, ``output_limit``,
-``forbidden``, ``killed:SIGxxx``, ``no_result``, ``error:<ExceptionName>``, ``sandbox_error``). Tests of
-MBPP are counted one by one, streamed as they finish, so a program that hangs on its third assert keeps
-the credit of the first two. `verify_code_batch` runs many programs in parallel: a thread pool drives one
+``forbidden``, ``killed:SIGxxx``, ``no_result``, ``error:<ExceptionName>``, ``sandbox_error``,
+``no_tests`` for a program given no tests: it never passes). Tests of MBPP are counted one by one,
+streamed as they finish, so a program that hangs on its third assert keeps the credit of the first two. `verify_code_batch` runs many programs in parallel: a thread pool drives one
 subprocess per item (default ``os.cpu_count()`` at a time).
 
 Isolation layers (each used when the machine allows it; `sandbox_capabilities` says which are on):
@@ -590,6 +590,8 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
             reason = "no_result"
         elif n_passed < n_tests:
             reason = next(e for e in errors if e is not None) if any(errors) else "no_result"
+        elif n_tests == 0:
+            reason = "no_tests"  # it ran, but nothing checked it: never a pass
         else:
             reason = None
         passed = reason is None and n_tests > 0
