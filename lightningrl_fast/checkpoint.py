@@ -451,6 +451,8 @@ def save_model(model: torch.nn.Module, config: Any, path: str | Path, max_shard_
         raise ValueError(f"cannot save parameters on the meta device: {', '.join(meta[:5])}")
     dtypes = Counter(p.dtype for p in params.values())
     cfg.update(model_type="sdar", architectures=["SDARForCausalLM"], torch_dtype=_dtype_name(dtypes.most_common(1)[0][0]))
+    if "dtype" in cfg:  # newer transformers' name of torch_dtype (and the one it prefers): the same value
+        cfg["dtype"] = cfg["torch_dtype"]
     nbytes = {n: p.numel() * p.element_size() for n, p in params.items()}
     plan = _shard_plan(list(params), nbytes, max_shard_bytes)
 

@@ -352,6 +352,18 @@ def test_corrupt_metrics_line_on_resume_loses_no_record(finished_run, capsys):
     assert [r["step"] for r in L.read_metrics(m)] == [2, 3]
 
 
+def test_corrupt_metrics_is_reported_before_the_evaluation(finished_run, tmp_path, capsys):
+    """A resume that has to evaluate before RL (its checkpoint carries no evaluation: the run had no eval data,
+    now given) reports a corrupt metrics.jsonl first, not after minutes of decoding."""
+    m = finished_run / "metrics.jsonl"
+    m.write_text('{"step": 1}\n{"step"\n{"step": 2}\n')
+    data = _gsm8k(tmp_path / "eval.jsonl", 3)
+    assert T.main(["--resume", str(finished_run), "--steps", "3", "--eval-data", str(data), "--eval-thresholds",
+                   "0.9", "--progress", "off"]) == T.EXIT_ERROR
+    captured = capsys.readouterr()
+    assert f"{m}:2: not a metrics record" in captured.err and "eval before RL" not in captured.out
+
+
 def test_run_logger_strict_read(tmp_path):
     m = tmp_path / "metrics.jsonl"
     m.write_text('{"step": 1}\n[1, 2]\n{"step": 2}\n')
@@ -360,6 +372,22 @@ def test_run_logger_strict_read(tmp_path):
         L.RunLogger(tmp_path, progress="off")
     assert m.read_text() == '{"step": 1}\n[1, 2]\n{"step": 2}\n'
     assert L.read_metrics(m) == [{"step": 1}]  # the plain reader stops there
+
+
+def test_metrics_file_that_is_a_folder_or_not_utf8(tmp_path):
+    """A metrics.jsonl that is a folder is named (was it an IsADirectoryError traceback from open?); the plain
+    (non-strict) reader of a file with bytes that are not UTF-8 returns the records before them, it does not
+    raise."""
+    (tmp_path / "a" / "metrics.jsonl").mkdir(parents=True)
+    with pytest.raises(L.MetricsFileError, match=r"metrics.jsonl is not a file"):
+        L.RunLogger(tmp_path / "a", progress="off")
+    assert L.read_metrics(tmp_path / "a") == []
+    m = tmp_path / "b" / "metrics.jsonl"
+    m.parent.mkdir()
+    m.write_bytes(b'{"step": 1}\n\xff\xfe\n{"step": 3}\n')
+    assert L.read_metrics(m) == [{"step": 1}]
+    with pytest.raises(L.MetricsFileError, match=r"metrics.jsonl:2: not UTF-8 text"):
+        L.read_metrics(m, strict=True)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -507,3 +507,24 @@ def test_bench_block_attn_split_sweep_checks_and_times_each_forced_split(monkeyp
     assert sum(c == (3, ba.VARIANTS["mma"]) for c in calls) == 1  # checked once, never timed
     prefill = ba.bench_row("prefill", 1, 0, 8, 16, torch.float32, cpu, True, 10.0, baselines=False, splits=(1, 8))
     assert "s1_us" not in prefill and "best_split" not in prefill  # the sweep is for decode rows
+
+
+# ------------------------------------------------------------------------------------------------------------
+# lightningrl_fast/profiling.py: the helpers bench_decode and the sampler use
+# ------------------------------------------------------------------------------------------------------------
+
+def test_timer_adds_up_its_blocks_and_nvtx_ranges_are_free_without_cuda():
+    import time
+
+    from lightningrl_fast.profiling import Timer, copy_bandwidth_gbs, nvtx_range
+
+    t = Timer(torch.device("cpu"))
+    for _ in range(2):
+        with t:
+            time.sleep(0.02)
+    assert 0.04 <= t.seconds < 5.0  # both blocks counted
+    with Timer() as u, nvtx_range("x"), nvtx_range("y", enabled=False):
+        pass
+    assert 0.0 <= u.seconds < 1.0
+    assert copy_bandwidth_gbs(torch.device("cpu")) is None  # a CUDA-only probe: no figure off CUDA
+

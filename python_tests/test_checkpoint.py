@@ -93,11 +93,14 @@ def test_round_trip(tmp_path, dtype, max_shard_bytes):
     files = sorted(p.name for p in out.iterdir())
     if max_shard_bytes > 2**20:
         assert files == ["config.json", "model.safetensors"]
+        with safe_open(str(out / "model.safetensors"), framework="pt") as f:  # transformers refuses other formats
+            assert f.metadata() == {"format": "pt"}
     else:
         index = json.loads((out / "model.safetensors.index.json").read_text())
         shards = sorted(set(index["weight_map"].values()))
         assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
         assert set(index["weight_map"]) == set(model.state_dict())
+        assert list(index["weight_map"]) == sorted(index["weight_map"])  # the HF writers' order
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         assert index["metadata"]["total_size"] == nbytes
         for s in shards:
@@ -118,6 +121,32 @@ def test_round_trip(tmp_path, dtype, max_shard_bytes):
     assert_same_state(model, loaded)
     assert not loaded.training
     assert torch.equal(logits(model), logits(loaded))
+
+
+def test_config_written_from_a_plain_dict(tmp_path):
+    """A dict config (a Qwen3-style config.json, say) is written as SDAR's: model_type "sdar", architectures
+    ["SDARForCausalLM"], torch_dtype the weights' dtype (the dtype most of the weights have, here bfloat16 with
+    float32 norms), its other keys kept."""
+    model, cfg = tiny_model(torch.bfloat16)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data = p.data.float()
+    d = {k: v for k, v in cfg.to_dict().items() if k not in ("model_type", "architectures")}
+    out = save_model(model, d | {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "my_key": 7},
+                     tmp_path / "ck")
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "sdar" and written["architectures"] == ["SDARForCausalLM"]
+    assert written["torch_dtype"] == "bfloat16" and written["my_key"] == 7
+    out = save_model(model, d, tmp_path / "bare")
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "sdar" and written["architectures"] == ["SDARForCausalLM"]
+    assert "dtype" not in written
+    # a config.json of newer transformers names the dtype `dtype` (which transformers prefers over torch_dtype):
+    # was written back stale ("float32" beside torch_dtype "bfloat16"; transformers reads `dtype` first)
+    out = save_model(model, d | {"dtype": "float32"}, tmp_path / "new-hf")
+    written = json.loads((out / "config.json").read_text())
+    assert written["torch_dtype"] == "bfloat16" and written["dtype"] == "bfloat16"
+    assert read_config(out).dtype == torch.bfloat16
 
 
 def test_dtype_override(tmp_path):
@@ -174,6 +203,12 @@ def test_save_with_tokenizer(tmp_path):
     with pytest.raises(FileNotFoundError):
         save_model(model, cfg, tmp_path / "ck3", tokenizer=tmp_path / "nowhere")
     assert not (tmp_path / "ck3").exists()
+    empty = tmp_path / "no-tokenizer-files"  # a folder, but none of a tokenizer's files: not a tokenizer
+    empty.mkdir()
+    (empty / "notes.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match="holds none of the tokenizer files"):
+        save_model(model, cfg, tmp_path / "ck4", tokenizer=empty)
+    assert not (tmp_path / "ck4").exists()
 
 
 @pytest.mark.skipif(not (META / "SDAR-4B-Chat" / "vocab.json").is_file(), reason="sdar-meta tokenizer files absent")
@@ -215,6 +250,36 @@ def test_saved_folder_carries_the_remote_code_and_slow_tokenizer_files(tmp_path)
     assert (bare / "configuration_sdar.py").is_file() and not (bare / "vocab.json").exists()
     with pytest.warns(UserWarning, match="configuration_sdar.py"):
         save_model(model, cfg, tmp_path / "nocode")
+
+
+@pytest.mark.skipif(not (META / "SDAR-4B-Chat" / "vocab.json").is_file(), reason="sdar-meta tokenizer files absent")
+def test_tokenizer_folder_files_are_copied_as_they_are(tmp_path):
+    """A tokenizer given as a folder (a real SDAR one): every tokenizer file it holds, chat template and
+    generation config included, is copied byte for byte (the chat template is what `--chat` and transformers'
+    apply_chat_template read)."""
+    src = META / "SDAR-4B-Chat"
+    model, cfg = tiny_model()
+    out = save_model(model, cfg, tmp_path / "ck", tokenizer=src)
+    expected = {"tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json", "special_tokens_map.json",
+                "chat_template.jinja", "generation_config.json"}
+    assert expected <= {p.name for p in src.iterdir()}
+    for name in expected:
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert (out / "config.json").read_bytes() != (src / "config.json").read_bytes()  # the model's own config
+
+
+def test_auto_map_modules_of_real_and_hub_style_references():
+    """The real SDAR auto_map names modeling_sdar twice (AutoModel and AutoModelForCausalLM): listed once; a hub
+    reference `repo--module.Class` names the module file of that repo."""
+    real = {"auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+                         "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"}}
+    if (META / "SDAR-4B-Chat" / "config.json").is_file():
+        assert json.loads((META / "SDAR-4B-Chat" / "config.json").read_text())["auto_map"] == real["auto_map"]
+    assert ckpt.auto_map_modules(real) == ["configuration_sdar.py", "modeling_sdar.py"]
+    hub = {"auto_map": {"AutoConfig": "JetLM/SDAR-4B-Chat--configuration_sdar.SDARConfig",
+                        "AutoTokenizer": ["JetLM/SDAR-4B-Chat--tokenization_qwen2.Qwen2Tokenizer", None]}}
+    assert ckpt.auto_map_modules(hub) == ["configuration_sdar.py", "tokenization_qwen2.py"]
+    assert ckpt.auto_map_modules({}) == [] and ckpt.auto_map_modules({"auto_map": None}) == []
 
 
 def test_streams_one_shard_at_a_time(tmp_path, monkeypatch):
@@ -444,6 +509,92 @@ def test_missing_shard_and_corrupt_index(saved):
         load_model(folder)
 
 
+def test_index_naming_files_outside_the_folder_is_refused(saved):
+    """A weight_map entry is a file name inside the checkpoint folder: `../x` or an absolute path would read
+    weights from elsewhere (another checkpoint) without a word."""
+    folder, _ = saved
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    name = index["weight_map"]["model.norm.weight"]
+    outside = folder.parent / name
+    outside.write_bytes((folder / name).read_bytes())  # a loadable shard, just not in the folder
+    for ref in (f"../{name}", str(outside)):
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps(index | {"weight_map": index["weight_map"] | {"model.norm.weight": ref}}))
+        with pytest.raises(CheckpointError, match="names shard files outside the folder"):
+            load_model(folder)
+
+
+@pytest.mark.parametrize("weight_map", [{"model.norm.weight": 3}, {"model.norm.weight": None}, ["a", "b"]])
+def test_weight_map_of_the_wrong_shape_is_named(saved, weight_map):
+    """Was (a number or null as a shard name): a TypeError traceback from pathlib, not the index named."""
+    folder, _ = saved
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    wm = weight_map if isinstance(weight_map, list) else index["weight_map"] | weight_map
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index | {"weight_map": wm}))
+    with pytest.raises(CheckpointError, match="has no valid 'weight_map'"):
+        load_model(folder)
+
+
+def test_tied_checkpoint_with_an_lm_head_of_the_wrong_shape_is_refused(tmp_path):
+    """A tied checkpoint that also stores lm_head.weight: a differing value is ignored with a warning, but a
+    different SHAPE means the checkpoint is not the model its config describes."""
+    model, cfg = tiny_model(tied=True)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["lm_head.weight"] = torch.zeros(cfg.vocab_size - 1, cfg.hidden_size)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"shape mismatch for tied lm_head.weight: expected \[111, 64\], "
+                                              r"found \[110, 64\]"):
+        load_model(tmp_path)
+
+
+def test_tied_checkpoint_with_lm_head_alone_in_a_shard(tmp_path):
+    """A sharded tied checkpoint whose lm_head.weight copy sits in a shard of its own (nothing of that shard is
+    loaded: the tied weight is used) loads like the others."""
+    model, cfg = tiny_model(tied=True)
+    out = save_model(model, cfg, tmp_path / "ck", max_shard_bytes=20_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    save_file({"lm_head.weight": model.model.embed_tokens.weight.detach().clone()}, str(out / "lm-head.safetensors"),
+              metadata={"format": "pt"})
+    index["weight_map"]["lm_head.weight"] = "lm-head.safetensors"
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # equal to the embedding: no warning either
+        loaded, _ = load_model(out)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(logits(model), logits(loaded))
+
+
+def _shard_sizes(folder: Path) -> list[list[int]]:
+    """The byte sizes of the tensors of each shard, shards in file-name order and tensors in model order."""
+    order = list(tiny_model()[0].state_dict())
+    out = []
+    for f in sorted(folder.glob("model-*.safetensors")):
+        with safe_open(str(f), framework="pt") as g:
+            ts = {k: g.get_tensor(k) for k in g.keys()}
+        out.append([ts[k].numel() * ts[k].element_size() for k in sorted(ts, key=order.index)])
+    return out
+
+
+def test_shards_are_filled_greedily_up_to_the_limit(tmp_path):
+    """Greedy in model order: a shard is never over the limit (unless it holds a single tensor larger than the
+    limit), and the next shard's first tensor would not have fitted into it; a limit of exactly the total size is
+    one file."""
+    model, cfg = tiny_model()
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    out = save_model(model, cfg, tmp_path / "exact", max_shard_bytes=total)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    limit = 40_000
+    sizes = _shard_sizes(save_model(model, cfg, tmp_path / "ck", max_shard_bytes=limit))
+    assert sum(map(sum, sizes)) == total and len(sizes) > 2
+    for i, shard in enumerate(sizes):
+        assert sum(shard) <= limit or len(shard) == 1, (i, shard)
+        if i + 1 < len(sizes):
+            assert sum(shard) + sizes[i + 1][0] > limit, (i, shard, sizes[i + 1][0])
+    # model order: the first shard starts with the embedding (the model's first parameter)
+    assert sizes[0][0] == cfg.vocab_size * cfg.hidden_size * 4
+
+
 def test_no_weights(tmp_path):
     _, cfg = tiny_model()
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
@@ -463,6 +614,11 @@ def test_no_weights(tmp_path):
     ("num_hidden_layers", True, "'num_hidden_layers' must be a positive integer, got True"),
     ("mask_token_id", "110", "'mask_token_id' must be int (or null), got '110'"),
     ("tie_word_embeddings", "false", "'tie_word_embeddings' must be bool (or null), got 'false'"),
+    ("block_size", "4", "'block_size' must be a positive integer, got '4'"),
+    ("num_hidden_layers", 0, "'num_hidden_layers' must be a positive integer, got 0"),
+    ("rms_norm_eps", float("inf"), "'rms_norm_eps' must be a positive finite number, got inf"),
+    ("rope_theta", float("inf"), "'rope_theta' must be a positive finite number, got inf"),
+    ("mask_token_id", True, "'mask_token_id' must be int (or null), got True"),
 ])
 def test_config_values_of_the_wrong_type_are_named(tmp_path, key, value, named):
     """A quoted number, a "false" string, NaN or a bool count was a TypeError deep in the model, an unclear
@@ -475,6 +631,22 @@ def test_config_values_of_the_wrong_type_are_named(tmp_path, key, value, named):
     with pytest.raises(CheckpointError, match="wrong type or range") as e:
         load_model(folder)
     assert named in str(e.value) and "config.json" in str(e.value)
+
+
+def test_model_type_other_than_sdar_warns(tmp_path):
+    """A config.json of another architecture (a llama, say) is loaded as SDAR only with a warning naming it; SDAR's
+    own type and the Qwen3 it is built on load silently."""
+    model, cfg = tiny_model()
+    folder = save_model(model, cfg, tmp_path / "ck")
+    d = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(d | {"model_type": "llama"}))
+    with pytest.warns(UserWarning, match="model_type 'llama' is not 'sdar'"):
+        read_config(folder)
+    for quiet in ("sdar", "qwen3"):
+        (folder / "config.json").write_text(json.dumps(d | {"model_type": quiet}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            read_config(folder)
 
 
 def test_real_configs_pass_the_type_checks():
@@ -590,6 +762,79 @@ def test_interrupted_fallback_swap_is_restored(tmp_path):
     assert_same_state(old, load_model(folder)[0])
 
 
+def test_failed_fallback_rename_puts_the_previous_checkpoint_back(tmp_path, monkeypatch):
+    """Without renameat2 the swap is two renames; when the second one fails the previous checkpoint goes back in
+    place (no window left where the path is missing)."""
+    old, cfg = tiny_model(seed=0)
+    new, _ = tiny_model(seed=1)
+    folder = save_model(old, cfg, tmp_path / "ck")
+    monkeypatch.setattr(ckpt, "_rename_exchange", lambda a, b: False)
+    real_rename = ckpt.os.rename
+
+    def rename(src, dst):
+        if Path(src).name.startswith(".ck.tmp-"):  # the new folder moving into place
+            raise OSError("rename failed (simulated)")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "rename", rename)
+    with pytest.raises(OSError, match="simulated"):
+        save_model(new, cfg, folder)
+    monkeypatch.setattr(ckpt.os, "rename", real_rename)
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+    assert_same_state(old, load_model(folder)[0])
+
+
+def test_everything_is_flushed_to_disk_before_the_swap(tmp_path, monkeypatch):
+    """The atomic save's promise: every file of the new folder, and the folder itself, is fsynced before it
+    replaces the previous checkpoint (else a power loss right after the swap can leave empty files in the
+    'complete' checkpoint); the parent folder is synced after the swap."""
+    model, cfg = tiny_model()
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    (tok_dir / "generation_config.json").write_text('{"eos_token_id": [1, 2]}')
+    folder = save_model(model, cfg, tmp_path / "ck")
+    events: list[tuple[str, Path]] = []
+    real_fsync, real_exchange = ckpt._fsync, ckpt._rename_exchange
+    monkeypatch.setattr(ckpt, "_fsync", lambda p: (events.append(("fsync", Path(p))), real_fsync(p)))
+
+    def exchange(a, b):
+        events.append(("swap", Path(a)))
+        return real_exchange(a, b)
+
+    monkeypatch.setattr(ckpt, "_rename_exchange", exchange)
+    save_model(model, cfg, folder, max_shard_bytes=20_000, tokenizer=tok_dir)
+    kinds = [k for k, _ in events]
+    assert kinds.count("swap") == 1
+    swap = kinds.index("swap")
+    tmp = events[swap][1]
+    synced_before = {p for k, p in events[:swap] if k == "fsync"}
+    names = sorted(p.name for p in folder.iterdir())
+    assert "generation_config.json" in names and "model.safetensors.index.json" in names
+    for name in names:
+        assert tmp / name in synced_before, name
+    assert tmp in synced_before
+    assert ("fsync", folder.parent) in events[swap:]
+
+
+def test_a_live_save_of_another_user_is_not_cleaned_up(tmp_path, monkeypatch):
+    """A temp folder whose process exists but cannot be signalled (another user's: EPERM) belongs to a save in
+    progress: the next save must leave it alone (only dead saves' leftovers are removed)."""
+    model, cfg = tiny_model()
+    folder = save_model(model, cfg, tmp_path / "ck")
+    busy = tmp_path / ".ck.tmp-424242-cafebabe"
+    busy.mkdir()
+    (busy / "model.safetensors").write_bytes(b"being written")
+
+    def kill(pid, sig):
+        if pid == 424242:
+            raise PermissionError(1, "Operation not permitted")
+        raise ProcessLookupError(3, "No such process")
+
+    monkeypatch.setattr(ckpt.os, "kill", kill)
+    save_model(model, cfg, folder)
+    assert (busy / "model.safetensors").read_bytes() == b"being written"
+
+
 def test_save_argument_errors(tmp_path):
     model, cfg = tiny_model(tied=False)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
@@ -601,4 +846,7 @@ def test_save_argument_errors(tmp_path):
         meta_model = SDARForCausalLM(cfg)
     with pytest.raises(ValueError, match="meta"):
         save_model(meta_model, cfg, tmp_path / "ck")
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_shard_bytes must be positive"):
+            save_model(model, cfg, tmp_path / "ck", max_shard_bytes=bad)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]

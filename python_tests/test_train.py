@@ -395,6 +395,77 @@ def test_run_logger_metrics_and_resume_truncation(tmp_path):
     assert [r["step"] for r in L.read_metrics(tmp_path)] == [1, 2]
 
 
+def test_run_logger_records_are_on_disk_at_once_with_their_time(tmp_path):
+    """Each record is in metrics.jsonl as soon as log_step returns (a run killed later keeps it), stamped with
+    the wall-clock `time` unless the metrics carry their own."""
+    import time
+
+    lg = L.RunLogger(tmp_path, progress="off")
+    t0 = time.time()
+    lg.log_step({"step": 1, "acc": 0.5})
+    lg.log_step({"step": 2, "time": 12.5})
+    recs = L.read_metrics(tmp_path)  # before close
+    lg.close()
+    assert [r["step"] for r in recs] == [1, 2]
+    assert t0 <= recs[0]["time"] <= time.time() and recs[1]["time"] == 12.5
+
+
+def test_run_logger_continues_after_a_killed_runs_partial_line(tmp_path):
+    """Without a checkpoint to truncate to, a partial last line (a run killed mid-write) is dropped before the
+    next record is appended: the new record is readable, not glued to the fragment."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "ac')
+    lg = L.RunLogger(tmp_path, progress="off")
+    assert lg.n_logged == 1
+    lg.log_step({"step": 2, "acc": 0.5})
+    lg.close()
+    assert [(r["step"], r.get("acc")) for r in L.read_metrics(tmp_path, strict=True)] == [(1, None), (2, 0.5)]
+
+
+def test_blank_lines_in_metrics_are_skipped(tmp_path):
+    m = tmp_path / "metrics.jsonl"
+    m.write_text('{"step": 1}\n\n   \n{"step": 2}\n')
+    assert [r["step"] for r in L.read_metrics(m)] == [1, 2]
+    assert [r["step"] for r in L.read_metrics(m, strict=True)] == [1, 2]
+
+
+def test_run_logger_without_writing_and_with_progress_off(tmp_path):
+    """write=False (ranks > 0): the history is kept in memory (it sizes the checkpoint's metrics_len), no file
+    is touched and nothing is printed; progress "off" on rank 0: the file and the history, nothing printed."""
+    printed = []
+    lg = L.RunLogger(tmp_path / "rank1", progress="plain", write=False, print_fn=printed.append)
+    lg.log_step({"step": 1, "acc": 0.5})
+    lg.info("hello")
+    lg.close()
+    assert lg.n_logged == 1 and lg.mode == "off" and printed == []
+    assert not (tmp_path / "rank1" / "metrics.jsonl").exists()
+    lg = L.RunLogger(tmp_path / "rank0", progress="off", print_fn=printed.append)
+    lg.log_step({"step": 1, "acc": 0.5})
+    lg.log_step({"step": 2, "acc": 0.6})
+    lg.info("hello")
+    lg.close()
+    assert lg.n_logged == 2 and printed == [] and len(L.read_metrics(tmp_path / "rank0")) == 2
+
+
+def test_run_logger_auto_progress_is_plain_off_a_terminal(tmp_path):
+    import io
+
+    buf = io.StringIO()  # not a terminal
+    lg = L.RunLogger(tmp_path, total_steps=2, progress="auto", stream=buf)
+    assert lg.mode == "plain"
+    lg.log_step({"step": 1, "acc": 0.25})
+    lg.close()
+    assert buf.getvalue().startswith("step 1/2 | acc 0.250")
+
+
+def test_step_line_names_skipped_and_nonfinite_updates():
+    line = L.step_line({"step": 3, "acc": 0.5, "tpf": 2.0, "reward": 2.5, "loss": 0.1, "kl": 0.0, "clip_frac": 0.0,
+                        "groups_kept": 4, "nonfinite_skipped": 2}, 10)
+    assert line.startswith("step 3/10 | ") and "groups 4" in line and "NON-FINITE update skipped x2" in line
+    assert "NON-FINITE" not in L.step_line({"step": 3, "nonfinite_skipped": 0})
+    skipped = L.step_line({"step": 4, "acc": 1.0, "skipped": "all groups filtered"})
+    assert "skipped: all groups filtered" in skipped and "loss" not in skipped
+
+
 def test_run_logger_progress_bar(tmp_path):
     pytest.importorskip("tqdm")
     import io
@@ -431,6 +502,30 @@ def test_tables_and_plots(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     assert L.plot_sweep({"before": before}, tmp_path / "s2.png") is None
     assert "plots skipped: matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_format_table_layout():
+    """The first column left-aligned, the others right-aligned, each as wide as its widest cell, two spaces
+    between columns, a dashed rule under the header."""
+    t = L.format_table(["model", "acc"], [["before", 0.9], ["after RL", "0.95"]])
+    assert t.splitlines() == ["model      acc",
+                              "--------  ----",
+                              "before     0.9",
+                              "after RL  0.95"]
+    assert L.format_table(["a", "bb"], []).splitlines() == ["a  bb", "-  --"]
+
+
+def test_before_after_table_columns_of_one_side_and_extra_rows():
+    """A column one side has (fwd/answer here only after RL) is shown, '-' where missing, and no change is
+    computed for it; extra rows (another run at the same threshold) are listed after the two."""
+    before = {"0.9": {"acc": 0.5, "tpf": 2.0}}
+    after = {"0.9": {"acc": 0.75, "tpf": 3.0, "fwd_per_answer": 4.0}}
+    rft = {"0.90": {"acc": 0.6, "tpf": 2.5}}
+    t = L.before_after_table(before, after, 0.9, extra_rows={"rft": rft})
+    rows = [line.split() for line in t.splitlines()]
+    assert rows[0] == ["tau", "=", "0.9"] and rows[1] == ["model", "acc", "TPF", "fwd/answer"]
+    assert rows[3:] == [["before", "0.500", "2.00", "-"], ["after", "0.750", "3.00", "4.00"],
+                        ["rft", "0.600", "2.50", "-"], ["change", "+0.250", "+1.00", "-"]]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -485,12 +580,20 @@ def test_cli_resume_is_bit_exact_and_reuses_sft_cache(tmp_path, cache_env, capsy
     assert T.main(["--resume", str(b), "--steps", "2", "--progress", "plain"]) == 0
     out = capsys.readouterr().out
     assert "resume: step 1" in out and "SFT warm-up" not in out
+    assert "eval before RL" not in out  # the checkpoint carries the before-RL evaluation: not decoded again
+    # the resumed run's config.json repeats the run (`--config b/config.json`): it does not resume it again
+    assert json.loads((b / "config.json").read_text())["checkpoint"]["resume"] is None
     wa, wb = weights(a / "checkpoint-2"), weights(b / "checkpoint-2")
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
     assert not all(torch.equal(wa[n], p) for n, p in weights(b / "checkpoint-1").items())  # RL did change weights
     ma, mb = L.read_metrics(a), L.read_metrics(b)
     assert [m["step"] for m in mb] == [1, 2] and mb[1]["acc"] != -1
     assert [m["tokens"] for m in ma] == [m["tokens"] for m in mb]
+    # elapsed_s is the RL phase's running total across the resume (what --rl-time-budget is checked against):
+    # each record adds at least its own step's time to the previous one
+    for recs in (ma, mb):
+        assert recs[0]["elapsed_s"] >= recs[0]["step_s"] > 0
+        assert recs[1]["elapsed_s"] - recs[0]["elapsed_s"] >= recs[1]["step_s"] > 0
 
 
 def test_cli_optimizer_offload_trains_the_same_weights(tmp_path, cache_env, capsys):
@@ -545,6 +648,149 @@ def test_cli_time_budget_ends_the_rl_phase(tmp_path, cache_env, capsys):
     assert [m["step"] for m in L.read_metrics(out)] == [1]
     assert "time budget 0.001s reached after 1 steps" in capsys.readouterr().out
     assert not list(out.glob("checkpoint-*"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["final_checkpoint"] is None  # the steps run, not the 50 asked
+
+
+def test_cli_step_records_eval_every_save_every_and_a_train_subset(tmp_path, cache_env, capsys):
+    """--tpf-weight sets the logged reward (acc + w * tpf), tok/s is the rollout's tokens per rollout second,
+    --eval-every N evaluates at the steps divisible by N, --save-every N saves those steps (and the final one),
+    --max-train-examples cuts the synthetic train split."""
+    out = tmp_path / "run"
+    assert T.main(SMOKE + ["--out", str(out), "--steps", "3", "--tpf-weight", "0.5", "--eval-every", "2",
+                           "--save-every", "2", "--max-train-examples", "5"]) == 0
+    assert "| task synthetic: 5 train / 4 eval examples" in capsys.readouterr().out
+    recs = L.read_metrics(out)
+    assert [m["step"] for m in recs] == [1, 2, 3]
+    for m in recs:
+        assert m["reward"] == pytest.approx(m["acc"] + 0.5 * m["tpf"])
+        assert m["tokens_per_s"] == pytest.approx(m["tokens"] / m["rollout_s"])
+    assert ["eval_acc" in m for m in recs] == [False, True, False]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+
+
+def test_cli_ctrl_c_exits_130(monkeypatch, capsys):
+    def interrupted(cfg, say=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(T, "run", interrupted)
+    assert T.main(["--preset", "smoke"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_cli_rft_keeps_only_finished_answers(tmp_path, capsys, monkeypatch):
+    """RFT keeps an output the verifier accepts only when it ended with EOS: a random model's greedy answers never
+    finish within 16 tokens (its greedy evaluation says so), so nothing is kept even with a verifier that accepts
+    everything (an unfinished response counts as wrong, as in the evaluation)."""
+    from lightningrl_fast.checkpoint import save_model
+    from lightningrl_fast.model import SDARConfig, build_model
+    from lightningrl_fast.tasks.synthetic import SyntheticArithmetic
+
+    tok = SyntheticArithmetic().tokenizer
+    mcfg = SDARConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=4,
+                      mask_token_id=tok.mask_token_id, torch_dtype="float32", max_position_embeddings=128)
+    model = save_model(build_model(mcfg, dtype=torch.float32, seed=0), mcfg, tmp_path / "m", tokenizer=tok)
+    monkeypatch.setattr(T, "is_correct_batch", lambda task, texts, exs: [True] * len(texts))
+    out = tmp_path / "rft"
+    assert T.main(["--model", str(model), "--out", str(out), "--baseline", "rft", "--rft-max-prompts", "8",
+                   "--rft-steps", "1", "--threshold", "0.9", "--max-new-tokens", "16", "--eval-limit", "8",
+                   "--eval-thresholds", "0.9", "--threads", "1", "--no-plots", "--progress", "off"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_before"]["0.9"]["finished"] == 0.0
+    assert summary["kept"] == 0 and summary["sft_steps"] == 0
+    assert "8 train prompts greedily at tau 0.9" in capsys.readouterr().out
+
+
+def test_cli_no_cache_stores_nothing_and_a_broken_cache_entry_is_rebuilt(tmp_path, monkeypatch, capsys):
+    """--no-cache trains the warm-up and stores nothing; a cache entry that does not load (a damaged weight
+    file) is trained again and replaced, not a crash."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LRF_CACHE_DIR", str(cache))
+    one = SMOKE + ["--steps", "1", "--no-save-final"]
+    assert T.main(one + ["--out", str(tmp_path / "a"), "--no-cache"]) == 0
+    assert not cache.exists() or not list(cache.iterdir())
+    assert T.main(one + ["--out", str(tmp_path / "b")]) == 0
+    entries = list(cache.glob("sft-*"))
+    assert len(entries) == 1 and "SFT warm-up: cached in" in capsys.readouterr().out
+    (entries[0] / "model.safetensors").write_bytes(b"\0" * 16)
+    assert T.main(one + ["--out", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "unreadable" in out and "training again" in out and "SFT warm-up: cached in" in out
+    load_model(entries[0])  # repaired
+
+
+def test_resolve_dtype_auto_and_names():
+    """--dtype auto: the checkpoint's torch_dtype on CUDA, float32 on the CPU (the help text's rule); the names
+    map to their torch dtypes."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert T.resolve_dtype("auto", cpu, torch.bfloat16) is torch.float32
+    assert T.resolve_dtype("auto", cuda, torch.bfloat16) is torch.bfloat16
+    assert T.resolve_dtype("auto", cuda, None) is torch.float32
+    assert [T.resolve_dtype(n, cpu, torch.bfloat16) for n in ("float32", "bfloat16", "float16")] == [
+        torch.float32, torch.bfloat16, torch.float16]
+
+
+def test_default_response_cap_and_sft_cache_key():
+    """max_new_tokens unset: a task's longest answer rounded UP to whole blocks plus one spare block, else 256; the
+    SFT cache key changes with every setting the warm-up depends on (seed, SFT recipe, model) and only then."""
+    from types import SimpleNamespace
+
+    cfg = C.parse_config(["--preset", "none"], check_paths=False)
+    assert cfg.sampler.max_new_tokens is None
+    assert T.default_max_new_tokens(cfg, SimpleNamespace(max_response_tokens=lambda: 13), 4) == 16 + 4
+    assert T.default_max_new_tokens(cfg, SimpleNamespace(max_response_tokens=lambda: 12), 4) == 12 + 4
+    assert T.default_max_new_tokens(cfg, object(), 4) == 256
+    set_cap = C.parse_config(["--preset", "none", "--max-new-tokens", "40"], check_paths=False)
+    assert T.default_max_new_tokens(set_cap, SimpleNamespace(max_response_tokens=lambda: 13), 4) == 40
+
+    def key(*argv):
+        c = C.parse_config(["--preset", "smoke", *argv], check_paths=False)
+        return T.sft_cache_key(c, T.embedded_model_config(c, T.make_synthetic_task(c).tokenizer))
+
+    base = key()
+    assert key() == base and key("--steps", "7", "--lr", "0.5") == base  # RL settings: the same warm-up
+    for argv in (["--seed", "1"], ["--sft-lr", "1e-3"], ["--sft-steps", "21"], ["--hidden-size", "48"]):
+        assert key(*argv) != base, argv
+
+
+def test_evaluation_is_greedy_with_its_own_response_cap():
+    """evaluate() decodes greedily whatever the rollout temperature (a sampled evaluation of this near-uniform
+    model finishes most answers, the greedy one none) and caps responses at its own max_new_tokens."""
+    from lightningrl_fast.model import SDARConfig, build_model
+    from lightningrl_fast.tasks.synthetic import SyntheticArithmetic
+
+    task = SyntheticArithmetic()
+    tok = task.tokenizer
+    mcfg = SDARConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, block_size=4,
+                      mask_token_id=tok.mask_token_id, torch_dtype="float32", max_position_embeddings=128)
+    model = build_model(mcfg, dtype=torch.float32, seed=0).eval()
+    exs = list(task.test)[:8]
+
+    def ev(temperature, cap=None):
+        sc = SamplerConfig(threshold=0.9, temperature=temperature, eos_ids=tuple(tok.eos_token_ids),
+                           max_new_tokens=16, seed=0)
+        r = T.evaluate(model, tok, task, exs, sc, [0.9], batch_size=4, max_new_tokens=cap)["0.9"]
+        return {k: r[k] for k in ("acc", "tpf", "fwd_per_answer", "finished", "n")}
+
+    greedy = ev(0.0)
+    assert ev(1.0) == greedy and greedy["n"] == 8
+    assert ev(0.0, cap=4)["fwd_per_answer"] < greedy["fwd_per_answer"]
+
+
+def test_max_length_past_the_positions_is_said():
+    from types import SimpleNamespace
+
+    mc = SimpleNamespace(max_position_embeddings=64, block_size=4)
+    said = []
+    cfg = C.parse_config(["--preset", "none", "--max-length", "100"], check_paths=False)
+    assert T._check_positions(cfg, mc, "m", said.append) is mc
+    assert len(said) == 1 and "--max-length 100 is past the model's max_position_embeddings 64" in said[0]
+    said.clear()
+    T._check_positions(C.parse_config(["--preset", "none", "--max-length", "64"], check_paths=False), mc, "m",
+                       said.append)
+    assert said == []
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -598,6 +844,22 @@ def test_cli_trains_a_checkpoint_folder_on_a_math_file(tmp_path, capsys, ascii_c
     (out / "latest").write_text("checkpoint-99\n")
     assert gen.main(["--model", str(out), "--prompts", str(prompts), "--device", "cpu", "--quiet"]) == 2
     assert "a run folder whose latest checkpoint cannot be found" in capsys.readouterr().err
+
+
+def test_cli_eval_prompts_are_fitted_with_the_eval_cap(tmp_path, capsys, ascii_checkpoint):
+    """Evaluation prompts must fit the positions with --eval-max-new-tokens, not with the rollouts' cap: long eval
+    prompts (~430 tokens of 512) are kept with 16 evaluation tokens though 100 rollout tokens would not fit."""
+    model = ascii_checkpoint(tmp_path / "model")
+    train = _gsm8k_rows(tmp_path / "train.jsonl", [f"What is {i}+1?" for i in range(3)])
+    evals = _gsm8k_rows(tmp_path / "eval.jsonl", [f"What is {i}+2?" + " pad" * 80 for i in range(3)])
+    argv = ["--model", str(model), "--task", "math", "--train-data", str(train), "--eval-data", str(evals),
+            "--out", str(tmp_path / "run"), "--steps", "1", "--prompts-per-step", "1", "--group-size", "2",
+            "--max-new-tokens", "100", "--eval-max-new-tokens", "16", "--eval-thresholds", "0.9", "--kl-beta", "0",
+            "--no-save-final", "--threads", "1", "--no-plots", "--progress", "off"]
+    assert T.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "3 train / 3 eval examples" in printed and "do not fit" not in printed
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["eval_after"]["0.9"]["n"] == 3
 
 
 def test_cli_names_a_prompt_the_tokenizer_cannot_encode_before_training(tmp_path, capsys):

@@ -60,7 +60,7 @@ def read_metrics(path: str | Path, strict: bool = False) -> list[dict[str, Any]]
     what it read) raises MetricsFileError for a malformed line that more records follow, or undecodable bytes."""
     out: list[dict[str, Any]] = []
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir() and p.name != METRICS_FILE:  # a run folder (a folder named metrics.jsonl is not a file: below)
         p = p / METRICS_FILE
     if not p.is_file():
         if strict and p.exists():
