@@ -114,7 +114,7 @@ def _config_type_problems(d: dict) -> list[str]:
 def read_config(path: str | Path) -> SDARConfig:
     """SDARConfig of a checkpoint folder (or of a config.json path), with errors naming the file and key."""
     path = Path(path)
-    file = path if path.suffix == ".json" else path / CONFIG_NAME
+    file = path if path.suffix == ".json" and not path.is_dir() else path / CONFIG_NAME  # a folder may end in .json
     if not file.is_file():
         raise FileNotFoundError(f"no {CONFIG_NAME} at {file}" + _backup_hint(file.parent))
     d = read_json_file(file, error=CheckpointError)

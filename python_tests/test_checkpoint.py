@@ -633,6 +633,16 @@ def test_config_values_of_the_wrong_type_are_named(tmp_path, key, value, named):
     assert named in str(e.value) and "config.json" in str(e.value)
 
 
+def test_a_checkpoint_folder_whose_name_ends_in_json(tmp_path):
+    """A folder named like a file (``run.json``) is a checkpoint folder: its config.json is read, not the folder
+    taken for the config file; a config.json path itself still works."""
+    model, cfg = tiny_model()
+    folder = save_model(model, cfg, tmp_path / "run.json")
+    got = read_config(folder)
+    assert got == read_config(folder / "config.json") and got.hidden_size == cfg.hidden_size
+    assert load_model(folder)[1] == got
+
+
 def test_model_type_other_than_sdar_warns(tmp_path):
     """A config.json of another architecture (a llama, say) is loaded as SDAR only with a warning naming it; SDAR's
     own type and the Qwen3 it is built on load silently."""

@@ -18,8 +18,9 @@ else the last Python block; an unterminated fence is taken to the end; ChatML en
 tests, passed, failure reason: ``timeout``, ``syntax``, ``assertion``, ``memory``, ``output_limit``,
 ``forbidden``, ``killed:SIGxxx``, ``no_result``, ``error:<ExceptionName>``, ``sandbox_error``,
 ``no_tests`` for a program given no tests: it never passes). Tests of MBPP are counted one by one,
-streamed as they finish, so a program that hangs on its third assert keeps the credit of the first two. `verify_code_batch` runs many programs in parallel: a thread pool drives one
-subprocess per item (default ``os.cpu_count()`` at a time).
+streamed as they finish, so a program that hangs on its third assert keeps the credit of the first two.
+`verify_code_batch` runs many programs in parallel: a thread pool drives one subprocess per item (default
+``os.cpu_count()`` at a time).
 
 Isolation layers (each used when the machine allows it; `sandbox_capabilities` says which are on):
 
