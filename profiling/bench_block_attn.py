@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import os
 import sys
 
@@ -55,8 +54,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RowLog, copy_bandwidth_gbs, device_name, emit_json, graph_time_us, l2_state,  # noqa: E402
+from common import (RowLog, copy_bandwidth_gbs, device_name, emit_json, l2_state,  # noqa: E402
                     check, ints, print_table, rotation, time_fn)
+from common import device_time as common_device_time  # noqa: E402
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.block_attn import VARIANTS, block_attention_reference  # noqa: E402
@@ -118,16 +118,13 @@ def device_time(make_fn, sets, device):
     fns = [make_fn(s) for s in sets]
     try:
         fns[0]()
+        us, how = common_device_time(fns, device)
     except Exception as e:  # a backend that rejects the inputs, out of memory, ...
         print(f"  (skipped: {type(e).__name__}: {str(e).splitlines()[0][:100]})", file=sys.stderr)
         torch.cuda.empty_cache() if device.type == "cuda" else None
         return None
-    us = graph_time_us(fns, device)
-    TIMINGS.add("graph" if us is not None else "eager")
-    if us is not None:
-        return us
-    nxt = itertools.cycle(fns)  # eagerly over the same input copies, not one that stays in L2
-    return time_or_none(lambda: next(nxt)(), device)
+    TIMINGS.add(how)
+    return us
 
 
 def sdpa_mask(B, C, L, bs, dtype, device):
