@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RowLog, check, copy_bandwidth_gbs, device_name, device_time, ints, l2_state,  # noqa: E402
+from common import (ColumnTimes, RowLog, check, copy_bandwidth_gbs, device_name, ints, l2_state,  # noqa: E402
                     print_table, rotation)
 
 from bench_decode import CONFIGS  # noqa: E402  (the named model shapes, REFERENCE §1)
@@ -78,30 +78,23 @@ def main() -> None:
         for m in tokens:
             x = torch.randn(m, k, generator=g, device=device).to(dtype)
             nbytes = wbytes + (m * k + m * n) * w0.element_size()
-            eager = []
-
-            def timed(col, make):
-                us, how = device_time([make(w) for w in weights], device)
-                if how == "eager" and on_gpu:
-                    eager.append(col)
-                return us
-
+            timed = ColumnTimes(device)
             row = {"proj": name, "M": m, "N": n, "K": k, "l2": l2_state(wbytes, len(weights), device),
-                   "cublas_us": timed("cublas_us", lambda w: lambda: F.linear(x, w))}
+                   "cublas_us": timed("cublas_us", [lambda w=w: F.linear(x, w) for w in weights])}
             if kernels:  # the kernel's output checked against cuBLAS' before it is timed
                 want = F.linear(x, w0)
                 row["check"] = (check(lambda: mod.linear(x, w0, False), want)
                                 or check(lambda: mod.linear(x, w0, True), want) or "ok")
             if kernels and row["check"] == "ok":
-                row["kernel_us"] = timed("kernel_us", lambda w: lambda: mod.linear(x, w, False))
-                row["pdl_us"] = timed("pdl_us", lambda w: lambda: mod.linear(x, w, True))
+                row["kernel_us"] = timed("kernel_us", [lambda w=w: mod.linear(x, w, False) for w in weights])
+                row["pdl_us"] = timed("pdl_us", [lambda w=w: mod.linear(x, w, True) for w in weights])
                 best = min(row["kernel_us"], row["pdl_us"])
                 row["GB/s"] = nbytes / (best * 1e-6) / 1e9
                 row["%copy"] = 100 * row["GB/s"] / bw
                 row["cublas_%copy"] = 100 * nbytes / (row["cublas_us"] * 1e-6) / 1e9 / bw
                 row["x_cublas"] = row["cublas_us"] / best
             if on_gpu:
-                row["timing"] = "eager: " + ",".join(eager) if eager else "graph"
+                row["timing"] = timed.label()
             rows.append(row)
         del weights
     print_table(rows)

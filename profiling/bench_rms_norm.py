@@ -30,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RowLog, check, copy_bandwidth_gbs, device_name, device_time, device_time_us,  # noqa: E402
+from common import (ColumnTimes, RowLog, check, copy_bandwidth_gbs, device_name, device_time_us,  # noqa: E402
                     l2_state, print_table, rotation)
 
 from lightningrl_fast import _ext  # noqa: E402
@@ -103,13 +103,10 @@ def main() -> None:
             ("qk_norm_rope q+k", qk_norm_rope_reference, compiled_rope, getattr(mod, "qk_norm_rope", None),
              lambda s: (s[8], s[4], s[5], s[6], EPS, s[4], hq), 2 * qkb + cb, qkb + cb),
         ]:
-            eager = []
+            columns = ColumnTimes(device)
 
             def timed(col, fn):
-                us, how = device_time([lambda a=args_of(st): fn(*a) for st in sets], device)
-                if how == "eager" and on_gpu:
-                    eager.append(col)
-                return us
+                return columns(col, [lambda a=args_of(st): fn(*a) for st in sets])
 
             row = {"kind": "op", "what": name, "tokens": tokens, "l2": l2_state(in_bytes, len(sets), device)}
             row["ref_us"] = timed("ref_us", ref)
@@ -127,7 +124,7 @@ def main() -> None:
                 row["%copy"] = 100 * row["GB/s"] / bw
                 row["x_ref"] = row["ref_us"] / row["kernel_us"]
             if on_gpu:
-                row["timing"] = "eager: " + ",".join(eager) if eager else "graph"
+                row["timing"] = columns.label()
             rows.append(row)
         if on_gpu:
             def eager_step():

@@ -25,20 +25,16 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RowLog, check, copy_bandwidth_gbs, device_name, device_time, l2_state, print_table,  # noqa: E402
+from common import (ColumnTimes, RowLog, check, copy_bandwidth_gbs, device_name, l2_state, print_table,  # noqa: E402
                     rotation)
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.ops.silu_mul import silu_mul_reference  # noqa: E402
 
 
-def device_us(fn, inputs, device, eager: list, col: str) -> float:
-    """Device time per call of fn over the rotated inputs (common.device_time); column `col` joins `eager` when
-    its calls had to be timed eagerly."""
-    us, how = device_time([lambda t=t: fn(t) for t in inputs], device)
-    if how == "eager" and device.type == "cuda":
-        eager.append(col)
-    return us
+def device_us(fn, inputs, timed: ColumnTimes, col: str) -> float:
+    """Device time per call of fn over the rotated inputs, as column `col` of `timed` (common.ColumnTimes)."""
+    return timed(col, [lambda t=t: fn(t) for t in inputs])
 
 
 def main() -> None:
@@ -65,25 +61,25 @@ def main() -> None:
         in_bytes = one.numel() * one.element_size()  # gate and up, read
         nbytes = in_bytes * 3 // 2  # + the product, written
         inputs = [one] + [one.clone() for _ in range(rotation(in_bytes, device) - 1)]
-        eager: list[str] = []
+        timed = ColumnTimes(device)
         row = {"tokens": tokens, "l2": l2_state(in_bytes, len(inputs), device),
-               "ref_us": device_us(silu_mul_reference, inputs, device, eager, "ref_us")}
+               "ref_us": device_us(silu_mul_reference, inputs, timed, "ref_us")}
         if compiled is not None:
             try:
-                row["compiled_us"] = device_us(compiled, inputs, device, eager, "compiled_us")
+                row["compiled_us"] = device_us(compiled, inputs, timed, "compiled_us")
             except Exception as e:  # an Inductor failure is reported, not fatal
                 row["compiled_us"] = f"failed: {type(e).__name__}"
         if kernels:  # the kernel's output checked against the reference before it is timed
             row["check"] = check(lambda: mod.silu_mul(one), silu_mul_reference(one)) or "ok"
         if kernels and row["check"] == "ok":
-            row["kernel_us"] = device_us(mod.silu_mul, inputs, device, eager, "kernel_us")
+            row["kernel_us"] = device_us(mod.silu_mul, inputs, timed, "kernel_us")
             row["GB/s"] = nbytes / (row["kernel_us"] * 1e-6) / 1e9
             row["%copy"] = 100 * row["GB/s"] / bw
             row["x_ref"] = row["ref_us"] / row["kernel_us"]
             if isinstance(row.get("compiled_us"), float):
                 row["x_compiled"] = row["compiled_us"] / row["kernel_us"]
         if on_gpu:
-            row["timing"] = "eager: " + ",".join(eager) if eager else "graph"
+            row["timing"] = timed.label()
         rows.append(row)
     print_table(rows)
     rows.emit(kernels=kernels, inner=inner,

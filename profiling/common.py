@@ -8,7 +8,8 @@
   then time eagerly, cycling through the same input sets, and `device_time` says which it did);
   `rotation(bytes, device)` says how many distinct input sets to cycle through so that a call does not find the
   previous call's inputs in L2 (at most 64), `l2_state(bytes, sets, device)` whether they do span 2x L2 ("cold")
-  or not ("warm": GB/s then overstates DRAM bandwidth).
+  or not ("warm": GB/s then overstates DRAM bandwidth); `ColumnTimes(device)` times a row's columns so and labels the
+  row "graph" or "eager: <the columns whose capture failed>".
 * `kernels_dispatched(device, *names)`: whether the public ops run the `_C` kernels (CUDA build, LRF_DISABLE_KERNELS
   unset): a bench timing kernels through the ops labels its rows by it; `mismatch(got, want)` / `check(fn, want)`:
   the check of a kernel's output against the reference before it is timed (a timing of a wrong result is none).
@@ -143,6 +144,24 @@ def device_time(fns: Sequence[Callable[[], object]], device: torch.device, min_c
         return us, "graph"
     nxt = itertools.cycle(fns)
     return 1e3 * time_fn(lambda: next(nxt)(), device=device), "eager"
+
+
+class ColumnTimes:
+    """`device_time` per timed column of a table row, keeping the columns whose calls had to be timed eagerly
+    (capture failed) for the row's `timing` label: `label()` is "graph", or "eager: <columns>"."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.eager: list[str] = []
+
+    def __call__(self, col: str, fns: Sequence[Callable[[], object]]) -> float:
+        us, how = device_time(fns, self.device)
+        if how == "eager" and self.device.type == "cuda":
+            self.eager.append(col)
+        return us
+
+    def label(self) -> str:
+        return "eager: " + ",".join(self.eager) if self.eager else "graph"
 
 
 def device_time_us(fns: Sequence[Callable[[], object]], device: torch.device, min_calls: int = 8) -> float:

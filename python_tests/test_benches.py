@@ -323,6 +323,21 @@ def test_device_time_falls_back_to_eager_over_every_input_set_and_says_so():
     assert min(calls) >= 10 and max(calls) - min(calls) <= 1, calls  # not fns[0] alone (an input set kept in L2)
 
 
+def test_column_times_label_the_columns_timed_eagerly(monkeypatch):
+    """A row's `timing`: "graph" when every column was captured, else "eager: " and the columns whose capture
+    failed, in timing order; off CUDA nothing is labelled eager (there is no graph to fail)."""
+    common = profiling_module("common")
+    how = {"a_us": "graph", "b_us": "eager", "c_us": "eager"}
+    monkeypatch.setattr(common, "device_time", lambda fns, device: (float(len(fns)), how[fns[0]()]))
+    timed = common.ColumnTimes(torch.device("cuda"))
+    assert timed("a_us", [lambda: "a_us"]) == 1.0 and timed.label() == "graph"
+    assert timed("b_us", [lambda: "b_us"] * 2) == 2.0 and timed("c_us", [lambda: "c_us"]) == 1.0
+    assert timed.label() == "eager: b_us,c_us"
+    cpu = common.ColumnTimes(torch.device("cpu"))
+    cpu("b_us", [lambda: "b_us"])
+    assert cpu.label() == "graph"
+
+
 def test_kernels_dispatched_follows_the_ops_dispatch_and_lrf_disable_kernels(monkeypatch):
     """The kernel columns of bench_decode / grpo_loss / rl_step / kv_cache / unmask go through the public ops, which
     run their references under LRF_DISABLE_KERNELS=1: the benches label their rows by this, not by the build."""
