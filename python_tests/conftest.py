@@ -1,6 +1,7 @@
 """Shared test setup: deterministic seeds, the `gpu` marker's auto-skip, per-dtype tolerances, the build of
 the CPU emulator of device code (csrc/emu), the CUDA entry points a test needs (`cuda_ext_with`), SASS dumps,
-optimizer-state comparisons, and the tiny SDAR model and rollout batch of test_rl / test_logprobs."""
+optimizer-state comparisons, the case seeds of the random-configuration (fuzz) tests, and the tiny SDAR model
+and rollout batch of test_rl / test_logprobs."""
 
 from __future__ import annotations
 
@@ -143,6 +144,26 @@ def emu_build(tmp_path_factory):
         return out
 
     return build
+
+
+# ------------------------------------------------------- random configurations of the emulated kernels (fuzzing)
+
+def fuzz_cases(default: int = 3) -> list:
+    """Parameters for a test that draws a random kernel configuration from its case seed: LRF_FUZZ_CASES cases
+    (default `default`: what CI runs, the same every run), numbered from LRF_FUZZ_SEED * 1_000_000 (default 0).
+    A campaign raises both (`LRF_FUZZ_CASES=2000 LRF_FUZZ_SEED=7 pytest -k random_config ...`); a failing case is
+    re-run alone by its id (`fuzz<seed>`), which names its seed, with the same two variables."""
+    values = {}
+    for name, fallback in (("LRF_FUZZ_CASES", default), ("LRF_FUZZ_SEED", 0)):
+        raw = os.environ.get(name, "")
+        try:
+            values[name] = int(raw) if raw.strip() else fallback
+        except ValueError:
+            raise pytest.UsageError(f"{name} must be a non-negative integer, got {raw!r}") from None
+        if values[name] < 0:
+            raise pytest.UsageError(f"{name} must be a non-negative integer, got {raw!r}")
+    first = values["LRF_FUZZ_SEED"] * 1_000_000
+    return [pytest.param(first + i, id=f"fuzz{first + i}") for i in range(values["LRF_FUZZ_CASES"])]
 
 
 @pytest.fixture
