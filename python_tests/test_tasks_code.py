@@ -259,11 +259,13 @@ def test_writing_past_file_mb_is_an_output_limit(guard):
 @pytest.mark.parametrize("guard", GUARDS)
 def test_the_limits_inside_the_sandbox_are_the_configured_ones(guard):
     """What the program sees: address space ``memory_mb``, file size ``file_mb``, 256 open files, no core files,
-    CPU seconds finite and at least the wall clock, soft == hard (none can be raised again); after a uid drop:
+    CPU seconds finite and at least the wall clock, soft == hard (none can be raised again) but for CPU seconds,
+    whose soft limit sends SIGXCPU to the harness's handler (a PID namespace's init would ignore it without one)
+    one second before the hard limit's SIGKILL; after a uid drop:
     no supplementary group, RLIMIT_NPROC = ``max_procs`` + 2; in a mount namespace: /tmp a ``tmpfs_mb`` tmpfs
     without setuid files or devices. With the guard off (ctypes allowed): ``PR_SET_NO_NEW_PRIVS`` is set."""
     cfg = SandboxConfig(timeout_s=2.0, memory_mb=768, file_mb=3, max_procs=6, tmpfs_mb=32, python_guard=guard)
-    probe = ("import os, resource\n"
+    probe = ("import os, resource, signal\nXCPU = signal.getsignal(signal.SIGXCPU)\n"
              "L = {n: resource.getrlimit(getattr(resource, 'RLIMIT_' + n)) for n in "
              "('AS', 'CPU', 'FSIZE', 'NPROC', 'NOFILE', 'CORE')}\n"
              "RAISED = []\nfor n in ('AS', 'CPU', 'FSIZE', 'NPROC', 'NOFILE'):\n    try:\n"
@@ -276,7 +278,8 @@ def test_the_limits_inside_the_sandbox_are_the_configured_ones(guard):
     tests = [f"assert L['AS'] == ({cfg.memory_mb * mib}, {cfg.memory_mb * mib})",
              f"assert L['FSIZE'] == ({cfg.file_mb * mib}, {cfg.file_mb * mib})",
              "assert L['NOFILE'] == (256, 256) and L['CORE'] == (0, 0)",
-             f"assert L['CPU'][0] == L['CPU'][1] and {cfg.timeout_s} <= L['CPU'][0] <= {2 * cfg.timeout_s + 2}",
+             f"assert L['CPU'][0] + 1 == L['CPU'][1] and {cfg.timeout_s} <= L['CPU'][0] <= {2 * cfg.timeout_s + 2}",
+             "assert XCPU not in (signal.SIG_DFL, signal.SIG_IGN, None), XCPU",
              "assert RAISED == []", "assert NNP == 1"]
     if CAPS["uid_drop"]:
         tests += ["assert GROUPS == [] and UID >= 61000",
@@ -307,6 +310,23 @@ def test_crashes_are_reported_by_signal():
     assert verify_code(segv, ex, SandboxConfig(python_guard=True)).reason == "forbidden"  # ctypes is refused
     r = verify_code(segv, ex, SandboxConfig(python_guard=False))
     assert not r.passed and r.reason == "killed:SIGSEGV"
+
+
+def test_cpu_limit_reads_as_timeout_and_keeps_earlier_credit():
+    """Threads that release the GIL use CPU seconds faster than wall-clock ones: the run ends at the CPU limit
+    (ceil(timeout) + 1 s), before the deadline, and reads `timeout` (not killed:SIGKILL), the first test's
+    pass kept."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: the wall-clock deadline always comes first")
+    burn = ("import hashlib, threading\nDATA = b'x' * (1 << 22)\n"
+            "def spin():\n    while True:\n        hashlib.sha256(DATA).digest()\n"
+            "def burn():\n    ts = [threading.Thread(target=spin) for _ in range(4)]\n"
+            "    for t in ts:\n        t.start()\n    for t in ts:\n        t.join()\n")
+    timeout = 8.0
+    r = run_program(CodeProgram(burn, ["assert 1 + 1 == 2", "burn()"]), SandboxConfig(timeout_s=timeout))
+    if r.duration_s >= timeout:
+        pytest.skip(f"the machine is too busy: the wall-clock deadline came first ({r.duration_s:.1f} s)")
+    assert r.reason == "timeout" and r.n_passed == 1 and not r.passed, (r.reason, r.n_passed, r.stderr)
 
 
 def test_stdlib_only_by_default_site_packages_on_request():

@@ -67,6 +67,7 @@ import itertools
 import json
 import os
 import resource
+import signal
 import sys
 import time
 import types
@@ -325,9 +326,14 @@ def main():
         ]
         for which, value in limits:
             soft, hard = resource.getrlimit(which)
+            # CPU seconds: SIGXCPU at the limit (`_on_cpu_limit` ends the run as a timeout), SIGKILL one second on
+            top = value + 1 if which == resource.RLIMIT_CPU else value
             if hard != resource.RLIM_INFINITY:
-                value = min(value, hard)
-            resource.setrlimit(which, (value, value))
+                value, top = min(value, hard), min(top, hard)
+            resource.setrlimit(which, (value, top))
+        # The main thread runs the handler (the program's threads cannot replace it: signal.signal works on the
+        # main thread only). As init of a PID namespace this process would ignore a SIGXCPU without one.
+        signal.signal(signal.SIGXCPU, _on_cpu_limit)
 
         import ctypes
 
@@ -594,6 +600,17 @@ def _supervise(nonce, result_fd, setup, solution, tests, workdir, guard, main_id
         emit("T", i, 1 if ok else 0, "-" if ok else err)
     emit("D")
     _exit(0)
+
+
+# The exit status of a run stopped by its CPU-seconds limit (code.py reads it as a timeout, as it reads
+# SIGXCPU where no handler is installed).
+CPU_LIMIT_EXIT = 124
+
+
+def _on_cpu_limit(signum, frame, _exit=os._exit):
+    """SIGXCPU: the program used up its CPU seconds (threads that release the GIL get there before the
+    wall-clock deadline). End the run now; the tests already reported keep their records."""
+    _exit(CPU_LIMIT_EXIT)
 
 
 def _idle(_lock=_thread.allocate_lock, _exit=os._exit):

@@ -26,9 +26,10 @@ Isolation layers (each used when the machine allows it; `sandbox_capabilities` s
 
 1. Always: a new session / process group killed as a whole (``SIGKILL``) at the wall-clock deadline and
    after every run; rlimits set by the child before any untrusted code (address space ``memory_mb``,
-   CPU seconds, file size ``file_mb``, process count, 256 open files, no core files); a scrubbed
-   environment (PATH, LANG, HOME/TMPDIR = the working directory; only LD_LIBRARY_PATH is passed on, for
-   interpreters that need it; no secrets); ``python -I -S`` (stdlib only unless ``allow_site_packages``;
+   CPU seconds (a ``timeout``: SIGXCPU to the harness's handler, SIGKILL a second later), file size
+   ``file_mb``, process count, 256 open files, no core files); a scrubbed environment (PATH, LANG,
+   HOME/TMPDIR = the working directory; only LD_LIBRARY_PATH is passed on, for interpreters that need it;
+   no secrets); ``python -I -S`` (stdlib only unless ``allow_site_packages``;
    no user site, no PYTHON* variables); a fresh temporary working directory, removed afterwards;
    stdout/stderr go to files capped by RLIMIT_FSIZE and only the first ``max_output_bytes`` are read
    back; results come back over a private pipe, tagged with a nonce.
@@ -125,6 +126,7 @@ __all__ = [
 ]
 
 _HARNESS = str(Path(__file__).with_name("_sandbox_harness.py"))
+_CPU_LIMIT_EXIT = 124  # the harness's exit status at its CPU-seconds limit (_sandbox_harness.CPU_LIMIT_EXIT)
 _PRIVATE_MOUNTS = ("/tmp", "/var/tmp", "/dev/shm")  # the harness mounts a private tmpfs over each (namespaced runs)
 
 
@@ -585,6 +587,8 @@ def run_program(program: CodeProgram, config: SandboxConfig | None = None) -> Co
             reason, n_passed = stage_err, 0
         elif timed_out:
             reason = "timeout"
+        elif not got_done and own_exit == _CPU_LIMIT_EXIT:
+            reason = "timeout"  # the CPU-seconds limit (the harness's SIGXCPU handler)
         elif not got_done and own_exit is not None and own_exit < 0:
             reason = "timeout" if -own_exit == signal.SIGXCPU else f"killed:{_signal_name(-own_exit)}"
         elif not got_done:
