@@ -4,10 +4,11 @@ under the CPU emulator (csrc/emu/kv_cache_emu.cpp, with the launcher's plan), CU
 from __future__ import annotations
 
 import ctypes
+import random
 
 import pytest
 import torch
-from conftest import EMU_GREEDY
+from conftest import EMU_GREEDY, fuzz_cases
 
 from lightningrl_fast.ops.kv_cache import kv_cache_write, kv_cache_write_reference
 
@@ -345,6 +346,165 @@ def test_emulated_empty_chunk_still_checks_lengths(emu):
                                  torch.zeros(B, dtype=torch.int32), flag)
         assert blocks == B and int(flag) == want_flag
         assert_bits_equal(kc, keep)
+
+
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+def _fuzz_layout(rng, shape, n_tensors, expandable=False, align=1):
+    """Memory layouts for `n_tensors` tensors of `shape` [B, rows, H, D] in one flat buffer: the outer dims (and,
+    for two tensors, a 'which tensor' dim: a fused k/v cache or projection) in a random memory order, each padded,
+    the last dim dense, the data `shift` elements past the buffer's start. Returns (buffer elements, [(offset,
+    strides)] per tensor). `expandable`: a read-only tensor's batch or head dim may have stride 0. `align` > 1:
+    the shift and the head stride a multiple of `align` elements (16-byte units where D allows)."""
+    outer = [0, 1, 2] + (["pair"] if n_tensors == 2 else [])
+    rng.shuffle(outer)
+    D = shape[3]
+    extent = {d: shape[d] + (rng.choice([0, 0, 1, 3]) if rng.random() < 0.4 else 0) for d in (0, 1, 2)}
+    extent["pair"] = 2 + rng.choice([0, 0, 1])
+    cur = max(D + (rng.choice([1, 2, 8]) * align if rng.random() < 0.3 else 0), 1)
+    strides = {}
+    for d in reversed(outer):
+        strides[d] = cur
+        cur *= max(extent[d], 1)
+    if expandable and rng.random() < 0.15:
+        strides[rng.choice([0, 2])] = 0
+    shift = rng.choice([0, 0, 1, 2, 3, 4, 5, 7, 8]) * align
+    which = rng.sample(range(extent["pair"]), 2) if n_tensors == 2 else [0]
+    out = [(shift + which[i] * strides.get("pair", 0), (strides[0], strides[1], strides[2], 1))
+           for i in range(n_tensors)]
+    return shift + cur + 1, out
+
+
+def _fuzz_lengths(rng, B, C, L, p_bad):
+    """Per row (cache_len, chunk_len): in range (random, an empty chunk, a chunk ending at capacity) or, with
+    probability p_bad, out of range (negative start or length, length past C, end past L, int32 extremes)."""
+    cl, nl, bad = [], [], []
+    for _ in range(B):
+        if rng.random() < p_bad:
+            kind = rng.randrange(6)
+            n = rng.randint(0, C)
+            if kind == 0:
+                s = rng.choice([-1, -rng.randint(1, 50), _I32_MIN])
+            elif kind == 1:
+                s, n = rng.randint(0, max(L, 0)), rng.choice([-1, -rng.randint(1, 50), _I32_MIN])
+            elif kind == 2:
+                s, n = rng.randint(0, 3), rng.choice([C + 1, C + rng.randint(1, 50), _I32_MAX])
+            elif kind == 3:
+                s = max(L - n, 0) + rng.randint(1, 5)  # end past capacity (n = 0: the start itself)
+            elif kind == 4:
+                s = rng.choice([_I32_MAX, _I32_MAX - rng.randint(0, 3)])  # the int32 sum would wrap
+                n = max(n, 1)
+            else:
+                s = L + rng.randint(1, 3)
+                n = 0
+            cl.append(s)
+            nl.append(n)
+            bad.append(True)
+            continue
+        n = rng.choice([rng.randint(0, min(C, L)), 0, min(C, L)])
+        s = rng.choice([rng.randint(0, L - n), 0, L - n])
+        cl.append(s)
+        nl.append(n)
+        bad.append(False)
+    return cl, nl, bad
+
+
+def _copy_unit(ptrs_strides, head_bytes):
+    """The launcher's copy unit, recomputed: the largest power of two <= 16 dividing the head's bytes, every
+    pointer and every byte stride."""
+    bits = head_bytes
+    for ptr, strides in ptrs_strides:
+        for x in (ptr, *strides):
+            bits |= x
+    unit = 16
+    while unit > 1 and bits % unit:
+        unit //= 2
+    return unit
+
+
+@pytest.mark.parametrize("case", fuzz_cases(60))
+def test_emulated_kv_cache_write_random_config(emu, case):
+    """One random configuration per case: dtype (fp64 / fp32 / fp16 / bf16), head dim D (1 .. 160, the 16-byte
+    unit boundaries, rarely 0) and heads H (0 .. 5), batch B (0 .. 6), chunk C (0 .. 9) and capacity L (0 .. 40,
+    also L < C), caches and k / v as strided views of padded buffers (random dim order, fused k/v caches or
+    projections interleaved in one buffer, stride-0 batch/head of k / v, pointers shifted off 16 bytes: every copy
+    unit 16 / 8 / 4 / 2 bytes), k is v, rows in and out of range (negative, past C, past L, int32 extremes),
+    an error flag or none (dirty or clean, strided), a capped grid (grid-stride loop), the block order and thread
+    interleaving seed (warp-greedy bit). Bit-exact against the reference on copies of the whole buffers: exactly
+    the reference's writes, nothing else touched, the same flag."""
+    rng = random.Random(case)
+    dtype = rng.choice([torch.float64, torch.float32, torch.float16, torch.bfloat16])
+    es = torch.empty(0, dtype=dtype).element_size()
+    D = rng.choice([0] * 1 + [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 63, 64, 65, 96, 127, 128, 129, 160]
+                   + [rng.randint(1, 160)] * 4)
+    align = 16 // es if rng.random() < 0.4 else 1  # 16-byte aligned pointers and strides (the uint4 copy)
+    if align > 1 and D % align:
+        D = max(align, D // align * align)
+    H = rng.choice([0, 1, 1, 2, 3, 4, 5]) if rng.random() < 0.1 else rng.randint(1, 4)
+    B = rng.choice([0, 1, 2, 3, 5, 6]) if rng.random() < 0.2 else rng.randint(1, 4)
+    C = rng.choice([0, 1, 2, 3, 4, 8, 9])
+    L = rng.choice([C, C + 1, rng.randint(0, 40), rng.randint(C, 40), max(C - 1, 0)])
+    fused_cache, fused_kv, k_is_v = rng.random() < 0.3, rng.random() < 0.3, rng.random() < 0.08
+    p_bad = rng.choice([0.0, 0.0, 0.2, 0.5])
+    cl, nl, bad = _fuzz_lengths(rng, B, C, L, p_bad)
+    flag_kind = rng.choice(["none", "clean", "clean", "dirty", "strided"])
+    pairs = B * max(C, 1)
+    max_blocks = rng.choice([0, 0, rng.randint(1, max(pairs, 1))])
+    order = rng.choice([0, rng.getrandbits(62) + 1, EMU_GREEDY | rng.getrandbits(62)])
+
+    def layouts(shape, fused, expandable):
+        if fused:
+            n, lay = _fuzz_layout(rng, shape, 2, align=align)
+            return [n], [(0, *lay[0]), (0, *lay[1])]
+        n0, (l0,) = _fuzz_layout(rng, shape, 1, expandable, align)
+        n1, (l1,) = _fuzz_layout(rng, shape, 1, expandable, align)
+        return [n0, n1], [(0, *l0), (1, *l1)]
+
+    cache_sizes, cache_lays = layouts((B, L, H, D), fused_cache, False)
+    kv_sizes, kv_lays = layouts((B, C, H, D), fused_kv and not k_is_v, True)
+    config = (f"dtype={dtype} align={align} B={B} L={L} C={C} H={H} D={D} cache_lens={cl} chunk_lens={nl} bad={bad} "
+              f"cache layouts={cache_lays} (buffers {cache_sizes}) kv layouts={kv_lays} (buffers {kv_sizes}) "
+              f"k_is_v={k_is_v} flag={flag_kind} max_blocks={max_blocks} order={order:#x}")
+    print(config)
+
+    g = torch.Generator().manual_seed(case)
+    cache_bufs = [poisoned((n,), dtype) for n in cache_sizes]
+    kv_bufs = [(torch.randn(n, generator=g, dtype=torch.float64) * 3 + 0.5).to(dtype) for n in kv_sizes]
+
+    def view(bufs, lay, shape):
+        which, offset, strides = lay
+        return bufs[which].as_strided(shape, strides, bufs[which].storage_offset() + offset)
+
+    kc, vc = (view(cache_bufs, lay, (B, L, H, D)) for lay in cache_lays)
+    k, v = (view(kv_bufs, lay, (B, C, H, D)) for lay in kv_lays)
+    if k_is_v:
+        v = k
+    cache_lens, chunk_lens = (torch.tensor(x, dtype=torch.int32) for x in (cl, nl))
+    flag_buf = flag = None
+    if flag_kind != "none":
+        flag_buf = torch.zeros(rng.randint(1, 3) * (2 if flag_kind == "strided" else 1), dtype=torch.int32)
+        if flag_kind == "dirty":
+            flag_buf[:] = torch.tensor([rng.choice([0, 1, 7, -5]) for _ in range(flag_buf.numel())], dtype=torch.int32)
+        flag = flag_buf[::2] if flag_kind == "strided" else flag_buf
+
+    want_bufs = [b.clone() for b in cache_bufs]
+    want_kc, want_vc = (view(want_bufs, lay, (B, L, H, D)) for lay in cache_lays)
+    want_flag_buf = None if flag_buf is None else flag_buf.clone()
+    want_flag = None if flag_buf is None else (want_flag_buf[::2] if flag_kind == "strided" else want_flag_buf)
+    kv_cache_write_reference(want_kc, want_vc, k, v, cache_lens, chunk_lens, want_flag)
+
+    unit, threads, blocks = emu_write(emu, kc, vc, k, v, cache_lens, chunk_lens, flag, max_blocks=max_blocks,
+                                      order=order)
+    want_unit = _copy_unit([(t.data_ptr(), [s * es for s in t.stride()[:3]]) for t in (kc, vc, k, v)], D * es)
+    assert unit == want_unit, config
+    units = H * (D * es // want_unit)
+    assert threads == min(max(-(-units // 32) * 32, 32), 256), config
+    assert blocks == (min(pairs, max_blocks) if max_blocks else pairs), config
+    for got_buf, want_buf in zip(cache_bufs, want_bufs):
+        assert_bits_equal(got_buf, want_buf)
+    if flag_buf is not None:
+        assert torch.equal(flag_buf, want_flag_buf), (flag_buf, want_flag_buf, config)
 
 
 def test_launcher_checks_inputs(cuda_ext_with):
