@@ -3,10 +3,11 @@ on the CPU emulator against float64 and the same-dtype PyTorch computation, the 
 dispatch, and on a GPU (skipped without) the CUDA kernels themselves."""
 
 import ctypes
+import random
 
 import pytest
 import torch
-from conftest import EMU_GREEDY
+from conftest import EMU_GREEDY, fuzz_cases
 
 from lightningrl_fast.model import RMSNorm, apply_rope, rope_cos_sin
 from lightningrl_fast.ops.rms_norm import (
@@ -198,27 +199,27 @@ class Emulated:
         lib.emu_qk_norm_rope.argtypes = [i32, p, p, p, i32, p, p, p, i32, i32, i32, i32, i64, i64, i64, f32, u64]
         self.lib = lib
 
-    def rms_norm(self, x2, w, order=0):
+    def rms_norm(self, x2, w, order=0, eps=EPS):
         y = torch.full(x2.shape, float("nan"), dtype=x2.dtype)  # poisoned: every element must be written
         self.lib.emu_rms_norm(_DT[x2.dtype], x2.data_ptr(), w.data_ptr(), y.data_ptr(), x2.shape[0], x2.stride(0),
-                              x2.shape[1], EPS, None, 0, None, order)
+                              x2.shape[1], eps, None, 0, None, order)
         return y
 
-    def add_rms_norm(self, x2, r2, w, order=0):
+    def add_rms_norm(self, x2, r2, w, order=0, eps=EPS):
         y = torch.full(x2.shape, float("nan"), dtype=x2.dtype)
         s = torch.full(x2.shape, float("nan"), dtype=x2.dtype)
         self.lib.emu_rms_norm(_DT[x2.dtype], x2.data_ptr(), w.data_ptr(), y.data_ptr(), x2.shape[0], x2.stride(0),
-                              x2.shape[1], EPS, r2.data_ptr(), r2.stride(0), s.data_ptr(), order)
+                              x2.shape[1], eps, r2.data_ptr(), r2.stride(0), s.data_ptr(), order)
         return y, s
 
-    def qk_norm_rope(self, x, w, cos, sin, order=0, w2=None, split=0):
+    def qk_norm_rope(self, x, w, cos, sin, order=0, w2=None, split=0, eps=EPS):
         b, n, h, d = x.shape
         y = torch.full((b, n, h, d), float("nan"), dtype=x.dtype)
         if w2 is None:
             w2, split = w, h
         self.lib.emu_qk_norm_rope(_DT[x.dtype], x.data_ptr(), w.data_ptr(), w2.data_ptr(), split, cos.data_ptr(),
                                   sin.data_ptr(), y.data_ptr(), b, n, h, d, x.stride(0), x.stride(1), x.stride(2),
-                                  EPS, order)
+                                  eps, order)
         return y
 
 
@@ -333,6 +334,127 @@ def test_emulated_qk_norm_rope_two_weights(emu, dtype, split):
     assert torch.equal(got, want)
     ref64 = qk_norm_rope_f64(qk, w, cos, sin, EPS, w2, split)
     assert_as_good_as_torch(got, qk_norm_rope_reference(qk, w, cos, sin, EPS, w2, split), ref64, f"split {split}")
+
+
+def _fuzz_values(rng, g, shape, dtype, kind, scale):
+    """Random inputs of `shape` (never zeros): normal around a small offset, rows with one outlier, or rows of one
+    repeated value with a little noise (the normalized values land near +-1, on rounding boundaries); finite."""
+    x = torch.randn(*shape, generator=g, dtype=torch.float64) * scale + 0.1 * scale
+    if kind == "outlier":
+        flat = x.view(-1, shape[-1])
+        flat[torch.arange(flat.shape[0]), torch.randint(0, shape[-1], (flat.shape[0],), generator=g)] *= 300
+    elif kind == "flat":
+        x = scale * (rng.choice([1.0, -1.0, 0.75, 3.0]) + 1e-3 * torch.randn(*shape, generator=g,
+                                                                                 dtype=torch.float64))
+    big = torch.finfo(dtype).max / 4  # finite, and so is a residual sum
+    return x.clamp(-big, big).to(dtype)
+
+
+def _fuzz_rows_view(rng, g, rows, n, dtype, kind, scale):
+    """[rows, n] of random values whose rows lie `stride` >= n elements apart (a multiple of the 16-byte vector)
+    in a larger buffer, 16-byte aligned (what the rms_norm launcher accepts); the padding holds values too."""
+    per_vec = 16 // torch.empty(0, dtype=dtype).element_size()
+    stride = n + per_vec * rng.choice([0, 0, 0, 1, 2, 7])
+    start = per_vec * rng.choice([0, 0, 1, 3])
+    buf = _fuzz_values(rng, g, (start + rows * stride + per_vec,), dtype, "normal", scale)
+    view = buf[start : start + rows * stride].view(rows, stride)[:, :n] if rows else buf[:0].view(0, stride)[:, :n]
+    view.copy_(_fuzz_values(rng, g, (rows, n), dtype, kind, scale))
+    return view, stride
+
+
+@pytest.mark.parametrize("case", fuzz_cases(100))
+def test_emulated_rms_norm_family_random_config(emu, case):
+    """One random configuration per case. op: rms_norm, add_rms_norm or qk_norm_rope; dtype fp32 / bf16 / fp16;
+    eps (0, 1e-6, 1e-5, 0.5); values normal, with an outlier per row, or flat (near +-1 after the norm), at a
+    scale from 1e-15 to 1e15 (fp16: 1e-3 .. 1e3); the emulator's thread-interleaving seed (warp-greedy bit).
+    rms_norm / add_rms_norm: rows 0 .. 9, N a multiple of the 16-byte vector with N / vector at and around the
+    block's thread and register-tile boundaries (1 .. 1024 vectors), x and residual rows strided in larger
+    buffers (16-byte aligned, as the launcher accepts), residual is x. qk_norm_rope: D 64 / 128, B, N, H small,
+    x a view of a padded buffer in a random dim order at any element offset (a stride-0 batch or token dim
+    too), RoPE positions 0 .. 1e6 with theta 1e4 / 1e6, one weight or two with split 0 .. H. Checked as the
+    fixed emulator tests are: within 2x the same-dtype PyTorch error against float64 (+2 ulp), the residual sum
+    exactly equal, and for 16-bit results with >= 2048 elements the share equal to eager's."""
+    rng = random.Random(case)
+    g = torch.Generator().manual_seed(case)
+    op = rng.choice(["rms_norm", "add_rms_norm", "qk_norm_rope"])
+    dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+    eps = rng.choice([EPS, EPS, 1e-5, 0.0, 0.5])
+    kind = rng.choice(["normal", "normal", "outlier", "flat"])
+    scales = [1.0, 1.0, 4.0, 1e-3, 1e3] + ([1e15, 1e-15, 1e8, 1e-8] if dtype != torch.float16 else [])
+    scale = rng.choice(scales)
+    order = rng.choice([0, rng.getrandbits(62) + 1, EMU_GREEDY | rng.getrandbits(62)])
+    what = f"case {case}: op={op} dtype={dtype} eps={eps} values={kind} scale={scale} order={order:#x}"
+
+    if op in ("rms_norm", "add_rms_norm"):
+        per_vec = 16 // torch.empty(0, dtype=dtype).element_size()
+        # vectors per row, up to the kernel's 8 per thread of 128 (N <= 8192 bf16 / fp16, 4096 fp32)
+        nvec = rng.choice([1, 2, 3, 31, 32, 33, 127, 128, 129, 255, 256, 257, 383, 384, 385, 511, 512, 513, 767,
+                           1023, 1024, rng.randint(1, 1024), rng.randint(1, 300)])
+        n = nvec * per_vec
+        rows = rng.choice([0, 1, 1, 2, 3, rng.randint(1, 9)]) if n <= 2048 else rng.choice([1, 2, 3])
+        x, xs = _fuzz_rows_view(rng, g, rows, n, dtype, kind, scale)
+        w = _fuzz_values(rng, g, (n,), dtype, "normal", 1.0) * 0.5 + 1.0
+        w = w.to(dtype)
+        what += f" rows={rows} n={n} x_stride={xs}"
+        if op == "rms_norm":
+            print(what)
+            got = emu.rms_norm(x, w, order=order, eps=eps)
+            normed = x
+            same_dtype = rms_norm_reference(x, w, eps)
+            ref64 = rms_norm_f64(x, w, eps)
+        else:
+            r_is_x = rng.random() < 0.1
+            r, rs = (x, xs) if r_is_x else _fuzz_rows_view(rng, g, rows, n, dtype, kind, scale)
+            what += f" r_stride={rs} residual_is_x={r_is_x}"
+            print(what)
+            got, s = emu.add_rms_norm(x, r, w, order=order, eps=eps)
+            same_dtype, s_ref = add_rms_norm_reference(x, r, w, eps)
+            assert torch.equal(s, s_ref), f"{what}: the residual sum differs from eager's x + residual"
+            normed = s_ref
+            ref64 = rms_norm_f64(s_ref, w, eps)
+    else:
+        D = rng.choice([64, 128])
+        B, N, H = rng.randint(1, 3), rng.choice([1, 2, 3, 5, rng.randint(1, 9)]), rng.choice([1, 2, 3, 4, 7, 8])
+        # x: a view of a padded [B, N, H, D] buffer, outer dims in a random memory order, at any element offset
+        outer = [0, 1, 2]
+        rng.shuffle(outer)
+        extent = {0: B + rng.choice([0, 0, 1]), 1: N + rng.choice([0, 0, 2]), 2: H + rng.choice([0, 0, 1, 3])}
+        strides, cur = {}, D + rng.choice([0, 0, 0, 1, 8])
+        for d in reversed(outer):
+            strides[d] = cur
+            cur *= extent[d]
+        offset = rng.choice([0, 0, 1, 3, 8])
+        buf = _fuzz_values(rng, g, (offset + cur,), dtype, "normal", scale)
+        buf.as_strided((B, N, H, D), (strides[0], strides[1], strides[2], 1), offset).copy_(
+            _fuzz_values(rng, g, (B, N, H, D), dtype, kind, scale))
+        if rng.random() < 0.1:  # read-only, so an expanded (stride-0) batch or token dim is allowed
+            strides[rng.choice([0, 1])] = 0
+        x = buf.as_strided((B, N, H, D), (strides[0], strides[1], strides[2], 1), offset)
+        w = (_fuzz_values(rng, g, (D,), dtype, "normal", 1.0) * 0.5 + 1.0).to(dtype)
+        two = rng.random() < 0.5
+        w2 = (_fuzz_values(rng, g, (D,), dtype, "normal", 1.0) * 0.3 + 0.5).to(dtype) if two else None
+        split = rng.choice([0, H, rng.randint(0, H)]) if two else 0
+        max_pos = rng.choice([8, 4096, 40960, 1_000_000])
+        theta = rng.choice([1e4, 1e6])
+        pos = torch.randint(0, max_pos, (B, N), generator=g)
+        cos, sin = rope_cos_sin(pos, D, theta, dtype)
+        what += (f" B={B} N={N} H={H} D={D} x strides={x.stride()} offset={offset} two_weights={two} split={split} "
+                 f"max_pos={max_pos} theta={theta}")
+        print(what)
+        got = emu.qk_norm_rope(x, w, cos, sin, order=order, w2=w2, split=split, eps=eps)
+        normed = x
+        same_dtype = qk_norm_rope_reference(x, w, cos, sin, eps, w2, split)
+        ref64 = qk_norm_rope_f64(x, w, cos, sin, eps, w2, split)
+    if got.numel() == 0:
+        assert got.shape == same_dtype.shape, what
+        return
+    # the draw keeps eager's fp32 sum of squares finite: an overflow makes every norm 0, the kernel's and eager's
+    # alike, and the float64 bound vacuous
+    assert torch.isfinite(normed.float().pow(2).sum(-1)).all(), what
+    assert_as_good_as_torch(got, same_dtype, ref64, what)
+    if dtype != torch.float32 and got.numel() >= 2048:
+        same = (got == same_dtype).float().mean().item()
+        assert same >= (0.98 if op != "qk_norm_rope" else 0.97), f"{what}: {same:.3f} equal to eager"
 
 
 # ------------------------------------------------------------------------- the C++ launchers' own checks
