@@ -3,10 +3,12 @@ against float64 and the same-dtype PyTorch computation, the public op's checks a
 checks, and on a GPU (skipped without) the CUDA kernel itself."""
 
 import ctypes
+import random
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import EMU_GREEDY, fuzz_cases
 
 from lightningrl_fast.ops.silu_mul import silu_mul, silu_mul_reference
 
@@ -108,6 +110,62 @@ def test_emulated_silu_mul_grid_stride_strided_rows_and_extremes(emu):
     got = emu.silu_mul(ext)
     assert torch.isfinite(got).all()
     assert torch.equal(got, silu_mul_reference(ext))
+
+
+# gate values where exp(-g) overflows (g <= -88.73), underflows, or silu is near its minimum / identity
+# (+-1e25 times an up of at most ~1e9 stays finite in fp32 / bf16)
+_GATE_EDGES = [-1e25, -104.0, -103.9, -88.8, -88.72, -87.3, -20.0, -5.0, -1.2785, -1e-3, 1e-3, 5.0, 20.0, 88.8, 100.0,
+               1e25]
+
+
+@pytest.mark.parametrize("case", fuzz_cases(100))
+def test_emulated_silu_mul_random_config(emu, case):
+    """One random configuration per case: dtype fp32 / bf16 / fp16; rows 0 .. 40; I a multiple of the 16-byte
+    vector (1 .. 1536 vectors: the 256-thread block's boundaries); gate_up rows strided in a larger buffer (a
+    16-byte multiple apart, 16-byte aligned: what the launcher accepts); the launcher's grid or a smaller one
+    (grid-stride loop); gate and up at a scale from 1e-3 to 1e8 (fp16: up to 30) with some gates at the edges of
+    expf (overflow, underflow, +-1e25; fp16: its range); the thread-interleaving seed (warp-greedy bit).
+    Checked as the fixed emulator tests are: within 2x the same-dtype PyTorch error against float64 (+1 ulp), and
+    for 16-bit results with >= 2048 elements the share equal to eager's."""
+    rng = random.Random(case)
+    g = torch.Generator().manual_seed(case)
+    dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+    per_vec = 16 // torch.empty(0, dtype=dtype).element_size()
+    ivec = rng.choice([1, 2, 3, 31, 32, 33, 255, 256, 257, 511, 512, 513, 1024, 1536, rng.randint(1, 600)])
+    inner = ivec * per_vec
+    rows = rng.choice([0, 1, 1, 2, 3, 7, rng.randint(1, 40)])
+    rows = min(rows, max(1, 8192 // ivec))  # at most 32 CTAs of the emulator
+    pad = per_vec * rng.choice([0, 0, 0, 1, 2, 5])
+    start = per_vec * rng.choice([0, 0, 1, 3])
+    stride = 2 * inner + pad
+    scale = rng.choice([1.0, 3.0, 3.0, 1e-3, 30.0] + ([1e4, 1e8] if dtype != torch.float16 else []))
+    p_edge = rng.choice([0.0, 0.0, 0.05, 0.3])
+    vecs = rows * ivec
+    full_grid = min(-(-vecs // 256), 132 * 16)
+    grid = rng.choice([full_grid, full_grid, rng.randint(1, max(full_grid, 1))]) if vecs else 1
+    order = rng.choice([0, rng.getrandbits(62) + 1, EMU_GREEDY | rng.getrandbits(62)])
+    what = (f"case {case}: dtype={dtype} rows={rows} inner={inner} stride={stride} start={start} scale={scale} "
+            f"p_edge={p_edge} grid={grid} (launcher's {full_grid}) order={order:#x}")
+    print(what)
+
+    vals = torch.randn(start + max(rows, 1) * stride, generator=g, dtype=torch.float64) * scale + 0.1 * scale
+    col = (torch.arange(vals.numel()) - start) % stride
+    edge = (torch.rand(vals.shape, generator=g, dtype=torch.float64) < p_edge) & (col < inner)  # gates only
+    edges = torch.tensor(_GATE_EDGES, dtype=torch.float64)
+    vals = torch.where(edge, edges[torch.randint(0, len(_GATE_EDGES), vals.shape, generator=g)], vals)
+    if dtype == torch.float16:  # finite inputs and products: |silu(g) * u| <= 200 * 200 < 65504
+        vals = vals.clamp(-200.0, 200.0)
+    buf = vals.to(dtype)
+    gu = buf[start : start + rows * stride].view(rows, stride)[:, : 2 * inner] if rows else buf[:0].view(0, 2 * inner)
+    got = emu.silu_mul(gu, grid=grid, order=order)
+    ref = silu_mul_reference(gu)
+    assert got.shape == ref.shape and torch.isfinite(ref).all(), what  # (an inf would void the error bound)
+    if got.numel() == 0:
+        return
+    assert_as_good_as_torch(got, ref, silu_mul_reference(gu.double()), what)
+    if dtype != torch.float32 and got.numel() >= 2048:
+        same = (got == ref).float().mean().item()
+        assert same >= 0.99, f"{what}: {same:.4f} equal to eager"
 
 
 @pytest.fixture
