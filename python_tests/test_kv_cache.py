@@ -423,7 +423,7 @@ def _copy_unit(ptrs_strides, head_bytes):
     return unit
 
 
-@pytest.mark.parametrize("case", fuzz_cases(60))
+@pytest.mark.parametrize("case", fuzz_cases(100))
 def test_emulated_kv_cache_write_random_config(emu, case):
     """One random configuration per case: dtype (fp64 / fp32 / fp16 / bf16), head dim D (1 .. 160, the 16-byte
     unit boundaries, rarely 0) and heads H (0 .. 5), batch B (0 .. 6), chunk C (0 .. 9) and capacity L (0 .. 40,
