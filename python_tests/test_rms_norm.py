@@ -452,9 +452,20 @@ def test_emulated_rms_norm_family_random_config(emu, case):
     # alike, and the float64 bound vacuous
     assert torch.isfinite(normed.float().pow(2).sum(-1)).all(), what
     assert_as_good_as_torch(got, same_dtype, ref64, what)
-    if dtype != torch.float32 and got.numel() >= 2048:
+    # the share equal to eager's assumes elements cross rounding boundaries independently; a flat row holds a few
+    # distinct values (fp16 1000 +- 1 in steps of 0.5), whose elements all flip together when one value's
+    # normalized product sits on a boundary (case 16002545: 505 of 3080, the kernel the closer to float64 in 320)
+    if dtype != torch.float32 and kind != "flat" and got.numel() >= 2048:
         same = (got == same_dtype).float().mean().item()
         assert same >= (0.98 if op != "qk_norm_rope" else 0.97), f"{what}: {same:.3f} equal to eager"
+
+
+@pytest.mark.parametrize("case", [3001125, 16002545])
+def test_emulated_rms_norm_family_campaign_cases(emu, case):
+    """Random configurations a fuzz campaign failed, kept (each prints its drawn configuration): 3001125, fp32 rows
+    with an outlier, against the float32-norm oracle that rms_norm_f64 replaced; 16002545, fp16 flat rows, whose
+    elements of one value flip a rounding together, which the share-equal-to-eager check took for a bad kernel."""
+    test_emulated_rms_norm_family_random_config(emu, case)
 
 
 # ------------------------------------------------------------------------- the C++ launchers' own checks
