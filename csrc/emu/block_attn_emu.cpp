@@ -6,9 +6,12 @@
 //   block_attn_emu run IN OUT
 //     IN: int32 B, C, L, Hq, Hkv, D, block_size, dtype (0 bf16, 1 fp16), splits, defer_copies, seed,
 //         wgmma (0: the mma.sync variant, 1: the wgmma variant);
-//         float32 scale; then (16-bit elements, contiguous) q [B,C,Hq,D], k [B,C,Hkv,D], v, k_cache
-//         [B,L,Hkv,D], v_cache; int32 cache_lens [B], chunk_lens [B].
-//     OUT: out [B,C,Hq,D], k_cache, v_cache (16-bit), as the launcher would leave them.
+//         float32 scale; then q [B,C,Hq,D], k [B,C,Hkv,D], v, k_cache [B,L,Hkv,D], v_cache, each as int64
+//         storage elements N, offset, strides of dims 0-2 (elements; the last dim dense) and its N 16-bit
+//         storage elements (the launcher's layouts: views of a fused projection, cache windows, padded heads);
+//         int32 cache_lens [B], chunk_lens [B].
+//     OUT: out [B,C,Hq,D] (contiguous), then the k_cache and v_cache storages (16-bit), as the launcher would
+//         leave them (storage outside the cache views included).
 //   block_attn_emu splits BASE_CTAS CAPACITY ROWS_PER_CTA RESIDENT   -> prints block_attn_num_splits(...)
 #include <cstdio>
 #include <cstdlib>
@@ -72,40 +75,58 @@ int main(int argc, char** argv) {
   const int dtype = hdr[7], S = hdr[8], defer = hdr[9];
   const uint32_t seed = static_cast<uint32_t>(hdr[10]);
   const bool wg = hdr[11] != 0;
-  std::vector<uint16_t> q, k, v, kc, vc;
+  // A tensor as the launcher hands it over: its storage copied into a 16-byte aligned buffer, a view into it.
+  struct Strided {
+    std::vector<uint16_t> storage;  // 8 spare elements: `base` is the 16-byte aligned start
+    uint16_t* base = nullptr;
+    size_t elems = 0;
+    int64_t offset = 0, stride[3] = {0, 0, 0};
+  };
+  auto read_tensor = [&](Strided& t) {
+    std::vector<int64_t> meta;
+    read_into(in, meta, 5);
+    if (meta[0] < 0 || meta[1] < 0 || meta[1] > meta[0]) lrf::emu::fail("bad tensor storage / offset");
+    std::vector<uint16_t> raw;
+    read_into(in, raw, size_t(meta[0]));
+    t.elems = raw.size();
+    t.storage.assign(raw.size() + 8, 0);
+    t.base = t.storage.data();
+    while (reinterpret_cast<uintptr_t>(t.base) % 16) ++t.base;
+    if (!raw.empty()) std::memcpy(t.base, raw.data(), raw.size() * 2);
+    t.offset = meta[1];
+    for (int d = 0; d < 3; ++d) t.stride[d] = meta[2 + d];
+  };
+  Strided q, k, v, kc, vc;
+  for (Strided* t : {&q, &k, &v, &kc, &vc}) read_tensor(*t);
   std::vector<int32_t> cl, nl;
-  read_into(in, q, size_t(B) * C * Hq * D);
-  read_into(in, k, size_t(B) * C * Hkv * D);
-  read_into(in, v, size_t(B) * C * Hkv * D);
-  read_into(in, kc, size_t(B) * L * Hkv * D);
-  read_into(in, vc, size_t(B) * L * Hkv * D);
   read_into(in, cl, B);
   read_into(in, nl, B);
   std::fclose(in);
-
-  // Same tensors as the launcher hands over; the inputs are copied into 16-byte aligned buffers.
-  auto aligned = [](std::vector<uint16_t>& src) {
-    std::vector<uint16_t>* keep = new std::vector<uint16_t>(src.size() + 8);
-    uint16_t* base = keep->data();
-    while (reinterpret_cast<uintptr_t>(base) % 16) ++base;
-    std::memcpy(base, src.data(), src.size() * 2);
-    return base;
+  // every element of each view lies in its storage (the kernel's reads and writes are not bounds-checked)
+  auto inside = [&](const Strided& t, int64_t d0, int64_t d1, int64_t d2) {
+    if (d0 == 0 || d1 == 0 || d2 == 0) return true;
+    int64_t lo = t.offset, hi = t.offset + D - 1;
+    const int64_t sizes[3] = {d0, d1, d2};
+    for (int d = 0; d < 3; ++d) (t.stride[d] < 0 ? lo : hi) += (sizes[d] - 1) * t.stride[d];
+    return lo >= 0 && hi < int64_t(t.elems);
   };
-  uint16_t *qa = aligned(q), *ka = aligned(k), *va = aligned(v), *kca = aligned(kc), *vca = aligned(vc);
+  if (!inside(q, B, C, Hq) || !inside(k, B, C, Hkv) || !inside(v, B, C, Hkv) || !inside(kc, B, L, Hkv) ||
+      !inside(vc, B, L, Hkv))
+    lrf::emu::fail("a tensor view reaches past its storage");
   std::vector<uint16_t> out(size_t(B) * C * Hq * D + 8, 0xFFFF);  // poison: every element must be written
   uint16_t* outa = out.data();
   while (reinterpret_cast<uintptr_t>(outa) % 16) ++outa;
 
   const int G = Hq / Hkv;
-  auto t4 = [&](uint16_t* ptr, int64_t rows, int64_t heads) {
-    return AttnTensor{reinterpret_cast<char*>(ptr), rows * heads * D * 2, heads * D * 2, int64_t(D) * 2};
+  auto t4 = [&](Strided& t) {
+    return AttnTensor{reinterpret_cast<char*>(t.base + t.offset), t.stride[0] * 2, t.stride[1] * 2, t.stride[2] * 2};
   };
   BlockAttnParams p{};
-  p.q = t4(qa, C, Hq);
-  p.k = t4(ka, C, Hkv);
-  p.v = t4(va, C, Hkv);
-  p.k_cache = t4(kca, L, Hkv);
-  p.v_cache = t4(vca, L, Hkv);
+  p.q = t4(q);
+  p.k = t4(k);
+  p.v = t4(v);
+  p.k_cache = t4(kc);
+  p.v_cache = t4(vc);
   p.out = reinterpret_cast<char*>(outa);
   const int64_t rows = int64_t(B) * C * Hq;
   std::vector<float> o_part, lse_part;
@@ -145,8 +166,8 @@ int main(int argc, char** argv) {
   FILE* o = std::fopen(argv[3], "wb");
   if (!o) lrf::emu::fail("cannot open output");
   std::fwrite(outa, 2, size_t(B) * C * Hq * D, o);
-  std::fwrite(kca, 2, kc.size(), o);
-  std::fwrite(vca, 2, vc.size(), o);
+  std::fwrite(kc.base, 2, kc.elems, o);
+  std::fwrite(vc.base, 2, vc.elems, o);
   std::fclose(o);
   return 0;
 }
