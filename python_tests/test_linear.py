@@ -4,12 +4,16 @@ and the built kernel against the float64 reference (GPU)."""
 
 from __future__ import annotations
 
+import math
+import random
 import subprocess
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
+from conftest import fuzz_cases
 
 from lightningrl_fast.ops import linear as linear_mod
 from lightningrl_fast.ops.linear import IMPL_ENV, gemm_impl, kernel_eligible, linear
@@ -188,15 +192,18 @@ def emulator(emu_build):
 
 
 def emu_linear(exe, tmp, x, w, fw, cluster, seed=0):
-    """The emulated kernel with the given plan on x [m, k] (rows x.stride(0) apart) and w [n, k]."""
+    """The emulated kernel with the given plan on x [m, k] and w [n, k] (rows x.stride(0) / w.stride(0) apart; a
+    single row's stride is K, as the launcher passes it)."""
     m, k = x.shape
     n = w.shape[0]
     xs = x.stride(0) if m > 1 else k
+    ws = w.stride(0) if n > 1 else k
     xfull = torch.as_strided(x, (m, xs), (xs, 1)) if m > 1 else x
-    hdr = np.array([m, n, k, 0 if x.dtype == torch.bfloat16 else 1, fw, cluster, xs, k, seed],
+    wfull = torch.as_strided(w, (n, ws), (ws, 1)) if n > 1 else w
+    hdr = np.array([m, n, k, 0 if x.dtype == torch.bfloat16 else 1, fw, cluster, xs, ws, seed],
                    dtype=np.int32).tobytes()
     fin, fout = tmp / "in.bin", tmp / "out.bin"
-    fin.write_bytes(hdr + bits(xfull).numpy().tobytes() + bits(w).numpy().tobytes())
+    fin.write_bytes(hdr + bits(xfull).numpy().tobytes() + bits(wfull).numpy().tobytes())
     res = subprocess.run([str(exe), "run", str(fin), str(fout)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     raw = np.fromfile(fout, dtype=np.int16)
@@ -241,6 +248,101 @@ def test_emulated_plans_agree_with_each_other(emulator, tmp_path):
     want = x.double() @ w.double().T
     for o in outs:
         assert (o - want).abs().max().item() < 2e-3
+
+
+def _plan_ok(n, k, sms, max_cluster, plan):
+    """Whether `plan` (fw, cluster, ctas) is linear_plan's documented choice on an ideal GPU of `sms` SMs (2 CTAs
+    each, clusters up to `max_cluster`), by brute force over every launchable shape: the widest feature tile whose
+    best cluster size reaches 90% wave efficiency, else the most efficient shape (the widest on ties); a cluster
+    of more than one CTA needs a 32-column chunk per warp."""
+    chunks = -(-k // 32)
+    slots = 2 * sms
+
+    def eff(fw, cl):
+        ctas = -(-n // (16 * fw)) * cl
+        return ctas / (-(-ctas // slots) * slots)
+
+    shapes = {(fw, cl): eff(fw, cl) for fw in (8, 4, 2, 1) for cl in (1, 2, 4, 8)
+              if cl <= max_cluster and (cl == 1 or chunks >= cl * (8 // fw))}
+    fw, cl, ctas = plan
+    if (fw, cl) not in shapes or ctas != -(-n // (16 * fw)) * cl:
+        return False
+    best_of = {f: max(e for (f2, _), e in shapes.items() if f2 == f) for f in (8, 4, 2, 1)}
+    if not math.isclose(shapes[fw, cl], best_of[fw], rel_tol=1e-9):
+        return False  # not the best cluster size of its tile
+    good = [f for f in (8, 4, 2, 1) if best_of[f] >= 0.9]
+    if good:
+        return fw == good[0]
+    top = max(best_of.values())
+    return fw == next(f for f in (8, 4, 2, 1) if best_of[f] > top - 1e-9)
+
+
+def _emu_plan(exe, n, k, sms, max_cluster):
+    out = subprocess.run([str(exe), "plan", str(n), str(k), str(sms), str(max_cluster)], capture_output=True,
+                         text=True, check=True).stdout.split()
+    return tuple(int(v) for v in out)
+
+
+def _draw_linear(rng: random.Random) -> dict:
+    """One configuration the op's dispatch can send the kernel (see the test's docstring)."""
+    c = {"dt": rng.choice(["bf16", "fp16"])}
+    c["m"] = rng.randint(1, 64) if rng.random() < 0.5 else rng.choice([1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64])
+    r = rng.random()
+    if r < 0.4:  # around a 32-column chunk boundary
+        c["k"] = max(8, 32 * rng.randint(1, 24) + rng.choice([-8, 0, 8, 16, 24]))
+    elif r < 0.9:
+        c["k"] = 8 * rng.randint(1, 128)
+    else:  # many chunks per warp (prefetch groups, partial last group)
+        c["k"] = 8 * rng.randint(128, 512)
+    r = rng.random()
+    if r < 0.15:
+        c["n"] = rng.choice([1, 2, 3, 15, 16, 17])
+    elif r < 0.5:  # at or just past a feature-tile boundary
+        c["n"] = max(1, 16 * rng.choice([1, 2, 4, 8]) * rng.randint(1, 4) + rng.choice([-1, 0, 1, 8]))
+    else:
+        c["n"] = rng.randint(1, 320)
+    # strided x rows (a view of a wider buffer: 16-byte aligned, rows not overlapping); weight rows strided too
+    # (a column block of a wider matrix), or dense (a packed q/k/v or gate/up row range is dense)
+    c["xs"] = c["k"] + 8 * rng.randint(1, 24) if c["m"] > 1 and rng.random() < 0.4 else None
+    c["ws"] = c["k"] + 8 * rng.randint(1, 24) if c["n"] > 1 and rng.random() < 0.3 else None
+    chunks = -(-c["k"] // 32)
+    if rng.random() < 0.5:  # the launcher's plan for some GPU
+        c["plan_sms"], c["plan_max_cluster"] = rng.randint(1, 160), rng.choice([1, 2, 4, 8])
+    else:  # any shape a plan (other occupancies) or the launcher's fallback (cluster 1) can launch
+        c["fw"] = rng.choice([1, 2, 4, 8])
+        c["cluster"] = rng.choice([cl for cl in (1, 2, 4, 8) if cl == 1 or chunks >= cl * (8 // c["fw"])])
+    c["seed"] = rng.randrange(2**31)  # odd: the warp-greedy schedule
+    # a launch plan of a large layer (not run)
+    c["big_plan"] = (rng.randint(1, 1 << rng.randint(4, 18)), 8 * rng.randint(1, 1 << rng.randint(2, 12)),
+                     rng.randint(1, 200), rng.choice([1, 2, 4, 8]))
+    return c
+
+
+@pytest.mark.parametrize("case", fuzz_cases(4))
+def test_emulated_kernel_random_config(emulator, tmp_path, case):
+    """A random configuration the op sends the kernel: bf16 / fp16; m 1..64 (uniform, or at / past the 8-token
+    n-tile boundaries); K a multiple of 8 (around 32-column chunk boundaries, or up to 4096); N 1..~320 (odd, or
+    at / past feature-tile boundaries); x rows strided or dense, weight rows strided or dense; the plan
+    linear_plan picks for a random ideal GPU (checked against its documented rule by brute force, as is the plan
+    of a random large layer), or any (fw, cluster) a plan or the fallback launch can take; a random schedule seed
+    (odd: warp-greedy). Output poisoned by the driver; compared as test_emulated_kernel_matches_reference."""
+    c = _draw_linear(random.Random(case))
+    print("config:", c)
+    bn, bk, bsms, bmc = c["big_plan"]
+    bp = _emu_plan(emulator, bn, bk, bsms, bmc)
+    assert _plan_ok(bn, bk, bsms, bmc, bp), ("big plan", bp, c)
+    if "plan_sms" in c:
+        plan = _emu_plan(emulator, c["n"], c["k"], c["plan_sms"], c["plan_max_cluster"])
+        assert _plan_ok(c["n"], c["k"], c["plan_sms"], c["plan_max_cluster"], plan), ("plan", plan, c)
+        c["fw"], c["cluster"] = plan[:2]
+    m, n, k, dtype = c["m"], c["n"], c["k"], DTYPES[c["dt"]]
+    x, _ = make(m, n, k, dtype, seed=case % 2**31, x_stride=c["xs"])
+    g = torch.Generator().manual_seed(case % 2**31 + 1)
+    ws = c["ws"] or k
+    w = (torch.randn(n, ws, generator=g, dtype=torch.float64) / k**0.5).to(dtype)[:, :k]
+    got = emu_linear(emulator, tmp_path, x, w, c["fw"], c["cluster"], seed=c["seed"])
+    err, err_ref = check_close(got, x, w)
+    print("err", err, "F.linear err", err_ref)
 
 
 @pytest.mark.parametrize(
