@@ -253,6 +253,33 @@ def test_emulated_grpo_without_gradient_leaves_logits(emu):
     assert logp.isfinite().all() and torch.equal(terms[2], torch.ones(rows))  # on-policy: ratio exactly 1
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_emulated_grpo_rows_with_entropy(emu, dtype):
+    """fused_linear_grpo_loss(with_entropy=True) runs the GRPO kernel with the entropy (kEntropy): each row's
+    entropy as in log-prob mode, every other output bit for bit that of the run without it. (The emulator ran
+    GRPO mode without the entropy whatever it was asked, so that kernel variant went untested.)"""
+    rows, vocab, sup = 5, 152, 4
+    acc = acc_of(dtype)
+    logits = make_logits(rows, vocab, dtype, seed=12, special=[(1, "neg_inf")])
+    targets = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(12))
+    targets[1] = int((logits[1].isfinite() & (torch.arange(vocab) != sup)).nonzero()[0])  # a finite logp
+    inp = grpo_inputs(rows, seed=12, acc=acc)
+    inp["ref"] = (torch.randn(rows, generator=torch.Generator().manual_seed(13)) - 5).to(acc)
+    runs = []
+    for entropy in (False, True):
+        buf = logits.clone()
+        _, logp, lse, ent, terms = emu.run(buf, targets, GRPO, suppress=sup, entropy=entropy, adv=inp["adv"],
+                                           w_pg=inp["w_pg"], ref=inp["ref"], w_kl=inp["w_kl"], w_nll=inp["w_nll"],
+                                           beta=0.02, mu=0.1, order=7)
+        runs.append(((buf, logp, lse, terms), ent))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert runs[0][1].isnan().all()
+    eps = torch.finfo(acc).eps
+    within_2x(runs[1][1], softmax_stats(logits, sup, torch.float64)[2], softmax_stats(logits, sup, acc)[2],
+              floor=4 * eps)
+
+
 def test_emulated_rows_are_bitwise_identical_across_schedules_and_paths(emu):
     """The block-wide merge has a fixed order: any block order or thread interleaving gives the same bits; the
     scalar path (a buffer 2 bytes off a 16-byte boundary) agrees with the vector path within rounding."""

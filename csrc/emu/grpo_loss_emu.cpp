@@ -82,7 +82,7 @@ void body() {
 template <typename T, typename Acc>
 void (*pick(int mode, bool entropy))() {
   if (mode == kLogprobs) return entropy ? body<T, Acc, kLogprobs, true> : body<T, Acc, kLogprobs, false>;
-  if (mode == kGrpo) return body<T, Acc, kGrpo, false>;
+  if (mode == kGrpo) return entropy ? body<T, Acc, kGrpo, true> : body<T, Acc, kGrpo, false>;  // with_entropy
   return body<T, Acc, kGrad, false>;
 }
 
