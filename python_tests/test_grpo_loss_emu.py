@@ -507,6 +507,45 @@ def _draw_group_normalize(rng):
     return c, (rewards, group_ids, w)
 
 
+def _zscore_ext(x: np.ndarray, inv: np.ndarray, ngroups: int) -> np.ndarray:
+    """_group_zscore in numpy longdouble (means shifted by the group's first value, as there: 0 where the group's
+    values are all equal)."""
+    first = np.full(ngroups, x.shape[0])
+    np.minimum.at(first, inv, np.arange(x.shape[0]))
+    shift = x[first][inv]
+    cnt = np.zeros(ngroups, dtype=x.dtype)
+    np.add.at(cnt, inv, np.ones_like(x))
+    tot = np.zeros(ngroups, dtype=x.dtype)
+    np.add.at(tot, inv, x - shift)
+    mean = shift + (tot / cnt)[inv]
+    var = np.zeros(ngroups, dtype=x.dtype)
+    np.add.at(var, inv, (x - mean) ** 2)
+    sd = np.sqrt(var / cnt)[inv]
+    return np.where(sd > 0, (x - mean) / np.where(sd > 0, sd, 1), 0)
+
+
+def group_normalize_ext(rewards, group_ids, weights, mode):
+    """group_normalize_reference in x87 extended precision (numpy longdouble): the oracle of float64 results, where
+    the float64 reference is itself off by the conditioning of the z-scores (eps |mean| / std per group; it was
+    5.5e-14 off in a group of 6 where the kernel was 4.3e-14 off). The weighted sum of the "sum" mode is taken
+    from float64 (the kernel's and the reference's value, in their order): the z-score jumps at std == 0, so it
+    must see the same ties. Returns float64, or None where longdouble is no wider than float64."""
+    L = np.longdouble
+    if np.finfo(L).eps > 1e-18:
+        return None
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    inv, ngroups = inv.numpy(), int(inv.max()) + 1
+    r = rewards.double()
+    if mode == "decoupled":
+        rl, wl = r.numpy().astype(L), weights.double().numpy().astype(L)
+        total = sum(wl[j] * _zscore_ext(rl[:, j], inv, ngroups) for j in range(rl.shape[1]))
+    else:
+        total = _zscore_ext((r * weights.double()).sum(1).numpy().astype(L), inv, ngroups)
+    mean = total.mean()
+    sd = max(np.sqrt(((total - mean) ** 2).mean()), L(1e-8))
+    return torch.from_numpy(((total - mean) / sd).astype(np.float64))
+
+
 def _check_group_normalize_case(emu, c, data):
     rewards, ids, weights = data
     got = emu_group_normalize(emu, rewards, ids, weights, c["mode"], order=c["order"])
@@ -514,8 +553,12 @@ def _check_group_normalize_case(emu, c, data):
     model = _gl.group_normalize_reference(rewards, ids, weights, c["mode"])  # float64 arithmetic, float32 output
     assert got.isfinite().all()
     if rewards.dtype == torch.float64:
-        e = float((got - want).abs().max())
-        assert e <= 64 * torch.finfo(torch.float64).eps * max(1.0, float(want.abs().max())), e
+        exact = group_normalize_ext(rewards, ids, weights, c["mode"])
+        if exact is None:  # no wider type: the float64 reference as the oracle, as the fixed tests
+            e = float((got - want).abs().max())
+            assert e <= 64 * torch.finfo(torch.float64).eps * max(1.0, float(want.abs().max())), e
+        else:  # within 2x the float64 reference's error (+ within_2x's 64 ulps)
+            within_2x(got, exact, want)
     else:
         within_2x(got, want, model, floor=2 * torch.finfo(torch.float32).eps)
 
