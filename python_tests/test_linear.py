@@ -318,7 +318,7 @@ def _draw_linear(rng: random.Random) -> dict:
     return c
 
 
-@pytest.mark.parametrize("case", fuzz_cases(4))
+@pytest.mark.parametrize("case", fuzz_cases(16))
 def test_emulated_kernel_random_config(emulator, tmp_path, case):
     """A random configuration the op sends the kernel: bf16 / fp16; m 1..64 (uniform, or at / past the 8-token
     n-tile boundaries); K a multiple of 8 (around 32-column chunk boundaries, or up to 4096); N 1..~320 (odd, or
