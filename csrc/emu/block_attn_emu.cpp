@@ -1,6 +1,6 @@
 // CPU driver of the block-attention kernel source (kernels/block_attn.cuh) under emulation (emu_core.h with the
 // warp_ops front-end warp_ops.h, which kernels/warp_ops.cuh includes). An executable for
-// python_tests/test_block_attn.py; not part of the extension. Build:
+// python_tests/test_block_attn_emu.py; not part of the extension. Build:
 //   g++ -std=c++20 -O2 -ffp-contract=off -DLRF_KERNEL_EMULATION -Icsrc csrc/emu/block_attn_emu.cpp -o block_attn_emu
 //
 //   block_attn_emu run IN OUT

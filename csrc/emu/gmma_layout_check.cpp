@@ -1,5 +1,5 @@
 // Host check of the wgmma variant of block attention against CUTLASS/CuTe's SM90 GMMA definitions (the layouts
-// NVIDIA's own Hopper GEMMs run on): an executable for python_tests/test_block_attn.py, never part of the
+// NVIDIA's own Hopper GEMMs run on): an executable for python_tests/test_block_attn_emu.py, never part of the
 // extension. Nothing here runs on a GPU; it ties the kernel's hand-written layout math to CuTe's, so that what the
 // emulator (warp_ops.h) runs is what the hardware will do. Build (CuTe from the nvidia-cutlass wheel, <cuda/std/...>
 // from the CUDA toolkit's cccl headers):
