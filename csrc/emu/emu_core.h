@@ -1,6 +1,7 @@
 // The CTA model of the CPU emulator of device code: per-thread fibers, warp and block barriers, thread
 // scheduling and shared memory. Test support only (python_tests/test_unmask_emu.py, test_rms_norm.py,
-// test_silu_mul.py, test_kv_cache.py, test_grpo_loss_emu.py (and _random), test_block_attn_emu.py, test_linear.py, test_emu.py);
+// test_silu_mul.py, test_kv_cache.py, test_grpo_loss_emu.py (and _random), test_block_attn_emu.py, test_linear.py,
+// test_emu.py);
 // never part of the package build (csrc/sources.txt does not list csrc/emu/).
 //
 // The emulator runs the real kernel headers (csrc/kernels/*.cuh) as host C++, one CTA at a time, so their index

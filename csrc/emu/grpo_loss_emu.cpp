@@ -1,6 +1,6 @@
 // CPU driver of the GRPO-loss kernel sources under emulation (emu_core.h with the CUDA-builtins front-end), a
-// shared library for python_tests/test_grpo_loss_emu.py and _random.py (ctypes); not part of the extension. Two entry points,
-// each mirroring its launcher in csrc/grpo_loss.cu:
+// shared library for python_tests/test_grpo_loss_emu.py and _random.py (ctypes); not part of the extension. Two
+// entry points, each mirroring its launcher in csrc/grpo_loss.cu:
 //   emu_lm_head_rows      kernels/grpo_loss.cuh (log-softmax statistics, the fused GRPO terms and d loss / d logits
 //                         in place over a chunk of logits), as launch_rows runs one chunk: a grid of min(rows,
 //                         2^30) CTAs of kRowThreads threads, the 16-byte vector path when the chunk is 16-byte
