@@ -1,13 +1,15 @@
 // CPU driver of the threshold-unmask kernel source (kernels/unmask.cuh) under emulation (emu_core.h with the
 // CUDA-builtins front-end cuda_builtins.h), a shared library for python_tests/test_unmask_emu.py (ctypes); not
 // part of the extension. It mirrors the launcher csrc/unmask.cu: the same split choice and workspace sizes
-// (both from the header: zeroed counters and a separate partials buffer), one "launch" of rows * nsplit
+// (both from the header: zeroed counters and a separate partials buffer, here poisoned as a reused one holds
+// stale values), one "launch" of rows * nsplit
 // blocks — run in a caller-chosen order — and it reports whether the kernel left every counter at zero. Build:
 //   g++ -std=c++20 -O2 -ffp-contract=off -DLRF_KERNEL_EMULATION -shared -fPIC -Icsrc -I<cuda>/include
 //       csrc/emu/unmask_emu.cpp -o unmask_emu.so
 #include "emu/cuda_builtins.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -66,6 +68,7 @@ int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64
   // two buffers, as the launcher keeps them: zeroed counters, and partials the kernel writes before reading
   std::vector<int32_t> counters(size_t(unmask_counter_bytes(B, rows)) / 4, 0);
   std::vector<UnmaskPartial> partials(size_t(unmask_partial_bytes(rows, p.nsplit)) / sizeof(UnmaskPartial));
+  std::memset(partials.data(), 0xFF, partials.size() * sizeof(UnmaskPartial));  // stale: NaN, index -1
   p.counters = counters.data();
   p.row_counters = counters.data() + unmask_seq_counter_bytes(B) / 4;
   p.partials = partials.data();
