@@ -570,3 +570,29 @@ def _assert_same_step_fp64(got, got_flags, ref, want_flags, masked, logits, temp
         assert ok.all(), (f"{name} differs at {(~ok).nonzero()[:5].tolist()}: kernel {g[~ok][:5].tolist()}, "
                           f"reference {w[~ok][:5].tolist()}, float64 {r64[~ok][:5].tolist()}")
 
+
+
+def test_emulated_conf_of_a_nearly_certain_token_follows_float64(emu):
+    """x / T = 142 and 128 (bf16, T = 0.25; the rest ~e^-240): the pick's float64 conf is 1 - 8.3e-7. The
+    kernel keeps it ((s_pick - s_max) - log(1 + 8.3e-7)); the fp32 reference's logsumexp rounds at ulp(142)
+    and says 1.0. So at tau 1 only the truly certain position (one finite token) is unmasked by the kernel,
+    both by the reference: a near tie of the threshold that the random-configuration test must redraw (its
+    float64 check), not an exact 1.0."""
+    b, s, vocab = 1, 2, 2048
+    logits = torch.full((b, s, vocab), -30.0, dtype=torch.bfloat16)
+    logits[0, 0, 100], logits[0, 0, 7] = 35.5, 32.0
+    logits[0, 1] = float("-inf")
+    logits[0, 1, 5] = 3.0
+    state = [logits, torch.zeros(b, s, dtype=torch.long), torch.ones(b, s, dtype=torch.bool),
+             torch.zeros(b, s, dtype=torch.int32), torch.zeros(b, s), torch.zeros(b, s)]
+    extra = [torch.ones(b, dtype=torch.int32), torch.ones(b, dtype=torch.int32), torch.tensor([0]),
+             torch.tensor([0]), torch.tensor([0])]
+    got, flags, ref, want = run_both(emu, state, extra, 1.0, 0.25, True)
+    assert ref[2].tolist() == [[False, False]] and ref[5].tolist() == [[1.0, 1.0]]
+    assert got[2].tolist() == [[True, False]] and got[1][0, 1] == 5 and got[5][0, 1] == 1.0
+    assert _near_tie(logits, state[2], extra[1], 1.0, 0.25, True, "two_level", 0, 0) is not None
+    # the kernel's conf at tau 0 is the float64 one to an ulp
+    got = clone(state)
+    emu(*got, *extra, threshold=0.0, temperature=0.25, greedy=True)
+    want64 = torch.softmax(logits[0, 0].double() / 0.25, 0)[100].item()
+    assert got[1][0, 0] == 100 and abs(got[5][0, 0].item() - want64) <= 6e-8 and want64 < 1 - 8e-7

@@ -41,9 +41,11 @@
 //   (finish_row), then alone arrives for the sequence. Its picks equal the reference's except where two
 //   buckets' scores are within the fp32 error of L_j (the reference's logsumexp sums in another order).
 // logp = (s_pick - s_max) - log(sum exp((x - m) / T)) in fp32 (the structure of torch.logsumexp; the terms
-// through ex2.approx), conf = exp(logp): a dominant token gets conf exactly 1.0 where the reference does,
-// otherwise a few ulp from the reference, so a position whose conf is within ~1e-6 of the threshold or of
-// another position's conf may be selected differently (the picks themselves do not depend on it).
+// through ex2.approx), conf = exp(logp): a token whose row holds under 2^-25 of its mass elsewhere gets conf
+// exactly 1.0, as in the reference; otherwise conf is a few ulp from the reference's when |x / T| is small,
+// and up to ~2^-24 (|s_pick| + |s_max|) relative when it is large (T << 1: the reference rounds its logsumexp
+// at ulp(s_max) and may give 1.0 where this keeps 1 - 1e-6), so a position whose conf is within that of the
+// threshold or of another position's conf may be selected differently (the picks do not depend on it).
 //
 // Workspace (persistent, owned by the launcher): int32 counters[B] and row counters[B * S] (zero between
 // launches) and, in a separate buffer, UnmaskPartial partials[B * S * nsplit]. Positions that are not masked, and sequences with quota <= 0,

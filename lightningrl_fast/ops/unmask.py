@@ -30,8 +30,9 @@ grow during a graph capture, so run the op once eagerly first).
 Its picks equal the reference's: greedy exactly; sampling uses the same Philox stream and the same fp32
 arithmetic (x * (1/T) then + Gumbel, torch's logf), so a pick can only differ where two tokens' perturbed
 scores are within an ulp and the two sides' logf differ (the reference on the CPU), and, two-level, where two
-buckets' perturbed scores are within the fp32 error of a bucket's logsumexp (summed in another order). conf / logp match to
-~1e-6 relative, so a position exactly at the threshold or tied in conf with another may select differently.
+buckets' perturbed scores are within the fp32 error of a bucket's logsumexp (summed in another order).
+conf / logp match to ~1e-6 relative (to ~2^-24 (|s_pick| + |s_max|) where the scaled logits s = x / T are large,
+T << 1), so a position at the threshold or tied in conf with another to that precision may select differently.
 Used when `kernel_supported(...)` holds; otherwise (float64 logits, top-k/top-p truncation while sampling,
 more than 1024 positions per row) the op runs the reference on the GPU — correct, but several passes over
 fp32 copies of the logits. Not supported: NaN or +inf logits (the reference's NaN ordering is not
