@@ -1,6 +1,6 @@
-"""ops.block_attention: reference vs a naive loop (CPU), opcheck, bad inputs; the check shared with the emulator
-tests (test_block_attn_emu.py: the CUDA kernel's source under CPU emulation); the built kernel vs the float64
-reference (GPU)."""
+"""ops.block_attention: reference vs a naive loop (CPU), opcheck, bad inputs; the check and the random
+configurations (draw and layouts) shared with the emulator tests (test_block_attn_emu.py: the CUDA kernel's source
+under CPU emulation); the built kernel vs the float64 reference (GPU)."""
 
 import numpy as np
 import pytest
@@ -259,6 +259,181 @@ def check_kernel(run, dtype, bsz, c, hq, hkv, d, cap, cache_lens, chunk_lens, bs
     assert torch.equal(bits(kc_out.cpu()), bits(want_kc.cpu())), "k_cache differs from the expected write"
     assert torch.equal(bits(vc_out.cpu()), bits(want_vc.cpu())), "v_cache differs from the expected write"
     return err, err_ref
+
+
+# ------------------------------------------------------------- random configurations (emulator and GPU)
+
+def contiguous_layout(tensors: dict) -> dict:
+    """`layout` of emu_runner: each tensor as itself (storage = its elements, offset 0, dense strides)."""
+    return {name: (t.reshape(-1), 0, t.stride()[:3]) for name, t in tensors.items()}
+
+
+RESIDENT = (264, 228, 396, 528, 24)  # resident CTAs the split heuristic may see: 132 SMs x 2, 114 x 2, 132 x 3,
+# 132 x 4 (head dim 64), a small device
+FUZZ_COST = 500  # emulated CTA-tiles per case (about 2 ms each on one core)
+FUZZ_ELEMS = 1 << 21  # elements per cache at most (input drawing and transfer)
+
+
+def strided_copy(t, pads=(0, 0, 0), offset=0, unit_strides=(None, None, None)):
+    """(storage, offset, strides) for emu_runner's `layout`: t [B, R, H, D] at a view whose dims 0-2 are `pads`
+    elements wider than dense (multiples of 8: 16-byte units, as the launcher needs), `offset` elements into a
+    NaN-filled storage; a dim of size 1 takes its stride from `unit_strides` (any value: never multiplied by a
+    nonzero index, and the launcher does not check it)."""
+    B, R, H, D = t.shape
+    strides = [0, 0, D + pads[2]]
+    strides[1] = H * strides[2] + pads[1]
+    strides[0] = R * strides[1] + pads[0]
+    for dim, st in enumerate(unit_strides):
+        if st is not None and t.shape[dim] == 1:
+            strides[dim] = st
+    n = offset + sum((size - 1) * st for size, st in zip(t.shape[:3], strides)) + D if t.numel() else offset
+    storage = torch.full((n,), float("nan"), dtype=t.dtype)
+    torch.as_strided(storage, t.shape, (*strides, 1), offset).copy_(t)
+    return storage, offset, tuple(strides)
+
+
+def fused_qkv(q, k, v, extra=0):
+    """q, k, v as the model hands them over: views of one [B, C, (Hq + 2 Hkv) D + extra] projection output."""
+    (B, C, Hq, D), Hkv = q.shape, k.shape[2]
+    W = (Hq + 2 * Hkv) * D + extra
+    buf = torch.full((B * C * W,), float("nan"), dtype=q.dtype)
+    views = {}
+    for name, t, off in (("q", q, 0), ("k", k, Hq * D), ("v", v, (Hq + Hkv) * D)):
+        torch.as_strided(buf, t.shape, (C * W, W, D, 1), off).copy_(t)
+        views[name] = (buf, off, (C * W, W, D))
+    return views
+
+
+def draw_layout(rng):
+    """A random `layout` for emu_runner among those the launcher hands the kernel (16-byte aligned views): q / k / v
+    contiguous, views of a fused projection, or padded; each cache contiguous, a window of a longer (or
+    multi-layer) cache, or padded (e.g. heads 136 elements apart); odd strides on size-1 dims. -> (layout, words)"""
+    def pads(hi):
+        return tuple(8 * rng.randint(0, hi) for _ in range(3))
+
+    def unit_strides():
+        return tuple(rng.choice([None, rng.randint(1, 5000)]) for _ in range(3))
+
+    qkv_kind = rng.choice(["contiguous", "fused", "padded"])
+    qkv = dict(extra=8 * rng.choice([0, 0, 1, 6]), pads={n: pads(3) for n in "qkv"},
+               offsets={n: 8 * rng.randint(0, 5) for n in "qkv"}, unit={n: unit_strides() for n in "qkv"})
+    caches = {}
+    for name in ("k_cache", "v_cache"):
+        kind = rng.choice(["contiguous", "window", "padded"])
+        caches[name] = dict(kind=kind, longer=rng.randint(0, 70), start=rng.random(), layer=rng.randint(0, 2),
+                            pads=pads(2), offset=8 * rng.randint(0, 5), unit=unit_strides())
+
+    def layout(tensors):
+        views = contiguous_layout(tensors)
+        if qkv_kind == "fused":
+            views.update(fused_qkv(tensors["q"], tensors["k"], tensors["v"], qkv["extra"]))
+        elif qkv_kind == "padded":
+            for n in "qkv":
+                views[n] = strided_copy(tensors[n], qkv["pads"][n], qkv["offsets"][n], qkv["unit"][n])
+        for name, c in caches.items():
+            t = tensors[name]
+            B, L, H, D = t.shape
+            if c["kind"] == "window":  # positions [w0, w0 + L) of a capacity-(L + longer) cache of layer `layer`
+                w0 = int(c["start"] * (c["longer"] + 1))
+                start = (c["layer"] * B * (L + c["longer"]) + w0) * H * D
+                views[name] = strided_copy(t, (c["longer"] * H * D, 0, 0), start)
+            elif c["kind"] == "padded":
+                views[name] = strided_copy(t, c["pads"], c["offset"], c["unit"])
+        return views
+
+    words = f"q/k/v {qkv_kind}" + "".join(f", {n} {c['kind']}" for n, c in caches.items())
+    return layout, words
+
+
+def draw_emu_config(rng, splits_of):
+    """One configuration the launcher accepts and the op's dispatch sends to the kernel (see
+    test_emulated_random_config); `splits_of(base_ctas, capacity, rows_per_cta, resident)` is the launcher's split
+    heuristic. Redrawn until its emulation costs at most FUZZ_COST CTA-tiles."""
+    while True:
+        dt, d, variant = rng.choice(["bf16", "fp16"]), rng.choice([64, 128]), rng.choice(["mma", "wgmma"])
+        hkv = rng.choice([1, 1, 2, 2, 3, 4])
+        g = rng.choice([1, 1, 2, 3, 4, 4, 5, 6, 7, 8, 8, 9, 12, 16])
+        bsz = rng.choice([1, 1, 2, 2, 3, 4, 5])
+        bs = rng.choice([1, 2, 3, 4, 4, 5, 7, 8, 8, 16, 32, 32, 33, 64, 100, 1000, 2**31 - 1])
+        r = rng.random()
+        if r < 0.3:
+            c = rng.randint(1, 9)
+        elif r < 0.55:  # one block, or a finished block + the next
+            c = bs * rng.choice([1, 1, 2]) if bs <= 64 else rng.randint(1, 130)
+        elif r < 0.8:  # C * G at / next to a 64-row tile boundary
+            c = max(1, -(-64 * rng.randint(1, 3) // g) + rng.choice([-1, 0, 0, 1]))
+        else:
+            c = rng.randint(1, 130)
+
+        def chunk_len():
+            r = rng.random()
+            return c if r < 0.45 else 0 if r < 0.6 else 1 if r < 0.7 else rng.randint(0, c)
+
+        def cache_len(n):
+            r = rng.random()
+            if r < 0.2:
+                return 0
+            if r < 0.35:
+                return rng.randrange(1, 200, 2)  # odd
+            if r < 0.5:
+                return 64 * rng.randint(1, 4) + rng.choice([-1, 0, 1])  # the chunk starts at a key-tile boundary
+            if r < 0.65:
+                return max(0, 64 * rng.randint(1, 4) - n + rng.choice([-1, 0, 1]))  # ... or ends at one
+            if r < 0.85:
+                return bs * rng.randint(0, 256 // bs)  # block-aligned (the sampler's)
+            return rng.randint(0, 300)
+
+        chunk_lens = [chunk_len() for _ in range(bsz)]
+        cache_lens = [cache_len(n) for n in chunk_lens]
+        need = max(c0 + n for c0, n in zip(cache_lens, chunk_lens))
+        split_mode = rng.random()
+        heuristic = split_mode >= 0.75
+        r = rng.random() * (0.6 if heuristic else 1.0) + (0.4 if heuristic else 0.0)
+        slack = 0 if r < 0.25 else rng.randint(1, 7) if r < 0.5 else rng.randint(8, 100) if r < 0.75 else \
+            rng.randint(400, 2500)  # long capacities: the split heuristic splits
+        cap = need + slack  # 0: an empty cache (every row idle)
+        bad = None
+        if rng.random() < 0.12:  # a row whose lengths are out of range (the sampler's check_lengths=False calls)
+            b, bad = rng.randrange(bsz), rng.choice(["cache_lens < 0", "chunk_lens < 0", "chunk_lens > C",
+                                                     "past capacity", "near int32 max"])
+            if bad == "cache_lens < 0":
+                cache_lens[b] = -rng.randint(1, 70)
+            elif bad == "chunk_lens < 0":
+                chunk_lens[b] = -rng.randint(1, 3)
+            elif bad == "chunk_lens > C":
+                chunk_lens[b] = c + rng.randint(1, 3)
+            elif bad == "past capacity":
+                chunk_lens[b] = rng.randint(1, c)
+                cache_lens[b] = cap - chunk_lens[b] + rng.randint(1, 3)
+            else:
+                cache_lens[b], chunk_lens[b] = 2**31 - 1 - rng.randint(0, 3), rng.randint(1, c)
+        kv_tiles = [-(-(c0 + n) // 64) for c0, n in zip(cache_lens, chunk_lens)
+                    if c0 >= 0 and 0 <= n <= c and c0 + n <= cap]
+        m_tiles = -(-c * g // 64)
+        r = split_mode
+        if r < 0.3:
+            splits, how = 1, "1"
+        elif r < 0.55:
+            splits, how = rng.randint(2, 8), "random"
+        elif r < 0.7:
+            splits, how = min(64, max(kv_tiles, default=0) + rng.randint(1, 8)), "more than tiles"
+        elif r < 0.75:
+            splits, how = 64, "64 (the cap)"
+        else:
+            resident = rng.choice(RESIDENT)
+            splits = splits_of(m_tiles * bsz * hkv, cap, min(c * g, 64), resident)
+            how = f"heuristic ({resident} resident CTAs)"
+        ctas = m_tiles * bsz * hkv
+        cost = ctas * splits + m_tiles * hkv * sum(kv_tiles)
+        if cost > FUZZ_COST or bsz * cap * hkv * d > FUZZ_ELEMS:
+            continue
+        layout, layout_words = draw_layout(rng)
+        return dict(dtype=dt, d=d, variant=variant, hq=hkv * g, hkv=hkv, bsz=bsz, c=c, block_size=bs,
+                    cache_lens=cache_lens, chunk_lens=chunk_lens, cap=cap, bad_row=bad, splits=splits,
+                    splits_from=how, defer=rng.random() < 0.5, emu_seed=rng.getrandbits(31),
+                    scale=None if rng.random() < 0.7 else rng.choice([0.0, 0.02, 0.3, -0.25, 1.0]),
+                    layout=layout, layout_words=layout_words)
+
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
