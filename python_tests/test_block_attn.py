@@ -2,9 +2,12 @@
 configurations (draw and layouts) shared with the emulator tests (test_block_attn_emu.py: the CUDA kernel's source
 under CPU emulation); the built kernel vs the float64 reference (GPU)."""
 
+import random
+
 import numpy as np
 import pytest
 import torch
+from conftest import fuzz_cases
 
 from lightningrl_fast import _ext
 from lightningrl_fast.ops.block_attn import (VARIANT_ENV, VARIANTS, block_attention, block_attention_reference,
@@ -256,15 +259,16 @@ def check_kernel(run, dtype, bsz, c, hq, hkv, d, cap, cache_lens, chunk_lens, bs
     for b, n in enumerate(chunk_lens):
         assert torch.equal(got[b, n:], torch.zeros_like(got[b, n:])), f"row {b}: output past chunk_lens not zero"
     want_kc, want_vc = expected_caches(kc_in, vc_in, k, v, cache_lens, chunk_lens)
-    assert torch.equal(bits(kc_out.cpu()), bits(want_kc.cpu())), "k_cache differs from the expected write"
-    assert torch.equal(bits(vc_out.cpu()), bits(want_vc.cpu())), "v_cache differs from the expected write"
+    assert torch.equal(bits(kc_out), bits(want_kc.to(kc_out.device))), "k_cache differs from the expected write"
+    assert torch.equal(bits(vc_out), bits(want_vc.to(vc_out.device))), "v_cache differs from the expected write"
     return err, err_ref
 
 
 # ------------------------------------------------------------- random configurations (emulator and GPU)
 
 def contiguous_layout(tensors: dict) -> dict:
-    """`layout` of emu_runner: each tensor as itself (storage = its elements, offset 0, dense strides)."""
+    """`layout` of emu_runner / layout_runner: each tensor as itself (storage = its elements, offset 0, dense
+    strides)."""
     return {name: (t.reshape(-1), 0, t.stride()[:3]) for name, t in tensors.items()}
 
 
@@ -272,13 +276,14 @@ RESIDENT = (264, 228, 396, 528, 24)  # resident CTAs the split heuristic may see
 # 132 x 4 (head dim 64), a small device
 FUZZ_COST = 500  # emulated CTA-tiles per case (about 2 ms each on one core)
 FUZZ_ELEMS = 1 << 21  # elements per cache at most (input drawing and transfer)
+GPU_FUZZ_ELEMS = 1 << 28  # on a GPU: float64 elements of the reference's largest tensors (B x Hq x L x max(C, D))
 
 
 def strided_copy(t, pads=(0, 0, 0), offset=0, unit_strides=(None, None, None)):
-    """(storage, offset, strides) for emu_runner's `layout`: t [B, R, H, D] at a view whose dims 0-2 are `pads`
-    elements wider than dense (multiples of 8: 16-byte units, as the launcher needs), `offset` elements into a
-    NaN-filled storage; a dim of size 1 takes its stride from `unit_strides` (any value: never multiplied by a
-    nonzero index, and the launcher does not check it)."""
+    """(storage, offset, strides) for emu_runner's / layout_runner's `layout`: t [B, R, H, D] at a view whose dims
+    0-2 are `pads` elements wider than dense (multiples of 8: 16-byte units, as the launcher needs), `offset`
+    elements into a NaN-filled storage on t's device; a dim of size 1 takes its stride from `unit_strides` (any
+    value: never multiplied by a nonzero index, and the launcher does not check it)."""
     B, R, H, D = t.shape
     strides = [0, 0, D + pads[2]]
     strides[1] = H * strides[2] + pads[1]
@@ -287,7 +292,7 @@ def strided_copy(t, pads=(0, 0, 0), offset=0, unit_strides=(None, None, None)):
         if st is not None and t.shape[dim] == 1:
             strides[dim] = st
     n = offset + sum((size - 1) * st for size, st in zip(t.shape[:3], strides)) + D if t.numel() else offset
-    storage = torch.full((n,), float("nan"), dtype=t.dtype)
+    storage = torch.full((n,), float("nan"), dtype=t.dtype, device=t.device)
     torch.as_strided(storage, t.shape, (*strides, 1), offset).copy_(t)
     return storage, offset, tuple(strides)
 
@@ -296,7 +301,7 @@ def fused_qkv(q, k, v, extra=0):
     """q, k, v as the model hands them over: views of one [B, C, (Hq + 2 Hkv) D + extra] projection output."""
     (B, C, Hq, D), Hkv = q.shape, k.shape[2]
     W = (Hq + 2 * Hkv) * D + extra
-    buf = torch.full((B * C * W,), float("nan"), dtype=q.dtype)
+    buf = torch.full((B * C * W,), float("nan"), dtype=q.dtype, device=q.device)
     views = {}
     for name, t, off in (("q", q, 0), ("k", k, Hq * D), ("v", v, (Hq + Hkv) * D)):
         torch.as_strided(buf, t.shape, (C * W, W, D, 1), off).copy_(t)
@@ -305,9 +310,10 @@ def fused_qkv(q, k, v, extra=0):
 
 
 def draw_layout(rng):
-    """A random `layout` for emu_runner among those the launcher hands the kernel (16-byte aligned views): q / k / v
-    contiguous, views of a fused projection, or padded; each cache contiguous, a window of a longer (or
-    multi-layer) cache, or padded (e.g. heads 136 elements apart); odd strides on size-1 dims. -> (layout, words)"""
+    """A random `layout` for emu_runner / layout_runner among those the launcher hands the kernel (16-byte aligned
+    views): q / k / v contiguous, views of a fused projection, or padded; each cache contiguous, a window of a
+    longer (or multi-layer) cache, or padded (e.g. heads 136 elements apart); odd strides on size-1 dims.
+    -> (layout, words)"""
     def pads(hi):
         return tuple(8 * rng.randint(0, hi) for _ in range(3))
 
@@ -345,18 +351,26 @@ def draw_layout(rng):
     return layout, words
 
 
-def draw_emu_config(rng, splits_of):
+def draw_config(rng, splits_of=None, gpu=False):
     """One configuration the launcher accepts and the op's dispatch sends to the kernel (see
-    test_emulated_random_config); `splits_of(base_ctas, capacity, rows_per_cta, resident)` is the launcher's split
-    heuristic. Redrawn until its emulation costs at most FUZZ_COST CTA-tiles."""
+    test_emulated_random_config). For the emulator (gpu=False), `splits_of(base_ctas, capacity, rows_per_cta,
+    resident)` is the launcher's split heuristic, and the configuration is redrawn until its emulation costs at
+    most FUZZ_COST CTA-tiles. For a GPU (gpu=True, test_gpu_random_config): larger shapes besides (up to 32 rows,
+    8 kv heads: 32 q / 8 kv among the choices, caches of up to ~10k positions, prefill chunks of 131-1100), the
+    variant "auto" too, the heuristic's splits left to the launcher (splits 0, splits_of unused), redrawn until the
+    float64 reference's largest tensors have at most GPU_FUZZ_ELEMS elements. With gpu=False a seed draws what it
+    drew before the parameter existed (a campaign's failed case still reproduces)."""
     while True:
-        dt, d, variant = rng.choice(["bf16", "fp16"]), rng.choice([64, 128]), rng.choice(["mma", "wgmma"])
-        hkv = rng.choice([1, 1, 2, 2, 3, 4])
-        g = rng.choice([1, 1, 2, 3, 4, 4, 5, 6, 7, 8, 8, 9, 12, 16])
-        bsz = rng.choice([1, 1, 2, 2, 3, 4, 5])
+        dt, d = rng.choice(["bf16", "fp16"]), rng.choice([64, 128])
+        variant = rng.choice(["mma", "wgmma"] + (["auto"] if gpu else []))
+        hkv = rng.choice([1, 1, 2, 2, 3, 4] + ([8, 8, 8] if gpu else []))
+        g = rng.choice([1, 1, 2, 3, 4, 4, 5, 6, 7, 8, 8, 9, 12, 16] + ([4, 4] if gpu else []))
+        bsz = rng.choice([1, 1, 2, 2, 3, 4, 5] + ([8, 13, 16, 24, 32, 32] if gpu else []))
         bs = rng.choice([1, 2, 3, 4, 4, 5, 7, 8, 8, 16, 32, 32, 33, 64, 100, 1000, 2**31 - 1])
         r = rng.random()
-        if r < 0.3:
+        if gpu and r >= 0.9:  # a prefill of whole prompts
+            c = rng.randint(131, 1100)
+        elif r < 0.3:
             c = rng.randint(1, 9)
         elif r < 0.55:  # one block, or a finished block + the next
             c = bs * rng.choice([1, 1, 2]) if bs <= 64 else rng.randint(1, 130)
@@ -369,19 +383,22 @@ def draw_emu_config(rng, splits_of):
             r = rng.random()
             return c if r < 0.45 else 0 if r < 0.6 else 1 if r < 0.7 else rng.randint(0, c)
 
+        m = rng.choice([1, 8, 32]) if gpu else 1  # on a GPU: caches of up to ~300, ~2.4k or ~9.6k positions
+        odd_top, tiles, aligned_top, top = 200 * m, 4 * m, 256 * m, 300 * m
+
         def cache_len(n):
             r = rng.random()
             if r < 0.2:
                 return 0
             if r < 0.35:
-                return rng.randrange(1, 200, 2)  # odd
-            if r < 0.5:
-                return 64 * rng.randint(1, 4) + rng.choice([-1, 0, 1])  # the chunk starts at a key-tile boundary
+                return rng.randrange(1, odd_top, 2)  # odd
+            if r < 0.5:  # the chunk starts at a key-tile boundary
+                return 64 * rng.randint(1, tiles) + rng.choice([-1, 0, 1])
             if r < 0.65:
-                return max(0, 64 * rng.randint(1, 4) - n + rng.choice([-1, 0, 1]))  # ... or ends at one
+                return max(0, 64 * rng.randint(1, tiles) - n + rng.choice([-1, 0, 1]))  # ... or ends at one
             if r < 0.85:
-                return bs * rng.randint(0, 256 // bs)  # block-aligned (the sampler's)
-            return rng.randint(0, 300)
+                return bs * rng.randint(0, aligned_top // bs)  # block-aligned (the sampler's)
+            return rng.randint(0, top)
 
         chunk_lens = [chunk_len() for _ in range(bsz)]
         cache_lens = [cache_len(n) for n in chunk_lens]
@@ -419,14 +436,20 @@ def draw_emu_config(rng, splits_of):
             splits, how = min(64, max(kv_tiles, default=0) + rng.randint(1, 8)), "more than tiles"
         elif r < 0.75:
             splits, how = 64, "64 (the cap)"
+        elif gpu:
+            splits, how = 0, "heuristic (the launcher's, on this GPU)"
         else:
             resident = rng.choice(RESIDENT)
             splits = splits_of(m_tiles * bsz * hkv, cap, min(c * g, 64), resident)
             how = f"heuristic ({resident} resident CTAs)"
-        ctas = m_tiles * bsz * hkv
-        cost = ctas * splits + m_tiles * hkv * sum(kv_tiles)
-        if cost > FUZZ_COST or bsz * cap * hkv * d > FUZZ_ELEMS:
-            continue
+        if gpu:
+            if bsz * hkv * g * cap * max(c, d) > GPU_FUZZ_ELEMS:
+                continue
+        else:
+            ctas = m_tiles * bsz * hkv
+            cost = ctas * splits + m_tiles * hkv * sum(kv_tiles)
+            if cost > FUZZ_COST or bsz * cap * hkv * d > FUZZ_ELEMS:
+                continue
         layout, layout_words = draw_layout(rng)
         return dict(dtype=dt, d=d, variant=variant, hq=hkv * g, hkv=hkv, bsz=bsz, c=c, block_size=bs,
                     cache_lens=cache_lens, chunk_lens=chunk_lens, cap=cap, bad_row=bad, splits=splits,
@@ -445,12 +468,13 @@ def cuda_kernels(cuda_ext_with):
     cuda_ext_with("block_attention")
 
 
-def op_runner(variant="auto"):
-    """The public op on CUDA (host length check + custom op + kernel) with the kernel variant `variant`."""
+def op_runner(variant="auto", check_lengths=None, device="cuda"):
+    """The public op on `device` (CUDA: host length check + custom op + kernel) with the kernel variant `variant`;
+    check_lengths as the op's (False: out-of-range rows reach the kernel, as the sampler's calls)."""
 
     def run(q, k, v, kc, vc, cl, nl, bs, scale):
-        args = [t.cuda() for t in (q, k, v, kc, vc, cl, nl)]
-        out = block_attention(*args, bs, scale, variant=variant)
+        args = [t.to(device) for t in (q, k, v, kc, vc, cl, nl)]
+        out = block_attention(*args, bs, scale, check_lengths=check_lengths, variant=variant)
         return out, args[3], args[4]
 
     return run
@@ -669,6 +693,86 @@ def test_gpu_public_op_runs_the_kernel(cuda_kernels, monkeypatch):
 def test_gpu_opcheck(cuda_kernels):
     q, k, v, kc, vc, cl, nl = make_inputs(2, 8, 8, 2, 128, 40, [0, 9], [8, 5], dtype=torch.bfloat16, device="cuda")
     torch.library.opcheck(torch.ops.lightningrl_fast.block_attention.default, (q, k, v, kc, vc, cl, nl, 4, 0.088))
+
+
+# random configurations on the GPU: the emulator's draw (draw_config) with larger shapes, at the drawn layouts
+
+GPU_FUZZ_CASES = 48  # estimated (not yet timed) at under 0.2 s each on an H100, the float64 reference at up to
+# GPU_FUZZ_ELEMS included
+
+
+def layout_runner(run, layout):
+    """`run` given q / k / v / the caches as the views `layout` makes (draw_layout's {name: (storage, offset,
+    strides)}) of storages of their own on the tensors' device, for the op to read and write in place; afterwards
+    every storage element outside the caches' views must be unchanged (q / k / v storages entirely)."""
+
+    def wrapped(q, k, v, kc, vc, cl, nl, bs, scale):
+        tensors = {"q": q, "k": k, "v": v, "k_cache": kc, "v_cache": vc}
+        placed = layout(tensors)  # (held: its storages' ids stay unique while in use)
+        storages, views = {}, {}
+        for name, (storage, offset, strides) in placed.items():
+            if id(storage) not in storages:  # fused q / k / v: one storage, cloned once
+                storages[id(storage)] = storage.clone()
+            st = storages[id(storage)]
+            views[name] = torch.as_strided(st, tensors[name].shape, (*strides, 1), offset)
+            assert torch.equal(bits(views[name]), bits(tensors[name])), name
+        keep = {key: torch.ones(st.numel(), dtype=torch.bool, device=st.device) for key, st in storages.items()}
+        for name in ("k_cache", "v_cache"):
+            _, offset, strides = placed[name]
+            torch.as_strided(keep[id(placed[name][0])], kc.shape, (*strides, 1), offset).fill_(False)
+        before = {key: st.clone() for key, st in storages.items()}
+        out, kc_out, vc_out = run(views["q"], views["k"], views["v"], views["k_cache"], views["v_cache"], cl, nl, bs,
+                                  scale)
+        for key, st in storages.items():
+            assert torch.equal(bits(st[keep[key]]), bits(before[key][keep[key]])), "written outside the caches' views"
+        return out, kc_out, vc_out
+
+    return wrapped
+
+
+def random_config_runner(cfg):
+    """The CUDA entry point for a configuration of draw_config(gpu=True): forced splits through _C
+    (direct_runner), the launcher's heuristic (splits 0) through the public op, its host check off where a row is
+    out of range; the op must send the drawn views to the kernel (kernel_supports), not to the reference."""
+    if cfg["splits"]:
+        return direct_runner(cfg["splits"], cfg["variant"])
+    op = op_runner(cfg["variant"], check_lengths=False if cfg["bad_row"] else None)
+
+    def run(q, k, v, kc, vc, *rest):
+        assert kernel_supports(q, kc, vc), "the op would run the reference at these views"
+        return op(q, k, v, kc, vc, *rest)
+
+    return run
+
+
+def check_random_config(case, runner, device="cuda"):
+    """The configuration draw_config(gpu=True) draws from `case`, run by `runner(cfg)` (a check_kernel `run`) at
+    the drawn layout (layout_runner), inputs drawn on `device`, checked by check_kernel as the emulator's random
+    configurations; a failure names the configuration. -> (err, err_ref)"""
+    cfg = draw_config(random.Random(case), gpu=True)
+    words = {key: val for key, val in cfg.items() if key != "layout"}
+    print("block_attn GPU fuzz case", case, words)
+    try:
+        return check_kernel(layout_runner(runner(cfg), cfg["layout"]), DTYPES[cfg["dtype"]], cfg["bsz"], cfg["c"],
+                            cfg["hq"], cfg["hkv"], cfg["d"], cfg["cap"], cfg["cache_lens"], cfg["chunk_lens"],
+                            cfg["block_size"], device=device, seed=case, scale=cfg["scale"])
+    except Exception as e:
+        raise AssertionError(f"block_attn fuzz case {case} {words}: {type(e).__name__}: {e}") from e
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", fuzz_cases(GPU_FUZZ_CASES))
+def test_gpu_random_config(cuda_kernels, case):
+    """The built kernel on a random configuration of the emulator's space (test_block_attn_emu.py's
+    test_emulated_random_config), larger: dtype, head dim, the variant (mma.sync / wgmma / the launcher's
+    choice), 1-8 kv heads and GQA groups 1-16 (32 q / 8 kv among them), 1-32 rows, block sizes 1 to 2^31 - 1,
+    chunks of 1-130 (at / next to the 64-row tiles) and prefills to 1100, idle / partial rows, caches to ~10k
+    positions (odd, at key-tile boundaries, block-aligned) plus 0-2500 slack, sometimes an out-of-range row,
+    splits 1 / 2-8 / more than the key tiles / 64 through _C or the launcher's heuristic through the public op, the
+    softmax scale, q/k/v and cache layouts (views of fresh storages; nothing outside the caches' views written).
+    Checked by check_kernel. The emulator's schedule seed and deferred copies are drawn but not used here (the
+    hardware schedules), and the heuristic sees this GPU's resident CTAs, not RESIDENT's."""
+    check_random_config(case, random_config_runner, "cuda")
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import fuzz_cases
-from test_block_attn import (DTYPES, bits, check_kernel, contiguous_layout, draw_emu_config, fused_qkv, make_inputs,
+from test_block_attn import (DTYPES, bits, check_kernel, contiguous_layout, draw_config, fused_qkv, make_inputs,
                              strided_copy)
 
 from lightningrl_fast.ops.block_attn import block_attention_reference
@@ -191,7 +191,7 @@ def test_emulated_random_config(emulator, tmp_path, case):
                              capture_output=True, text=True, check=True)
         return int(out.stdout)
 
-    cfg = draw_emu_config(rng, splits_of)
+    cfg = draw_config(rng, splits_of)
     print("block_attn fuzz case", case, {k: v for k, v in cfg.items() if k != "layout"})
     run = emu_runner(emulator, cfg["splits"], cfg["defer"], seed=cfg["emu_seed"], tmp=tmp_path,
                      wgmma=cfg["variant"] == "wgmma", layout=cfg["layout"])
