@@ -283,24 +283,35 @@ def _emu_plan(exe, n, k, sms, max_cluster):
     return tuple(int(v) for v in out)
 
 
-def _draw_linear(rng: random.Random) -> dict:
-    """One configuration the op's dispatch can send the kernel (see the test's docstring)."""
+GPU_FUZZ_WEIGHT = 1 << 26  # on a GPU: weight elements (N x K) at most (its float64 copy for the reference: 512 MiB)
+
+
+def _draw_linear(rng: random.Random, gpu: bool = False) -> dict:
+    """One configuration the op's dispatch can send the kernel (see test_emulated_kernel_random_config). gpu=True
+    (test_gpu_random_config): larger layers besides (K to 12288, N to ~40k or a model's width: 4096, 6144,
+    12288, 24576, 151936), K cut to a multiple of 8 that keeps N x K within GPU_FUZZ_WEIGHT, and `pdl`; the plan
+    and schedule seed are still drawn (the real launcher plans for its GPU). gpu=False draws as before the
+    parameter existed."""
     c = {"dt": rng.choice(["bf16", "fp16"])}
     c["m"] = rng.randint(1, 64) if rng.random() < 0.5 else rng.choice([1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64])
     r = rng.random()
     if r < 0.4:  # around a 32-column chunk boundary
         c["k"] = max(8, 32 * rng.randint(1, 24) + rng.choice([-8, 0, 8, 16, 24]))
     elif r < 0.9:
-        c["k"] = 8 * rng.randint(1, 128)
+        c["k"] = 8 * rng.randint(1, 1024 if gpu else 128)
     else:  # many chunks per warp (prefetch groups, partial last group)
-        c["k"] = 8 * rng.randint(128, 512)
+        c["k"] = 8 * rng.randint(128, 1536 if gpu else 512)
     r = rng.random()
     if r < 0.15:
         c["n"] = rng.choice([1, 2, 3, 15, 16, 17])
     elif r < 0.5:  # at or just past a feature-tile boundary
-        c["n"] = max(1, 16 * rng.choice([1, 2, 4, 8]) * rng.randint(1, 4) + rng.choice([-1, 0, 1, 8]))
+        c["n"] = max(1, 16 * rng.choice([1, 2, 4, 8]) * rng.randint(1, 64 if gpu else 4) + rng.choice([-1, 0, 1, 8]))
+    elif gpu and r < 0.6:  # a model's layer width (q/k/v or gate/up packed, o_proj, down, the LM head)
+        c["n"] = rng.choice([4096, 6144, 12288, 24576, 151936])
     else:
-        c["n"] = rng.randint(1, 320)
+        c["n"] = rng.randint(1, 40000 if gpu else 320)
+    if gpu and c["n"] * c["k"] > GPU_FUZZ_WEIGHT:
+        c["k"] = max(8, GPU_FUZZ_WEIGHT // c["n"] // 8 * 8)
     # strided x rows (a view of a wider buffer: 16-byte aligned, rows not overlapping); weight rows strided too
     # (a column block of a wider matrix), or dense (a packed q/k/v or gate/up row range is dense)
     c["xs"] = c["k"] + 8 * rng.randint(1, 24) if c["m"] > 1 and rng.random() < 0.4 else None
@@ -315,7 +326,21 @@ def _draw_linear(rng: random.Random) -> dict:
     # a launch plan of a large layer (not run)
     c["big_plan"] = (rng.randint(1, 1 << rng.randint(4, 18)), 8 * rng.randint(1, 1 << rng.randint(2, 12)),
                      rng.randint(1, 200), rng.choice([1, 2, 4, 8]))
+    if gpu:
+        c["pdl"] = rng.random() < 0.5
     return c
+
+
+def _linear_inputs(c: dict, case: int, device="cpu"):
+    """x [m, k] (rows c["xs"] apart when set) and w [n, k] (rows c["ws"] apart) of a drawn configuration, N(0, 1)
+    / sqrt(k)-scaled, drawn on `device` from the case seed (on the CPU: make's x)."""
+    m, n, k, dtype = c["m"], c["n"], c["k"], DTYPES[c["dt"]]
+    seed = case % 2**31
+    xbuf = torch.randn(m, c["xs"] or k, generator=torch.Generator(device).manual_seed(seed), dtype=torch.float64,
+                       device=device)
+    w = torch.randn(n, c["ws"] or k, generator=torch.Generator(device).manual_seed(seed + 1), dtype=torch.float64,
+                    device=device) / k**0.5
+    return xbuf.to(dtype)[:, :k], w.to(dtype)[:, :k]
 
 
 @pytest.mark.parametrize("case", fuzz_cases(16))
@@ -335,11 +360,7 @@ def test_emulated_kernel_random_config(emulator, tmp_path, case):
         plan = _emu_plan(emulator, c["n"], c["k"], c["plan_sms"], c["plan_max_cluster"])
         assert _plan_ok(c["n"], c["k"], c["plan_sms"], c["plan_max_cluster"], plan), ("plan", plan, c)
         c["fw"], c["cluster"] = plan[:2]
-    m, n, k, dtype = c["m"], c["n"], c["k"], DTYPES[c["dt"]]
-    x, _ = make(m, n, k, dtype, seed=case % 2**31, x_stride=c["xs"])
-    g = torch.Generator().manual_seed(case % 2**31 + 1)
-    ws = c["ws"] or k
-    w = (torch.randn(n, ws, generator=g, dtype=torch.float64) / k**0.5).to(dtype)[:, :k]
+    x, w = _linear_inputs(c, case)
     got = emu_linear(emulator, tmp_path, x, w, c["fw"], c["cluster"], seed=c["seed"])
     err, err_ref = check_close(got, x, w)
     print("err", err, "F.linear err", err_ref)
@@ -410,6 +431,33 @@ def test_gpu_kernel_matches_reference(cuda_ext_with, dt, m, n, k):
     for pdl in (False, True):
         got = mod.linear(x, w, pdl)
         check_close(got, x, w)
+
+
+GPU_FUZZ_CASES = 64  # estimated (not yet timed) at a few ms each on an H100
+
+
+def _check_random_linear(case, run, device="cuda"):
+    """The configuration _draw_linear(gpu=True) draws from `case`, its inputs drawn on `device`
+    (_linear_inputs), `run(x, w, c)` -> the product, checked by check_close as the emulator's random
+    configurations; a failure names the configuration. -> (err, err_ref)"""
+    c = _draw_linear(random.Random(case), gpu=True)
+    print("linear GPU fuzz case", case, c)
+    try:
+        x, w = _linear_inputs(c, case, device)
+        return check_close(run(x, w, c), x, w)
+    except Exception as e:
+        raise AssertionError(f"linear fuzz case {case} {c}: {type(e).__name__}: {e}") from e
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", fuzz_cases(GPU_FUZZ_CASES))
+def test_gpu_random_config(cuda_ext_with, case):
+    """The built kernel (_C.linear, as test_gpu_kernel_matches_reference) on a random configuration of the
+    emulator's space (test_emulated_kernel_random_config) with larger layers: bf16 / fp16, m 1..64, K to 12288,
+    N to ~40k and the model's widths (the launcher plans each for this GPU), strided or dense x and weight rows,
+    PDL on or off; checked by check_close. The drawn plan and schedule seed are emulator-only (not used here)."""
+    mod = cuda_ext_with("linear")
+    _check_random_linear(case, lambda x, w, c: mod.linear(x, w, c["pdl"]), "cuda")
 
 
 @pytest.mark.gpu
