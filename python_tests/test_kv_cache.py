@@ -423,28 +423,29 @@ def _copy_unit(ptrs_strides, head_bytes):
     return unit
 
 
-@pytest.mark.parametrize("case", fuzz_cases(100))
-def test_emulated_kv_cache_write_random_config(emu, case):
-    """One random configuration per case: dtype (fp64 / fp32 / fp16 / bf16), head dim D (1 .. 160, the 16-byte
-    unit boundaries, rarely 0) and heads H (0 .. 5), batch B (0 .. 6), chunk C (0 .. 9) and capacity L (0 .. 40,
-    also L < C), caches and k / v as strided views of padded buffers (random dim order, fused k/v caches or
-    projections interleaved in one buffer, stride-0 batch/head of k / v, pointers shifted off 16 bytes: every copy
-    unit 16 / 8 / 4 / 2 bytes), k is v, rows in and out of range (negative, past C, past L, int32 extremes),
-    an error flag or none (dirty or clean, strided), a capped grid (grid-stride loop), the block order and thread
-    interleaving seed (warp-greedy bit). Bit-exact against the reference on copies of the whole buffers: exactly
-    the reference's writes, nothing else touched, the same flag."""
-    rng = random.Random(case)
-    dtype = rng.choice([torch.float64, torch.float32, torch.float16, torch.bfloat16])
-    es = torch.empty(0, dtype=dtype).element_size()
-    D = rng.choice([0] * 1 + [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 63, 64, 65, 96, 127, 128, 129, 160]
-                   + [rng.randint(1, 160)] * 4)
-    align = 16 // es if rng.random() < 0.4 else 1  # 16-byte aligned pointers and strides (the uint4 copy)
-    if align > 1 and D % align:
-        D = max(align, D // align * align)
-    H = rng.choice([0, 1, 1, 2, 3, 4, 5]) if rng.random() < 0.1 else rng.randint(1, 4)
-    B = rng.choice([0, 1, 2, 3, 5, 6]) if rng.random() < 0.2 else rng.randint(1, 4)
-    C = rng.choice([0, 1, 2, 3, 4, 8, 9])
-    L = rng.choice([C, C + 1, rng.randint(0, 40), rng.randint(C, 40), max(C - 1, 0)])
+GPU_FUZZ_ELEMS = 1 << 25  # on a GPU: elements of each cache (B x L x H x D) at most
+
+
+def _draw_kv_cache_write(rng, gpu=False) -> dict:
+    """One random configuration of the KV-cache write (see test_emulated_kv_cache_write_random_config). gpu=True
+    (test_gpu_random_config): larger shapes besides (B to 32, H to 8, head dims 64 / 128 more often, C to 64 or a
+    1025-token prefill, L to 8192; redrawn until a cache has at most GPU_FUZZ_ELEMS elements); the grid cap and
+    schedule seed are still drawn (emulator-only). gpu=False draws as before the parameter existed."""
+    while True:
+        dtype = rng.choice([torch.float64, torch.float32, torch.float16, torch.bfloat16])
+        es = torch.empty(0, dtype=dtype).element_size()
+        D = rng.choice([0] * 1 + [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 63, 64, 65, 96, 127, 128, 129,
+                                  160] + [rng.randint(1, 160)] * 4 + ([64, 128] * 6 if gpu else []))
+        align = 16 // es if rng.random() < 0.4 else 1  # 16-byte aligned pointers and strides (the uint4 copy)
+        if align > 1 and D % align:
+            D = max(align, D // align * align)
+        H = rng.choice([0, 1, 1, 2, 3, 4, 5]) if rng.random() < 0.1 else rng.randint(1, 8 if gpu else 4)
+        B = rng.choice([0, 1, 2, 3, 5, 6]) if rng.random() < 0.2 else rng.randint(1, 32 if gpu else 4)
+        C = rng.choice([0, 1, 2, 3, 4, 8, 9] + ([16, 31, 32, 64, 1025] if gpu else []))
+        top = 8192 if gpu else 40
+        L = rng.choice([C, C + 1, rng.randint(0, top), rng.randint(C, top), max(C - 1, 0)])
+        if not gpu or B * max(L, C) * H * D <= GPU_FUZZ_ELEMS:
+            break
     fused_cache, fused_kv, k_is_v = rng.random() < 0.3, rng.random() < 0.3, rng.random() < 0.08
     p_bad = rng.choice([0.0, 0.0, 0.2, 0.5])
     cl, nl, bad = _fuzz_lengths(rng, B, C, L, p_bad)
@@ -463,48 +464,87 @@ def test_emulated_kv_cache_write_random_config(emu, case):
 
     cache_sizes, cache_lays = layouts((B, L, H, D), fused_cache, False)
     kv_sizes, kv_lays = layouts((B, C, H, D), fused_kv and not k_is_v, True)
-    config = (f"dtype={dtype} align={align} B={B} L={L} C={C} H={H} D={D} cache_lens={cl} chunk_lens={nl} bad={bad} "
-              f"cache layouts={cache_lays} (buffers {cache_sizes}) kv layouts={kv_lays} (buffers {kv_sizes}) "
-              f"k_is_v={k_is_v} flag={flag_kind} max_blocks={max_blocks} order={order:#x}")
+    flag_fill = None
+    if flag_kind != "none":
+        flag_fill = [0] * (rng.randint(1, 3) * (2 if flag_kind == "strided" else 1))
+        if flag_kind == "dirty":
+            flag_fill = [rng.choice([0, 1, 7, -5]) for _ in range(len(flag_fill))]
+    return dict(dtype=dtype, es=es, align=align, B=B, L=L, C=C, H=H, D=D, cl=cl, nl=nl, bad=bad,
+                cache_sizes=cache_sizes, cache_lays=cache_lays, kv_sizes=kv_sizes, kv_lays=kv_lays, k_is_v=k_is_v,
+                flag_kind=flag_kind, flag_fill=flag_fill, pairs=pairs, max_blocks=max_blocks, order=order)
+
+
+def _check_random_kv_cache_write(case, write, device="cpu", gpu=False):
+    """The configuration _draw_kv_cache_write(gpu=gpu) draws from `case`, its buffers built on `device`, written by
+    `write(k_cache, v_cache, k, v, cache_lens, chunk_lens, error_flag, cfg)` (in place) and compared bit-exact with
+    the reference's write on copies of the whole buffers: exactly the reference's writes, nothing else touched,
+    the same flag; a failure names the configuration. -> write's result"""
+    c = _draw_kv_cache_write(random.Random(case), gpu)
+    dtype, B, L, C, H, D = c["dtype"], c["B"], c["L"], c["C"], c["H"], c["D"]
+    config = (f"dtype={dtype} align={c['align']} B={B} L={L} C={C} H={H} D={D} cache_lens={c['cl']} "
+              f"chunk_lens={c['nl']} bad={c['bad']} cache layouts={c['cache_lays']} (buffers {c['cache_sizes']}) "
+              f"kv layouts={c['kv_lays']} (buffers {c['kv_sizes']}) k_is_v={c['k_is_v']} flag={c['flag_kind']} "
+              f"max_blocks={c['max_blocks']} order={c['order']:#x}")
     print(config)
 
-    g = torch.Generator().manual_seed(case)
-    cache_bufs = [poisoned((n,), dtype) for n in cache_sizes]
-    kv_bufs = [(torch.randn(n, generator=g, dtype=torch.float64) * 3 + 0.5).to(dtype) for n in kv_sizes]
+    g = torch.Generator(device).manual_seed(case)
+    cache_bufs = [poisoned((n,), dtype, device) for n in c["cache_sizes"]]
+    kv_bufs = [(torch.randn(n, generator=g, dtype=torch.float64, device=device) * 3 + 0.5).to(dtype)
+               for n in c["kv_sizes"]]
 
     def view(bufs, lay, shape):
         which, offset, strides = lay
         return bufs[which].as_strided(shape, strides, bufs[which].storage_offset() + offset)
 
-    kc, vc = (view(cache_bufs, lay, (B, L, H, D)) for lay in cache_lays)
-    k, v = (view(kv_bufs, lay, (B, C, H, D)) for lay in kv_lays)
-    if k_is_v:
+    kc, vc = (view(cache_bufs, lay, (B, L, H, D)) for lay in c["cache_lays"])
+    k, v = (view(kv_bufs, lay, (B, C, H, D)) for lay in c["kv_lays"])
+    if c["k_is_v"]:
         v = k
-    cache_lens, chunk_lens = (torch.tensor(x, dtype=torch.int32) for x in (cl, nl))
+    cache_lens, chunk_lens = (torch.tensor(x, dtype=torch.int32, device=device) for x in (c["cl"], c["nl"]))
     flag_buf = flag = None
-    if flag_kind != "none":
-        flag_buf = torch.zeros(rng.randint(1, 3) * (2 if flag_kind == "strided" else 1), dtype=torch.int32)
-        if flag_kind == "dirty":
-            flag_buf[:] = torch.tensor([rng.choice([0, 1, 7, -5]) for _ in range(flag_buf.numel())], dtype=torch.int32)
-        flag = flag_buf[::2] if flag_kind == "strided" else flag_buf
+    if c["flag_kind"] != "none":
+        flag_buf = torch.tensor(c["flag_fill"], dtype=torch.int32, device=device)
+        flag = flag_buf[::2] if c["flag_kind"] == "strided" else flag_buf
 
     want_bufs = [b.clone() for b in cache_bufs]
-    want_kc, want_vc = (view(want_bufs, lay, (B, L, H, D)) for lay in cache_lays)
+    want_kc, want_vc = (view(want_bufs, lay, (B, L, H, D)) for lay in c["cache_lays"])
     want_flag_buf = None if flag_buf is None else flag_buf.clone()
-    want_flag = None if flag_buf is None else (want_flag_buf[::2] if flag_kind == "strided" else want_flag_buf)
+    want_flag = None if flag_buf is None else (want_flag_buf[::2] if c["flag_kind"] == "strided" else want_flag_buf)
     kv_cache_write_reference(want_kc, want_vc, k, v, cache_lens, chunk_lens, want_flag)
 
-    unit, threads, blocks = emu_write(emu, kc, vc, k, v, cache_lens, chunk_lens, flag, max_blocks=max_blocks,
-                                      order=order)
-    want_unit = _copy_unit([(t.data_ptr(), [s * es for s in t.stride()[:3]]) for t in (kc, vc, k, v)], D * es)
-    assert unit == want_unit, config
-    units = H * (D * es // want_unit)
-    assert threads == min(max(-(-units // 32) * 32, 32), 256), config
-    assert blocks == (min(pairs, max_blocks) if max_blocks else pairs), config
-    for got_buf, want_buf in zip(cache_bufs, want_bufs):
-        assert_bits_equal(got_buf, want_buf)
-    if flag_buf is not None:
-        assert torch.equal(flag_buf, want_flag_buf), (flag_buf, want_flag_buf, config)
+    try:
+        result = write(kc, vc, k, v, cache_lens, chunk_lens, flag, c)
+        for got_buf, want_buf in zip(cache_bufs, want_bufs):
+            assert_bits_equal(got_buf, want_buf)
+        if flag_buf is not None:
+            assert torch.equal(flag_buf, want_flag_buf), (flag_buf, want_flag_buf)
+    except Exception as e:
+        raise AssertionError(f"kv_cache_write fuzz case {case}: {config}: {type(e).__name__}: {e}") from e
+    return result
+
+
+@pytest.mark.parametrize("case", fuzz_cases(100))
+def test_emulated_kv_cache_write_random_config(emu, case):
+    """One random configuration per case: dtype (fp64 / fp32 / fp16 / bf16), head dim D (1 .. 160, the 16-byte
+    unit boundaries, rarely 0) and heads H (0 .. 5), batch B (0 .. 6), chunk C (0 .. 9) and capacity L (0 .. 40,
+    also L < C), caches and k / v as strided views of padded buffers (random dim order, fused k/v caches or
+    projections interleaved in one buffer, stride-0 batch/head of k / v, pointers shifted off 16 bytes: every copy
+    unit 16 / 8 / 4 / 2 bytes), k is v, rows in and out of range (negative, past C, past L, int32 extremes),
+    an error flag or none (dirty or clean, strided), a capped grid (grid-stride loop), the block order and thread
+    interleaving seed (warp-greedy bit). Bit-exact against the reference on copies of the whole buffers: exactly
+    the reference's writes, nothing else touched, the same flag; the launcher's copy unit, block size and grid."""
+
+    def write(kc, vc, k, v, cache_lens, chunk_lens, flag, c):
+        unit, threads, blocks = emu_write(emu, kc, vc, k, v, cache_lens, chunk_lens, flag, max_blocks=c["max_blocks"],
+                                          order=c["order"])
+        es = c["es"]
+        want_unit = _copy_unit([(t.data_ptr(), [s * es for s in t.stride()[:3]]) for t in (kc, vc, k, v)], c["D"] * es)
+        assert unit == want_unit
+        units = c["H"] * (c["D"] * es // want_unit)
+        assert threads == min(max(-(-units // 32) * 32, 32), 256)
+        assert blocks == (min(c["pairs"], c["max_blocks"]) if c["max_blocks"] else c["pairs"])
+
+    _check_random_kv_cache_write(case, write)
 
 
 def test_launcher_checks_inputs(cuda_ext_with):
@@ -553,6 +593,25 @@ def test_launcher_checks_inputs(cuda_ext_with):
 def cuda_kernels(cuda_ext_with):
     """The CUDA kernel must be what runs, else a GPU test would compare the reference with itself."""
     cuda_ext_with("kv_cache_write")
+
+
+GPU_FUZZ_CASES = 64  # estimated (not yet timed) at a few ms each on an H100
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", fuzz_cases(GPU_FUZZ_CASES))
+def test_gpu_random_config(cuda_kernels, case):
+    """The CUDA kernel through the public op (its host check off: out-of-range rows reach the kernel) on a random
+    configuration of the emulator's space (test_emulated_kv_cache_write_random_config) with larger shapes (B to 32,
+    H to 8, C to 64 or 1025, L to 8192): dtypes, head dims at the copy-unit boundaries, strided / fused / expanded
+    / shifted layouts, k is v, rows out of range, the error flag; checked bit-exact against the reference as
+    there. The grid cap and schedule seed are emulator-only (not used here: the launcher sizes its grid, the
+    hardware schedules)."""
+
+    def write(kc, vc, k, v, cache_lens, chunk_lens, flag, c):
+        kv_cache_write(kc, vc, k, v, cache_lens, chunk_lens, error_flag=flag, check_lengths=False)
+
+    _check_random_kv_cache_write(case, write, "cuda", gpu=True)
 
 
 def _check_cuda_vs_reference(B, L, C, H, D, dtype, k_fn=lambda t: t, cache_fn=None):
