@@ -5,6 +5,7 @@ and rollout batch of test_rl / test_logprobs."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -164,6 +165,38 @@ def fuzz_cases(default: int = 3) -> list:
             raise pytest.UsageError(f"{name} must be a non-negative integer, got {raw!r}")
     first = values["LRF_FUZZ_SEED"] * 1_000_000
     return [pytest.param(first + i, id=f"fuzz{first + i}") for i in range(values["LRF_FUZZ_CASES"])]
+
+
+def same_layout_on(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device` with its shape, strides and storage offset kept: its whole storage copied there and the view
+    rebuilt (`t.to(device)` makes a non-dense view contiguous), so a kernel on the GPU sees the layout a random
+    configuration drew on the CPU (padded rows, offsets, stride-0 dims; the 16-byte alignment of the offset too, a
+    storage being at least 64-byte aligned on either device). `t` itself where it already is. Views of one storage
+    moved separately become separate copies."""
+    device = torch.device(device)
+    if t.device.type == device.type and device.index in (None, t.device.index):
+        return t
+    base = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
+    return base.to(device).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+@contextlib.contextmanager
+def poisoned_cuda_outputs(*nbytes: int):
+    """Within the block, CUDA tensors of these byte sizes allocated in this order (the outputs a launcher allocates
+    with at::empty, and nothing else) start as 0xFF bytes, NaN in every float dtype: the GPU counterpart of the
+    emulator tests' NaN-filled outputs, so an element the kernel does not write shows. The block allocates from a
+    fresh private memory pool in which tensors of the same sizes were filled and freed first: the freed blocks
+    merge back into the pool's fresh segments, and the same requests in the same order carve the same addresses.
+    Take the outputs off the device (.cpu()) inside the block: the pool goes when it ends (a pool should outlive
+    its tensors). Best effort: without torch.cuda.MemPool nothing is poisoned."""
+    if not hasattr(torch.cuda, "MemPool") or not hasattr(torch.cuda, "use_mem_pool"):
+        yield
+        return
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        poison = [torch.full((n,), 255, dtype=torch.uint8, device="cuda") for n in nbytes if n > 0]
+        del poison
+        yield
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import EMU_GREEDY, fuzz_cases
+from conftest import EMU_GREEDY, fuzz_cases, poisoned_cuda_outputs, same_layout_on
 
 from lightningrl_fast.ops.silu_mul import silu_mul, silu_mul_reference
 
@@ -118,15 +118,11 @@ _GATE_EDGES = [-1e25, -104.0, -103.9, -88.8, -88.72, -87.3, -20.0, -5.0, -1.2785
                1e25]
 
 
-@pytest.mark.parametrize("case", fuzz_cases(100))
-def test_emulated_silu_mul_random_config(emu, case):
-    """One random configuration per case: dtype fp32 / bf16 / fp16; rows 0 .. 40; I a multiple of the 16-byte
-    vector (1 .. 1536 vectors: the 256-thread block's boundaries); gate_up rows strided in a larger buffer (a
-    16-byte multiple apart, 16-byte aligned: what the launcher accepts); the launcher's grid or a smaller one
-    (grid-stride loop); gate and up at a scale from 1e-3 to 1e8 (fp16: up to 30) with some gates at the edges of
-    expf (overflow, underflow, +-1e25; fp16: its range); the thread-interleaving seed (warp-greedy bit).
-    Checked as the fixed emulator tests are: within 2x the same-dtype PyTorch error against float64 (+1 ulp), and
-    for 16-bit results with >= 2048 elements the share equal to eager's."""
+def _draw_silu_mul(case, gpu=False):
+    """The random configuration of case `case` (see test_emulated_silu_mul_random_config) -> (description, gate_up
+    [rows, 2 I] on the CPU, strided in its buffer, grid, order seed). `gpu`: sizes past the emulator's cost cap
+    (up to 3 x 2^18 vectors, past the launcher's grid of 132 x 16 CTAs of 256 threads: the grid-stride loop on a
+    real GPU); the emulator's draws are unchanged by the parameter (the same random numbers in the same order)."""
     rng = random.Random(case)
     g = torch.Generator().manual_seed(case)
     dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
@@ -134,7 +130,9 @@ def test_emulated_silu_mul_random_config(emu, case):
     ivec = rng.choice([1, 2, 3, 31, 32, 33, 255, 256, 257, 511, 512, 513, 1024, 1536, rng.randint(1, 600)])
     inner = ivec * per_vec
     rows = rng.choice([0, 1, 1, 2, 3, 7, rng.randint(1, 40)])
-    rows = min(rows, max(1, 8192 // ivec))  # at most 32 CTAs of the emulator
+    if gpu and rng.random() < 0.25:
+        rows = rng.randint(41, 5000)
+    rows = min(rows, max(1, (3 << 18 if gpu else 8192) // ivec))  # emulator: at most 32 CTAs
     pad = per_vec * rng.choice([0, 0, 0, 1, 2, 5])
     start = per_vec * rng.choice([0, 0, 1, 3])
     stride = 2 * inner + pad
@@ -145,8 +143,8 @@ def test_emulated_silu_mul_random_config(emu, case):
     grid = rng.choice([full_grid, full_grid, rng.randint(1, max(full_grid, 1))]) if vecs else 1
     order = rng.choice([0, rng.getrandbits(62) + 1, EMU_GREEDY | rng.getrandbits(62)])
     what = (f"case {case}: dtype={dtype} rows={rows} inner={inner} stride={stride} start={start} scale={scale} "
-            f"p_edge={p_edge} grid={grid} (launcher's {full_grid}) order={order:#x}")
-    print(what)
+            f"p_edge={p_edge} " + ("(grid, order: the emulator's)" if gpu else
+                                   f"grid={grid} (launcher's {full_grid}) order={order:#x}"))
 
     vals = torch.randn(start + max(rows, 1) * stride, generator=g, dtype=torch.float64) * scale + 0.1 * scale
     col = (torch.arange(vals.numel()) - start) % stride
@@ -157,15 +155,37 @@ def test_emulated_silu_mul_random_config(emu, case):
         vals = vals.clamp(-200.0, 200.0)
     buf = vals.to(dtype)
     gu = buf[start : start + rows * stride].view(rows, stride)[:, : 2 * inner] if rows else buf[:0].view(0, 2 * inner)
-    got = emu.silu_mul(gu, grid=grid, order=order)
-    ref = silu_mul_reference(gu)
+    return what, gu, grid, order
+
+
+def _check_silu_mul_random_config(case, run, device, gpu=False):
+    """Draws case `case` (_draw_silu_mul), runs `run(gate_up, grid, order)` on gate_up moved to `device` with its
+    layout (same_layout_on) and checks the result: within 2x the same-dtype PyTorch error (eager on `device`)
+    against float64 (+1 ulp), and for 16-bit results with >= 2048 elements the share equal to eager's."""
+    what, gu, grid, order = _draw_silu_mul(case, gpu)
+    print(what)
+    gu_dev = same_layout_on(gu, device)
+    got = run(gu_dev, grid, order).cpu()
+    ref = silu_mul_reference(gu_dev).cpu()
     assert got.shape == ref.shape and torch.isfinite(ref).all(), what  # (an inf would void the error bound)
     if got.numel() == 0:
         return
     assert_as_good_as_torch(got, ref, silu_mul_reference(gu.double()), what)
-    if dtype != torch.float32 and got.numel() >= 2048:
+    if gu.dtype != torch.float32 and got.numel() >= 2048:
         same = (got == ref).float().mean().item()
         assert same >= 0.99, f"{what}: {same:.4f} equal to eager"
+
+
+@pytest.mark.parametrize("case", fuzz_cases(100))
+def test_emulated_silu_mul_random_config(emu, case):
+    """One random configuration per case: dtype fp32 / bf16 / fp16; rows 0 .. 40; I a multiple of the 16-byte
+    vector (1 .. 1536 vectors: the 256-thread block's boundaries); gate_up rows strided in a larger buffer (a
+    16-byte multiple apart, 16-byte aligned: what the launcher accepts); the launcher's grid or a smaller one
+    (grid-stride loop); gate and up at a scale from 1e-3 to 1e8 (fp16: up to 30) with some gates at the edges of
+    expf (overflow, underflow, +-1e25; fp16: its range); the thread-interleaving seed (warp-greedy bit).
+    Checked as the fixed emulator tests are: within 2x the same-dtype PyTorch error against float64 (+1 ulp), and
+    for 16-bit results with >= 2048 elements the share equal to eager's."""
+    _check_silu_mul_random_config(case, lambda gu, grid, order: emu.silu_mul(gu, grid=grid, order=order), "cpu")
 
 
 @pytest.fixture
@@ -214,3 +234,19 @@ def test_gpu_graph_capture_and_opcheck(cuda_ext):
     torch.cuda.synchronize()
     assert torch.equal(out, silu_mul(gu)) and not torch.equal(out, want)
     torch.library.opcheck(torch.ops.lightningrl_fast.silu_mul.default, (gu,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", fuzz_cases(60))
+def test_gpu_random_config(cuda_ext, case):
+    """test_emulated_silu_mul_random_config's configurations on the CUDA kernel (_C.silu_mul, the launcher's own
+    grid), with more rows (up to 3 x 2^18 vectors: the grid-stride loop past the launcher's 132 x 16 CTAs), the
+    output poisoned (poisoned_cuda_outputs), the same checks (eager on the GPU as the same-dtype computation).
+    The emulator's grid and thread-interleaving seed are not drawn here: the launcher picks the grid, the
+    hardware the order."""
+
+    def run(gu, grid, order):
+        with poisoned_cuda_outputs(gu.shape[0] * gu.shape[1] // 2 * gu.element_size()):
+            return cuda_ext.silu_mul(gu).cpu()
+
+    _check_silu_mul_random_config(case, run, "cuda", gpu=True)
