@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import EMU_GREEDY, fuzz_cases
+from conftest import EMU_GREEDY, fuzz_cases, poisoned_cuda_outputs, same_layout_on
 
 from lightningrl_fast.model import RMSNorm, apply_rope, rope_cos_sin
 from lightningrl_fast.ops.rms_norm import (
@@ -362,18 +362,12 @@ def _fuzz_rows_view(rng, g, rows, n, dtype, kind, scale):
     return view, stride
 
 
-@pytest.mark.parametrize("case", fuzz_cases(100))
-def test_emulated_rms_norm_family_random_config(emu, case):
-    """One random configuration per case. op: rms_norm, add_rms_norm or qk_norm_rope; dtype fp32 / bf16 / fp16;
-    eps (0, 1e-6, 1e-5, 0.5); values normal, with an outlier per row, or flat (near +-1 after the norm), at a
-    scale from 1e-15 to 1e15 (fp16: 1e-3 .. 1e3); the emulator's thread-interleaving seed (warp-greedy bit).
-    rms_norm / add_rms_norm: rows 0 .. 9, N a multiple of the 16-byte vector with N / vector at and around the
-    block's thread and register-tile boundaries (1 .. 1024 vectors), x and residual rows strided in larger
-    buffers (16-byte aligned, as the launcher accepts), residual is x. qk_norm_rope: D 64 / 128, B, N, H small,
-    x a view of a padded buffer in a random dim order at any element offset (a stride-0 batch or token dim
-    too), RoPE positions 0 .. 1e6 with theta 1e4 / 1e6, one weight or two with split 0 .. H. Checked as the
-    fixed emulator tests are: within 2x the same-dtype PyTorch error against float64 (+2 ulp), the residual sum
-    exactly equal, and for 16-bit results with >= 2048 elements the share equal to eager's."""
+def _draw_rms_norm_family(case, gpu=False):
+    """The random configuration of case `case` (see test_emulated_rms_norm_family_random_config) -> a dict: "what"
+    (its description), "op", "eps", "kind", "order" and the CPU inputs of the op ("x", "w"; "r" and "r_is_x";
+    "cos", "sin", "w2", "split"). `gpu`: sizes past the emulator's cost cap (rms_norm / add_rms_norm up to 3000
+    rows, 2^21 elements; qk_norm_rope B <= 8, N <= 200, H <= 40, 2^21 elements: grids of many CTAs); the emulator's
+    draws are unchanged by the parameter (the same random numbers in the same order)."""
     rng = random.Random(case)
     g = torch.Generator().manual_seed(case)
     op = rng.choice(["rms_norm", "add_rms_norm", "qk_norm_rope"])
@@ -383,7 +377,9 @@ def test_emulated_rms_norm_family_random_config(emu, case):
     scales = [1.0, 1.0, 4.0, 1e-3, 1e3] + ([1e15, 1e-15, 1e8, 1e-8] if dtype != torch.float16 else [])
     scale = rng.choice(scales)
     order = rng.choice([0, rng.getrandbits(62) + 1, EMU_GREEDY | rng.getrandbits(62)])
-    what = f"case {case}: op={op} dtype={dtype} eps={eps} values={kind} scale={scale} order={order:#x}"
+    c = dict(op=op, eps=eps, kind=kind, order=order)
+    what = (f"case {case}: op={op} dtype={dtype} eps={eps} values={kind} scale={scale} "
+            + ("(order: the emulator's)" if gpu else f"order={order:#x}"))
 
     if op in ("rms_norm", "add_rms_norm"):
         per_vec = 16 // torch.empty(0, dtype=dtype).element_size()
@@ -392,29 +388,23 @@ def test_emulated_rms_norm_family_random_config(emu, case):
                            1023, 1024, rng.randint(1, 1024), rng.randint(1, 300)])
         n = nvec * per_vec
         rows = rng.choice([0, 1, 1, 2, 3, rng.randint(1, 9)]) if n <= 2048 else rng.choice([1, 2, 3])
-        x, xs = _fuzz_rows_view(rng, g, rows, n, dtype, kind, scale)
+        if gpu and rng.random() < 0.4:
+            rows = min(rng.choice([rng.randint(10, 300), rng.randint(300, 3000)]), (1 << 21) // n)
+        c["x"], xs = _fuzz_rows_view(rng, g, rows, n, dtype, kind, scale)
         w = _fuzz_values(rng, g, (n,), dtype, "normal", 1.0) * 0.5 + 1.0
-        w = w.to(dtype)
+        c["w"] = w.to(dtype)
         what += f" rows={rows} n={n} x_stride={xs}"
-        if op == "rms_norm":
-            print(what)
-            got = emu.rms_norm(x, w, order=order, eps=eps)
-            normed = x
-            same_dtype = rms_norm_reference(x, w, eps)
-            ref64 = rms_norm_f64(x, w, eps)
-        else:
-            r_is_x = rng.random() < 0.1
-            r, rs = (x, xs) if r_is_x else _fuzz_rows_view(rng, g, rows, n, dtype, kind, scale)
-            what += f" r_stride={rs} residual_is_x={r_is_x}"
-            print(what)
-            got, s = emu.add_rms_norm(x, r, w, order=order, eps=eps)
-            same_dtype, s_ref = add_rms_norm_reference(x, r, w, eps)
-            assert torch.equal(s, s_ref), f"{what}: the residual sum differs from eager's x + residual"
-            normed = s_ref
-            ref64 = rms_norm_f64(s_ref, w, eps)
+        if op == "add_rms_norm":
+            c["r_is_x"] = rng.random() < 0.1
+            c["r"], rs = (c["x"], xs) if c["r_is_x"] else _fuzz_rows_view(rng, g, rows, n, dtype, kind, scale)
+            what += f" r_stride={rs} residual_is_x={c['r_is_x']}"
     else:
         D = rng.choice([64, 128])
         B, N, H = rng.randint(1, 3), rng.choice([1, 2, 3, 5, rng.randint(1, 9)]), rng.choice([1, 2, 3, 4, 7, 8])
+        if gpu and rng.random() < 0.5:
+            B, N, H = rng.randint(1, 8), rng.choice([rng.randint(1, 32), rng.randint(32, 200)]), rng.choice(
+                [rng.randint(1, 16), 16, 32, 40])
+            N = max(1, min(N, (1 << 21) // (B * H * D)))
         # x: a view of a padded [B, N, H, D] buffer, outer dims in a random memory order, at any element offset
         outer = [0, 1, 2]
         rng.shuffle(outer)
@@ -429,22 +419,52 @@ def test_emulated_rms_norm_family_random_config(emu, case):
             _fuzz_values(rng, g, (B, N, H, D), dtype, kind, scale))
         if rng.random() < 0.1:  # read-only, so an expanded (stride-0) batch or token dim is allowed
             strides[rng.choice([0, 1])] = 0
-        x = buf.as_strided((B, N, H, D), (strides[0], strides[1], strides[2], 1), offset)
-        w = (_fuzz_values(rng, g, (D,), dtype, "normal", 1.0) * 0.5 + 1.0).to(dtype)
+        c["x"] = x = buf.as_strided((B, N, H, D), (strides[0], strides[1], strides[2], 1), offset)
+        c["w"] = (_fuzz_values(rng, g, (D,), dtype, "normal", 1.0) * 0.5 + 1.0).to(dtype)
         two = rng.random() < 0.5
-        w2 = (_fuzz_values(rng, g, (D,), dtype, "normal", 1.0) * 0.3 + 0.5).to(dtype) if two else None
-        split = rng.choice([0, H, rng.randint(0, H)]) if two else 0
+        c["w2"] = (_fuzz_values(rng, g, (D,), dtype, "normal", 1.0) * 0.3 + 0.5).to(dtype) if two else None
+        c["split"] = split = rng.choice([0, H, rng.randint(0, H)]) if two else 0
         max_pos = rng.choice([8, 4096, 40960, 1_000_000])
         theta = rng.choice([1e4, 1e6])
         pos = torch.randint(0, max_pos, (B, N), generator=g)
-        cos, sin = rope_cos_sin(pos, D, theta, dtype)
+        c["cos"], c["sin"] = rope_cos_sin(pos, D, theta, dtype)
         what += (f" B={B} N={N} H={H} D={D} x strides={x.stride()} offset={offset} two_weights={two} split={split} "
                  f"max_pos={max_pos} theta={theta}")
-        print(what)
-        got = emu.qk_norm_rope(x, w, cos, sin, order=order, w2=w2, split=split, eps=eps)
+    c["what"] = what
+    return c
+
+
+def _check_rms_norm_family_random_config(case, kernels, device, gpu=False):
+    """Draws case `case` (_draw_rms_norm_family), runs the op on its inputs moved to `device` with their layouts
+    (same_layout_on; a residual that is x stays x) through `kernels` (an object with Emulated's rms_norm /
+    add_rms_norm / qk_norm_rope methods) and checks the results: within 2x the same-dtype PyTorch error (eager on
+    `device`) against float64 (+2 ulp), the residual sum exactly eager's, and for 16-bit results with >= 2048
+    elements the share equal to eager's."""
+    c = _draw_rms_norm_family(case, gpu)
+    what, op, eps, order = c["what"], c["op"], c["eps"], c["order"]
+    print(what)
+    dev = {k: None if v is None else same_layout_on(v, device)
+           for k, v in c.items() if k in ("x", "w", "r", "cos", "sin", "w2")}
+    if c.get("r_is_x"):
+        dev["r"] = dev["x"]
+    x, w = c["x"], c["w"]
+    if op == "rms_norm":
+        got = kernels.rms_norm(dev["x"], dev["w"], order=order, eps=eps).cpu()
         normed = x
-        same_dtype = qk_norm_rope_reference(x, w, cos, sin, eps, w2, split)
-        ref64 = qk_norm_rope_f64(x, w, cos, sin, eps, w2, split)
+        same_dtype = rms_norm_reference(dev["x"], dev["w"], eps).cpu()
+        ref64 = rms_norm_f64(x, w, eps)
+    elif op == "add_rms_norm":
+        got, s = (t.cpu() for t in kernels.add_rms_norm(dev["x"], dev["r"], dev["w"], order=order, eps=eps))
+        same_dtype, s_ref = (t.cpu() for t in add_rms_norm_reference(dev["x"], dev["r"], dev["w"], eps))
+        assert torch.equal(s, s_ref), f"{what}: the residual sum differs from eager's x + residual"
+        normed = s_ref
+        ref64 = rms_norm_f64(s_ref, w, eps)
+    else:
+        args = (dev["w"], dev["cos"], dev["sin"])
+        got = kernels.qk_norm_rope(dev["x"], *args, order=order, w2=dev["w2"], split=c["split"], eps=eps).cpu()
+        normed = x
+        same_dtype = qk_norm_rope_reference(dev["x"], *args, eps, dev["w2"], c["split"]).cpu()
+        ref64 = qk_norm_rope_f64(x, w, c["cos"], c["sin"], eps, c["w2"], c["split"])
     if got.numel() == 0:
         assert got.shape == same_dtype.shape, what
         return
@@ -455,9 +475,24 @@ def test_emulated_rms_norm_family_random_config(emu, case):
     # the share equal to eager's assumes elements cross rounding boundaries independently; a flat row holds a few
     # distinct values (fp16 1000 +- 1 in steps of 0.5), whose elements all flip together when one value's
     # normalized product sits on a boundary (case 16002545: 505 of 3080, the kernel the closer to float64 in 320)
-    if dtype != torch.float32 and kind != "flat" and got.numel() >= 2048:
+    if got.dtype != torch.float32 and c["kind"] != "flat" and got.numel() >= 2048:
         same = (got == same_dtype).float().mean().item()
         assert same >= (0.98 if op != "qk_norm_rope" else 0.97), f"{what}: {same:.3f} equal to eager"
+
+
+@pytest.mark.parametrize("case", fuzz_cases(100))
+def test_emulated_rms_norm_family_random_config(emu, case):
+    """One random configuration per case. op: rms_norm, add_rms_norm or qk_norm_rope; dtype fp32 / bf16 / fp16;
+    eps (0, 1e-6, 1e-5, 0.5); values normal, with an outlier per row, or flat (near +-1 after the norm), at a
+    scale from 1e-15 to 1e15 (fp16: 1e-3 .. 1e3); the emulator's thread-interleaving seed (warp-greedy bit).
+    rms_norm / add_rms_norm: rows 0 .. 9, N a multiple of the 16-byte vector with N / vector at and around the
+    block's thread and register-tile boundaries (1 .. 1024 vectors), x and residual rows strided in larger
+    buffers (16-byte aligned, as the launcher accepts), residual is x. qk_norm_rope: D 64 / 128, B, N, H small,
+    x a view of a padded buffer in a random dim order at any element offset (a stride-0 batch or token dim
+    too), RoPE positions 0 .. 1e6 with theta 1e4 / 1e6, one weight or two with split 0 .. H. Checked as the
+    fixed emulator tests are: within 2x the same-dtype PyTorch error against float64 (+2 ulp), the residual sum
+    exactly equal, and for 16-bit results with >= 2048 elements the share equal to eager's."""
+    _check_rms_norm_family_random_config(case, emu, "cpu")
 
 
 @pytest.mark.parametrize("case", [3001125, 16002545])
@@ -553,6 +588,38 @@ def test_gpu_kernels_match_the_reference(cuda_ext, dtype):
             assert_as_good_as_torch(y.cpu(), y_ref.cpu(), rms_norm_f64(s_ref.cpu(), w.cpu(), EPS),
                                     f"add_rms {rows}x{n_}")
             assert torch.equal(add_rms_norm(x, r, w, EPS)[0], y)
+
+
+class _OnCuda:
+    """The CUDA launchers (_C) behind Emulated's methods, for the random configurations: outputs poisoned
+    (poisoned_cuda_outputs, in the launchers' allocation order) and returned on the CPU; the emulator's order seed
+    ignored."""
+
+    def __init__(self, C):
+        self.C = C
+
+    def rms_norm(self, x, w, order=0, eps=EPS):
+        with poisoned_cuda_outputs(x.numel() * x.element_size()):
+            return self.C.rms_norm(x, w, eps).cpu()
+
+    def add_rms_norm(self, x, r, w, order=0, eps=EPS):
+        with poisoned_cuda_outputs(x.numel() * x.element_size(), x.numel() * x.element_size()):
+            return tuple(t.cpu() for t in self.C.add_rms_norm(x, r, w, eps))
+
+    def qk_norm_rope(self, x, w, cos, sin, order=0, w2=None, split=0, eps=EPS):
+        with poisoned_cuda_outputs(x.numel() * x.element_size()):
+            return self.C.qk_norm_rope(x, w, cos, sin, eps, w2, split).cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", fuzz_cases(100))
+def test_gpu_random_config(cuda_ext, case):
+    """test_emulated_rms_norm_family_random_config's configurations on the CUDA kernels (_C.rms_norm /
+    add_rms_norm / qk_norm_rope on the drawn strided / offset / expanded layouts), with more rows and heads (up to
+    3000 rows, B x N x H up to 8 x 200 x 40: grids of many CTAs), the outputs poisoned, the same checks (eager on
+    the GPU as the same-dtype computation). The emulator's thread-interleaving seed is not drawn here: the
+    hardware picks the order."""
+    _check_rms_norm_family_random_config(case, _OnCuda(cuda_ext), "cuda", gpu=True)
 
 
 @pytest.mark.gpu
