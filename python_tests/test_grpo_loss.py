@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from conftest import fuzz_cases
+from test_grpo_loss_emu_random import _check_random_config, _LmHeadThroughGemm
 
 from lightningrl_fast.ops import grpo_loss as _gl
 from lightningrl_fast.ops.grpo_loss import (
@@ -788,6 +790,35 @@ def test_fused_kernel_peak_memory_16k_tokens_qwen_vocab():
           f"{chunked / 2**30:.2f}; gradients {grad_bytes / 2**30:.2f}")
     assert kernel < dense / 8
     assert kernel - grad_bytes < (chunked - grad_bytes) / 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", fuzz_cases(100))
+def test_gpu_random_config(cuda_ext_with, monkeypatch, case):
+    """test_grpo_loss_emu_random.py's random configurations of the LM-head row kernel and group_normalize on the
+    CUDA kernels, checked as there (_check_random_config: float64 oracles, within 2x the same-dtype PyTorch
+    error). The row kernel runs in `_C`'s real chunk loop (linear_logprobs / linear_logprobs_backward /
+    fused_linear_grpo_loss, every mode, entropy on / off, write_grad on / off, grad_hidden asked or not) on
+    hidden states and a head that make the cuBLAS GEMM give the drawn logits exactly (_LmHeadThroughGemm; its
+    gradient read back exactly from grad_W), with the GPU sizes of the draws: vocabularies up to 160000 (151936
+    and around it among them), up to 100 rows, random chunk sizes (1 .. 1024) and hidden sizes. group_normalize
+    runs through the public op (S up to 60000). Not drawn here, as the emulator draws them: a misaligned logits
+    buffer (the launcher's chunk buffer is its own), schedule seeds, -inf logits (through the GEMM they would be
+    NaN; a logit 200 below its row's max stands in), GRPO targets at the suppressed id (their NaN gradient row
+    would spread through grad_W's GEMM). Without a GPU test_grpo_loss_emu_random.py's
+    test_gpu_random_config_code_on_the_emulator runs this code on the emulated row kernel."""
+    C = cuda_ext_with("linear_logprobs", "linear_logprobs_backward", "fused_linear_grpo_loss", "group_normalize")
+    # exact one-hot GEMMs (no TF32) and fp32 accumulation in the grad_hidden bound
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
+
+    def run_group_normalize(rewards, ids, weights, c):
+        got = group_normalize(rewards.cuda(), ids.cuda(), weights.to(c["weight_dtype"]).cuda(), c["mode"])
+        assert got.is_cuda
+        return got.cpu()
+
+    _check_random_config(case, lambda c: _LmHeadThroughGemm(C, "cuda", c), run_group_normalize, gpu=True)
 
 
 def test_extension_entry_points_check_their_inputs():

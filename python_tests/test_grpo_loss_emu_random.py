@@ -2,7 +2,9 @@
 (csrc/emu/grpo_loss_emu.cpp): the LM-head row kernel in every mode (log-probs, gradient, fused GRPO terms with
 or without entropy) and group_normalize, drawn over the launcher's whole space and checked against float64 (an
 extended-precision oracle where float64 itself is the kernel's dtype). test_grpo_loss_emu.py holds the
-hand-picked cases and the shared helpers."""
+hand-picked cases and the shared helpers. The same draws and checks run on a GPU in test_grpo_loss.py's
+test_gpu_random_config, through _LmHeadThroughGemm (the real chunk loop of `_C`); its code runs here on the
+emulated row kernel (test_gpu_random_config_code_on_the_emulator)."""
 
 import ctypes
 import math
@@ -56,11 +58,15 @@ def _colliding_ids(rng, count, cap):
     return found[:count]
 
 
-def _draw_group_normalize(rng):
+def _draw_group_normalize(rng, gpu=False):
+    """A random group_normalize case -> (config, (rewards, group_ids, weights as float64)). `gpu`: also sizes past
+    the emulator's cost cap (S up to 60000); the emulator's draws are unchanged by the parameter."""
     c = {"kind": "group_normalize", "dtype": rng.choice([torch.float32, torch.bfloat16, torch.float16, torch.float64])}
     r = rng.random()
     S = (rng.choice([1, 2, 3, 31, 32, 33, 1023, 1024, 1025]) if r < 0.15 else rng.randint(1, 600) if r < 0.9
          else rng.randint(600, 4000))
+    if gpu and rng.random() < 0.25:
+        S = rng.choice([4095, 4096, 4097, 8192, rng.randint(4000, 60000)])
     c["S"] = S
     layout = rng.choice(["equal", "equal", "random", "big+small"])
     if layout == "equal":
@@ -174,9 +180,11 @@ def group_normalize_ext(rewards, group_ids, weights, mode):
     return torch.from_numpy(((total - mean) / sd).astype(np.float64))
 
 
-def _check_group_normalize_case(emu, c, data):
+def _check_group_normalize_case(run, c, data):
+    """`run(rewards, group_ids, weights, c)` -> the kernel's advantages (CPU) of a drawn case (weights: float64,
+    rounded through c["weight_dtype"] already)."""
     rewards, ids, weights = data
-    got = emu_group_normalize(emu, rewards, ids, weights, c["mode"], order=c["order"])
+    got = run(rewards, ids, weights, c)
     want = _gl.group_normalize_reference(rewards.double(), ids, weights, c["mode"])
     model = _gl.group_normalize_reference(rewards, ids, weights, c["mode"])  # float64 arithmetic, float32 output
     assert got.isfinite().all()
@@ -191,31 +199,50 @@ def _check_group_normalize_case(emu, c, data):
         within_2x(got, want, model, floor=2 * torch.finfo(torch.float32).eps)
 
 
-def _draw_vocab(rng, n_vec):
+def _draw_vocab(rng, n_vec, gpu=False):
     r = rng.random()
     if r < 0.3:
-        return rng.choice([1, 2, 3, 7, 31, 111, 255, 256, 257, 1001])
-    if r < 0.6:  # one loop iteration of the block covers 256 vectors (vector path) or 256 elements (scalar)
+        V = rng.choice([1, 2, 3, 7, 31, 111, 255, 256, 257, 1001])
+    elif r < 0.6:  # one loop iteration of the block covers 256 vectors (vector path) or 256 elements (scalar)
         base = 256 * rng.choice([1, n_vec]) * rng.randint(1, 3)
-        return max(1, base + rng.choice([-n_vec, -1, 0, 1, n_vec]))
-    if r < 0.95:
-        return rng.randint(1, 3000)
-    return rng.randint(3000, 20000)
+        V = max(1, base + rng.choice([-n_vec, -1, 0, 1, n_vec]))
+    elif r < 0.95:
+        V = rng.randint(1, 3000)
+    else:
+        V = rng.randint(3000, 20000)
+    if gpu:  # also a Qwen-sized vocabulary (151936) and around it, and large ones
+        r = rng.random()
+        if r < 0.08:
+            V = rng.choice([151936, 151936, 151936 + 1, 151936 - n_vec, 152064])
+        elif r < 0.2:
+            V = rng.randint(20000, 160000)
+    return V
 
 
-def _draw_lm_head(rng):
+def _draw_lm_head(rng, gpu=False):
+    """A random LM-head row-kernel case (a config dict). `gpu`: for _LmHeadThroughGemm, also more rows and larger
+    vocabularies (rows x V up to 6e5 elements), the launcher's chunk size, the hidden size of the one-hot GEMM
+    and whether grad_hidden is asked for; no misaligned buffer (the launcher's chunk buffer is its own, aligned);
+    the emulator's draws are unchanged by the parameter."""
     c = {"kind": rng.choice(["logprobs", "grad", "grpo", "grpo"])}
     dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16, torch.float64])
     es = torch.finfo(dtype).bits // 8
     c["dtype"] = dtype
-    V = _draw_vocab(rng, 16 // es)
+    V = _draw_vocab(rng, 16 // es, gpu)
     c["vocab"] = V
     c["rows"] = rng.randint(1, max(1, min(8, 40000 // V)))
+    if gpu and rng.random() < 0.5:
+        c["rows"] = rng.randint(1, max(1, min(rng.choice([16, 100]), 600_000 // V)))
     c["row0"] = rng.choice([0, rng.randint(0, 6)])
     c["tokens"] = c["row0"] + c["rows"] + rng.randint(0, 3)
     # (V = 1 with its one id suppressed would leave an empty softmax: lse -inf, logp / entropy undefined)
     c["suppress"] = rng.choice([-1, -1, 0, V - 1, rng.randrange(V)]) if V > 1 else -1
-    c["misaligned"] = rng.random() < 0.1  # a buffer es bytes off a 16-byte boundary: the scalar path
+    c["misaligned"] = rng.random() < 0.1 and not gpu  # a buffer es bytes off a 16-byte boundary: the scalar path
+    if gpu:
+        rows = c["rows"]
+        c["chunk"] = rng.choice([1, 2, 3, rows, rows, rows + 1, 1024, rng.randint(1, rows)])
+        c["hidden"] = rows + rng.choice([0, 0, 1, 3, 8, rng.randint(0, 64)])
+        c["grad_hidden"] = rng.random() < 0.7
     c["spread"] = rng.choice([0.5, 4.0, 4.0, 30.0])
     c["specials"] = [rng.choice(["none", "none", "none", "neg_inf", "equal", "offset", "peaked"]) for _ in range(c["rows"])]
     c["order"] = rng.choice([0, rng.randrange(1, 2**62), EMU_GREEDY | rng.randrange(2**62)])
@@ -232,8 +259,12 @@ def _draw_lm_head(rng):
     return c
 
 
-def _lm_head_inputs(rng, c):
-    """Logits [rows, V] (in a misaligned buffer when drawn) and targets [T] of an LM-head case."""
+def _lm_head_inputs(rng, c, gpu=False):
+    """Logits [rows, V] (in a misaligned buffer when drawn) and targets [T] of an LM-head case. `gpu` (the logits
+    of a GEMM, _LmHeadThroughGemm): the -inf logits become their row's max - 200 (e^-200 underflows in float32:
+    -inf's place in a float32 softmax, with a finite logp when a target lands there), and GRPO targets avoid the
+    suppressed id (logp -inf: with beta = 0 a NaN gradient row, which the grad_weight GEMM that carries the
+    gradient out would spread over every column through 0 x NaN); the draws are the emulator's otherwise."""
     dtype, V, rows, sup = c["dtype"], c["vocab"], c["rows"], c["suppress"]
     g = torch.Generator().manual_seed(rng.randrange(2**31))
     x = torch.randn(rows, V, generator=g, dtype=torch.float64) * c["spread"]
@@ -258,17 +289,19 @@ def _lm_head_inputs(rng, c):
     T, row0 = c["tokens"], c["row0"]
     targets = torch.randint(0, V, (T,), generator=g)
     finite_logp = c["kind"] == "grpo" and c["beta"] != 0  # an infinite logp has an infinite KL: not drawn there
+    not_suppressed = c["kind"] == "grpo" and gpu
     for r in range(rows):
         choices = ["random", "random", "first", "last", "argmax"]
         if not finite_logp:
-            choices += ["suppressed", "neg_inf"]
+            choices += ["neg_inf"] if not_suppressed else ["suppressed", "neg_inf"]
         if c["kind"] != "grpo":  # the Python side validates targets: out-of-range ids reach the kernel only directly
             choices += ["out"]
         how = rng.choice(choices)
         row = logits[r].double()
-        ok = [j for j in range(V) if j != c["suppress"]] if finite_logp else list(range(V))
+        ok = torch.arange(V) != c["suppress"] if finite_logp or not_suppressed else torch.ones(V, dtype=torch.bool)
         if finite_logp:
-            ok = [j for j in ok if row[j].isfinite()]
+            ok &= row.isfinite()
+        ok = ok.nonzero().flatten().tolist()
         if how == "first":
             y = 0
         elif how == "last":
@@ -284,9 +317,13 @@ def _lm_head_inputs(rng, c):
             y = rng.choice([-1, -2, V, V + 7, -(2**40), 2**40])
         else:
             y = int(targets[row0 + r])
-        if finite_logp and y not in ok:
+        if (finite_logp or not_suppressed) and y not in ok:
             y = rng.choice(ok)
         targets[row0 + r] = y
+    if gpu:
+        x = logits.double()
+        top = torch.where(x.isfinite(), x, float("-inf")).amax(-1, keepdim=True)
+        logits = torch.where(x == float("-inf"), top - 200.0, x).to(c["dtype"])
     return logits, targets
 
 
@@ -331,10 +368,13 @@ def _grad_floor(want, acc):
     return max(1e-30, 2 * torch.finfo(acc).eps * amax / max(1.0, amax))
 
 
-def _check_lm_head_case(emu, rng, c):
+def _check_lm_head_case(run, rng, c, gpu=False):
+    """Draws the inputs of LM-head case `c`, runs `run` (Emulated.run's signature and results: the vector-path flag
+    or None where it is not observable, logp, lse, entropy and terms over all T tokens, the gradient written into
+    the logits) and checks the results against float64."""
     dtype, V, rows, row0, T, sup = c["dtype"], c["vocab"], c["rows"], c["row0"], c["tokens"], c["suppress"]
     acc = acc_of(dtype)
-    logits, targets = _lm_head_inputs(rng, c)
+    logits, targets = _lm_head_inputs(rng, c, gpu)
     c["targets"] = targets[row0 : row0 + rows].tolist()
     print("config:", c)
     keep = logits.clone()
@@ -354,9 +394,9 @@ def _check_lm_head_case(emu, rng, c):
             assert t[..., :row0].isnan().all() and t[..., row0 + rows :].isnan().all(), "wrote outside the chunk"
 
     if c["kind"] == "logprobs":
-        vec, logp, lse, ent, _ = emu.run(logits, targets, LOGPROBS, row0=row0, tokens=T, suppress=sup,
-                                         entropy=c["entropy"], order=c["order"])
-        assert vec == want_vec
+        vec, logp, lse, ent, _ = run(logits, targets, LOGPROBS, row0=row0, tokens=T, suppress=sup,
+                                     entropy=c["entropy"], order=c["order"])
+        assert vec is None or vec == want_vec
         assert torch.equal(logits.view(torch.uint8), keep.view(torch.uint8))  # log-prob mode only reads
         untouched(logp, lse, ent)
         within_2x(lse[sl], lse64, lsem, floor=4 * eps)
@@ -373,9 +413,9 @@ def _check_lm_head_case(emu, rng, c):
         gv = torch.randn(rows, generator=g, dtype=torch.float64) * rng.choice([0.01, 1.0, 100.0])
         gv[torch.rand(rows, generator=g) < 0.2] = 0.0  # tokens without gradient: zeros written
         g_all[sl] = gv.to(acc)
-        vec, *_ = emu.run(logits, targets, GRAD, row0=row0, tokens=T, suppress=sup, lse_in=lse_all, grad_logp=g_all,
-                          order=c["order"])
-        assert vec == want_vec
+        vec, *_ = run(logits, targets, GRAD, row0=row0, tokens=T, suppress=sup, lse_in=lse_all, grad_logp=g_all,
+                      order=c["order"])
+        assert vec is None or vec == want_vec
         want = grad_of(keep, lse_all[sl], y, g_all[sl], sup, torch.float64)
         model = grad_of(keep, lse_all[sl], y, g_all[sl], sup, acc).to(dtype)
         within_2x(logits, want, model, floor=_grad_floor(want, acc))
@@ -419,12 +459,12 @@ def _check_lm_head_case(emu, rng, c):
         inp["w_kl"] = rnd(0.1).abs().to(acc)
     if mu != 0:
         inp["w_nll"] = ((rnd() > 0).double() * rng.choice([0.05, 1.0])).to(acc)
-    vec, logp, lse, ent, terms = emu.run(
+    vec, logp, lse, ent, terms = run(
         logits, targets, GRPO, row0=row0, tokens=T, suppress=sup, entropy=c["entropy"],
         write_grad=c["write_grad"], clip=(1.0 - eps_low, 1.0 + eps_high), old=inp["old"], ref=inp["ref"],
         adv=inp["adv"], w_pg=inp["w_pg"], w_kl=inp["w_kl"], w_nll=inp["w_nll"], beta=beta, mu=mu,
         order=c["order"])
-    assert vec == want_vec
+    assert vec is None or vec == want_vec
     untouched(logp, lse, terms, ent)
     kw = dict(eps_low=eps_low, eps_high=eps_high, beta=beta, mu=mu)
     pick = lambda v: None if v is None else v[sl].double()  # noqa: E731
@@ -458,6 +498,161 @@ def _check_lm_head_case(emu, rng, c):
     within_2x(logits, want, model, floor=_grad_floor(want, acc))
 
 
+class _LmHeadThroughGemm:
+    """Emulated.run's interface on `_C`'s LM-head entry points (linear_logprobs, linear_logprobs_backward,
+    fused_linear_grpo_loss: the CUDA extension's, or stand-ins with their signatures), for the random
+    configurations of the row kernel on a GPU. Those entry points take hidden states and the LM head, not logits:
+    hidden [rows, H] has row t one-hot at column cols[t] and the head W [V, H] holds logits row t in column cols[t]
+    (random values elsewhere), so that logits = hidden @ W^T, the launcher's cuBLAS GEMM, is exact in every dtype
+    (one product by 1, the rest exact zeros; TF32 off) and the row kernel sees the drawn logits (checked against
+    the same GEMM in PyTorch). The gradient comes back exactly the same way: grad_W = dlogits^T @ hidden,
+    accumulated over the chunks, holds token t's d loss / d logits in column cols[t] and zeros elsewhere (checked);
+    grad_hidden = dlogits @ W, when c["grad_hidden"], is checked per element within the GEMM's rounding-error
+    bound of the float64 product. The chunk's per-token arrays [row0, row0 + rows) go to one call over `rows`
+    tokens in chunks of c["chunk"] (the launcher's row0 is its own chunk's); outputs outside come back NaN. GRPO:
+    the fused entry point returns no lse, so linear_logprobs' lse of the same logits (the same statistics code)
+    stands in. Returns vec None: the launcher's chunk buffer is aligned and its path is not observable."""
+
+    def __init__(self, C, device, c):
+        self.C, self.device, self.c = C, torch.device(device), c
+
+    def __call__(self, logits, targets, mode, *, row0=0, tokens=None, suppress=-1, entropy=False, write_grad=True,
+                 old=None, ref=None, adv=None, w_pg=None, w_kl=None, w_nll=None, clip=(0.8, 1.28), beta=0.0, mu=0.0,
+                 lse_in=None, grad_logp=None, order=0):
+        C, dev, c = self.C, self.device, self.c
+        rows, V = logits.shape
+        dtype, acc = logits.dtype, acc_of(logits.dtype)
+        T = tokens if tokens is not None else row0 + rows
+        H, chunk = c["hidden"], c["chunk"]
+        g = torch.Generator().manual_seed(V * 1009 + rows * 31 + H)
+        cols = torch.randperm(H, generator=g)[:rows]
+        hidden = torch.zeros(rows, H, dtype=dtype)
+        hidden[torch.arange(rows), cols] = 1.0
+        weight = torch.randn(V, H, generator=g).to(dtype)
+        weight[:, cols] = logits.t()
+        h, w = hidden.to(dev), weight.to(dev)
+        assert torch.equal((h @ w.t()).cpu(), logits), "the one-hot GEMM is not exact (TF32?)"
+        sl = slice(row0, row0 + rows)
+        y = targets[sl].to(dev)
+        tok = lambda v: None if v is None else v[sl].to(dev)  # noqa: E731
+        out = lambda *shape: torch.full(shape, NAN, dtype=acc)  # noqa: E731
+        logp, lse, ent, terms = out(T), out(T), out(T), out(4, T)
+        need_h = c["grad_hidden"]
+        gh = gw = None
+        if mode == LOGPROBS:
+            lp, ls, en = C.linear_logprobs(h, w, y, suppress, chunk, entropy)
+        elif mode == GRAD:
+            gh, gw = C.linear_logprobs_backward(h, w, y, tok(lse_in), tok(grad_logp), suppress, chunk, need_h, True)
+        else:
+            eps_low, eps_high = c["eps"]
+            assert clip == (1.0 - eps_low, 1.0 + eps_high)
+            lp, tm, en, gh, gw = C.fused_linear_grpo_loss(
+                h, w, y, tok(old), tok(ref), tok(adv), tok(w_pg), tok(w_kl), tok(w_nll), eps_low, eps_high, beta, mu,
+                suppress, chunk, need_h and write_grad, write_grad, entropy)
+            assert tm.dtype == acc and tm.device.type == dev.type and tm.shape == (4, rows)
+            terms[:, sl] = tm.cpu()
+            _, ls, _ = C.linear_logprobs(h, w, y, suppress, chunk, False)
+        if mode != GRAD:
+            assert lp.dtype == acc and lp.device.type == dev.type and (en is not None) == entropy
+            logp[sl], lse[sl] = lp.cpu(), ls.cpu()
+            if entropy:
+                ent[sl] = en.cpu()
+        if mode == LOGPROBS or not write_grad:
+            assert gh is None and gw is None
+            return None, logp, lse, ent, terms
+        gw = gw.cpu()
+        assert gw.dtype == dtype and gw.shape == (V, H)
+        rest = torch.ones(H, dtype=torch.bool)
+        rest[cols] = False
+        assert torch.all(gw[:, rest] == 0), "grad_weight: a column of no token is not zero"
+        dl = gw[:, cols].t()
+        if need_h:
+            want = dl.double() @ weight.double()
+            fin, fa = torch.finfo(dtype), torch.finfo(acc)
+            bound = (fin.eps * want.abs() + V * fa.eps * (dl.double().abs() @ weight.double().abs())
+                     + fin.smallest_normal * fin.eps)
+            got = gh.cpu().double()
+            bad = ~((got - want).abs() <= bound) & (want.abs() <= fin.max / 2)  # (fp16 may overflow, float64 not)
+            assert gh.dtype == dtype and not bad.any(), (
+                f"grad_hidden: {int(bad.sum())} elements past the GEMM's error bound, e.g. {float(got[bad][0])} for "
+                f"{float(want[bad][0])} (bound {float(bound[bad][0])})")
+        else:
+            assert gh is None
+        logits.copy_(dl)
+        return None, logp, lse, ent, terms
+
+
+class _EmulatedC:
+    """`_C`'s LM-head entry points on the CPU, for _LmHeadThroughGemm without a GPU: csrc/grpo_loss.cu's chunk
+    loop (run_chunks: one [min(chunk, T), V] buffer, logits = hidden_chunk @ W^T, the row kernel with row0 = the
+    chunk's first token, grad_hidden rows and grad_W accumulated in the weight dtype) in PyTorch around the
+    emulated row kernel."""
+
+    def __init__(self, emu):
+        self.emu = emu
+
+    def _run(self, hidden, weight, targets, suppress, chunk, mode, need_h, need_w, **kw):
+        T, V = hidden.shape[0], weight.shape[0]
+        acc = acc_of(hidden.dtype)
+        res = [torch.full((T,), NAN, dtype=acc) for _ in range(3)] + [torch.full((4, T), NAN, dtype=acc)]
+        gh = torch.empty_like(hidden) if need_h else None
+        gw = (torch.zeros_like(weight) if T == 0 else torch.empty_like(weight)) if need_w else None
+        buf = torch.empty(min(chunk, T), V, dtype=hidden.dtype)
+        for t0 in range(0, T, chunk):
+            n = min(chunk, T - t0)
+            logits = buf[:n]
+            torch.mm(hidden[t0 : t0 + n], weight.t(), out=logits)
+            _, *outs = self.emu.run(logits, targets, mode, row0=t0, tokens=T, suppress=suppress,
+                                    write_grad=need_h or need_w, **kw)
+            for r, o in zip(res, outs):
+                r[..., t0 : t0 + n] = o[..., t0 : t0 + n]
+            if mode != LOGPROBS:
+                if gh is not None:
+                    gh[t0 : t0 + n] = logits @ weight
+                if gw is not None:
+                    gw.copy_(logits.t() @ hidden[t0 : t0 + n] + (gw if t0 else 0))
+        return res, gh, gw
+
+    def linear_logprobs(self, hidden, weight, targets, suppress_token, chunk, with_entropy):
+        (logp, lse, ent, _), _, _ = self._run(hidden, weight, targets, suppress_token, chunk, LOGPROBS, False, False,
+                                              entropy=with_entropy)
+        return logp, lse, ent if with_entropy else None
+
+    def linear_logprobs_backward(self, hidden, weight, targets, lse, grad_logp, suppress_token, chunk,
+                                 need_grad_hidden, need_grad_weight):
+        _, gh, gw = self._run(hidden, weight, targets, suppress_token, chunk, GRAD, need_grad_hidden, need_grad_weight,
+                              lse_in=lse, grad_logp=grad_logp)
+        return gh, gw
+
+    def fused_linear_grpo_loss(self, hidden, weight, targets, old_logp, ref_logp, advantages, w_pg, w_kl, w_nll,
+                               eps_low, eps_high, beta, mu, suppress_token, chunk, need_grad_hidden, need_grad_weight,
+                               with_entropy):
+        (logp, _, ent, terms), gh, gw = self._run(
+            hidden, weight, targets, suppress_token, chunk, GRPO, need_grad_hidden, need_grad_weight,
+            entropy=with_entropy, old=old_logp, ref=ref_logp, adv=advantages, w_pg=w_pg, w_kl=w_kl, w_nll=w_nll,
+            clip=(1.0 - eps_low, 1.0 + eps_high), beta=beta, mu=mu)
+        return logp, terms, ent if with_entropy else None, gh, gw
+
+
+def _check_random_config(case, lm_head_runner, run_group_normalize, gpu=False):
+    """Case `case`: a group_normalize case (a third) checked through `run_group_normalize(rewards, group_ids,
+    weights, config)`, or an LM-head row-kernel case through `lm_head_runner(config)` (a function with
+    Emulated.run's signature). `gpu`: the draws' GPU sizes and inputs (see _draw_lm_head, _lm_head_inputs,
+    _draw_group_normalize). A failure names the case and its configuration."""
+    rng = random.Random(case)
+    c = {}
+    try:
+        if rng.random() < 1 / 3:
+            c, data = _draw_group_normalize(rng, gpu)
+            print("config:", c)
+            _check_group_normalize_case(run_group_normalize, c, data)
+        else:
+            c = _draw_lm_head(rng, gpu)
+            _check_lm_head_case(lm_head_runner(c), rng, c, gpu)
+    except AssertionError as e:
+        raise AssertionError(f"case {case}, config {c}: {e}") from e
+
+
 @pytest.mark.parametrize("case", fuzz_cases(40))
 def test_emulated_grpo_loss_random_config(emu, case):
     """A random configuration of one of the emulated kernels of this file. The LM-head row kernel (a quarter each
@@ -474,10 +669,16 @@ def test_emulated_grpo_loss_random_config(emu, case):
     (probe chains wrapping the table), 1..4 reward columns (binary, normal, integer, constant, offset, constant
     per group), weights of any float dtype, decoupled / sum. A random schedule (launch order, seeded, warp-greedy).
     Checked as the fixed tests of this file check."""
-    rng = random.Random(case)
-    if rng.random() < 1 / 3:
-        c, data = _draw_group_normalize(rng)
-        print("config:", c)
-        _check_group_normalize_case(emu, c, data)
-    else:
-        _check_lm_head_case(emu, rng, _draw_lm_head(rng))
+    _check_random_config(case, lambda c: emu.run,
+                         lambda r, ids, w, c: emu_group_normalize(emu, r, ids, w, c["mode"], order=c["order"]))
+
+
+@pytest.mark.parametrize("case", fuzz_cases(4))
+def test_gpu_random_config_code_on_the_emulator(emu, case):
+    """test_grpo_loss.py's test_gpu_random_config (the GPU-sized draws, _LmHeadThroughGemm's one-hot GEMMs around
+    the chunk loop, group_normalize's public op) on the CPU, with `_C` replaced by _EmulatedC (the chunk loop in
+    PyTorch around the emulated row kernel) and group_normalize by its emulation: so that the GPU test's own code
+    runs where no GPU is, and a change that breaks it shows before a GPU is lent."""
+    _check_random_config(case, lambda c: _LmHeadThroughGemm(_EmulatedC(emu), "cpu", c),
+                         lambda r, ids, w, c: emu_group_normalize(emu, r, ids, w.to(c["weight_dtype"]), c["mode"]),
+                         gpu=True)
