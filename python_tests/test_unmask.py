@@ -1,13 +1,14 @@
 """ops.threshold_unmask: reference vs a naive per-position loop, Philox known answers, sampling statistics; the
-CUDA kernel on a GPU (marked `gpu`) against the reference. The kernel's device code on the CPU (the emulator):
-test_unmask_emu.py, which shares this file's case builders."""
+CUDA kernel on a GPU (marked `gpu`) against the reference, also on random configurations. The kernel's device code
+on the CPU (the emulator): test_unmask_emu.py, which shares this file's case builders and the random-configuration
+draw and check."""
 
 import math
 import random
 
 import pytest
 import torch
-from conftest import EMU_GREEDY
+from conftest import EMU_GREEDY, fuzz_cases
 
 from lightningrl_fast.ops.unmask import (
     BUCKET,
@@ -451,9 +452,9 @@ def _max_split(vocab, per_vec, greedy, noise):
     return max(1, min(64, n))
 
 
-def _fuzz_vocab(rng, per_vec):
+def _fuzz_vocab(rng, per_vec, gpu=False):
     kind = rng.choices(["tiny", "small", "vector", "chunk", "bucket", "medium", "large"],
-                       weights=[10, 25, 12, 15, 15, 18, 5])[0]
+                       weights=[8, 15, 10, 12, 12, 15, 28] if gpu else [10, 25, 12, 15, 15, 18, 5])[0]
     if kind == "tiny":  # shorter than a few 16-byte vectors
         return rng.randint(1, 3 * per_vec + 1)
     if kind == "small":
@@ -466,39 +467,44 @@ def _fuzz_vocab(rng, per_vec):
         return max(1, rng.randint(1, 24) * BUCKET + rng.choice([-per_vec, -1, 0, 1, per_vec - 1, per_vec, 7]))
     if kind == "medium":
         return rng.randint(1100, 30000)
+    if gpu:  # Qwen2 / SDAR's vocabulary the most often
+        return rng.choice([151936, 151936, 151936, 152064, rng.randint(30000, 160000)])
     return rng.choice([151936, 152064, rng.randint(30000, 160000)])
 
 
 def _fuzz_logits(rng, g, b, s, vocab, dtype):
-    """[b, s, vocab] logits in `dtype` (random, with the drawn features) and the features' names."""
+    """[b, s, vocab] logits in `dtype` (random, with the drawn features; on the generator's device) and the
+    features' names."""
+    dev = g.device
     scale = rng.choice([0.5, 1.0, 3.0, 8.0])
-    x = torch.randn(b, s, vocab, generator=g, dtype=torch.float64) * scale
+    x = torch.randn(b, s, vocab, generator=g, dtype=torch.float64, device=dev) * scale
     feats = [f"scale {scale}"]
     if rng.random() < 0.3:  # peaked (LLM-like): a few tokens far above the bulk
         k = min(vocab, rng.randint(1, 4))
-        top = torch.randint(0, vocab, (b, s, k), generator=g)
-        x.scatter_add_(-1, top, rng.uniform(5, 30) + 5 * torch.rand(b, s, k, generator=g, dtype=torch.float64))
+        top = torch.randint(0, vocab, (b, s, k), generator=g, device=dev)
+        bump = rng.uniform(5, 30) + 5 * torch.rand(b, s, k, generator=g, dtype=torch.float64, device=dev)
+        x.scatter_add_(-1, top, bump)
         feats.append("peaked")
     x = x.to(dtype)
     if rng.random() < 0.2:  # -inf at random tokens (a row may end up all -inf: NaN conf, as the reference's)
         frac = rng.choice([0.1, 0.5, 0.9])
-        x.masked_fill_(torch.rand(b, s, vocab, generator=g) < frac, float("-inf"))
+        x.masked_fill_(torch.rand(b, s, vocab, generator=g, device=dev) < frac, float("-inf"))
         feats.append(f"-inf at {frac} of the tokens")
     if rng.random() < 0.15:  # half the rows have one finite token (conf exactly 1)
-        rows = torch.rand(b, s, generator=g) < 0.5
-        keep = torch.randint(0, vocab, (b, s, 1), generator=g)
+        rows = torch.rand(b, s, generator=g, device=dev) < 0.5
+        keep = torch.randint(0, vocab, (b, s, 1), generator=g, device=dev)
         val = x.gather(-1, keep).nan_to_num(neginf=0.0)
         x[rows] = float("-inf")
         x.scatter_(-1, keep, torch.where(rows[..., None], val, x.gather(-1, keep)))
         feats.append("one finite token")
     if rng.random() < 0.2:  # tied maxima: the row's max (or a new one) at a few more tokens, across chunks
         n = min(vocab, rng.randint(1, 5))
-        ids = torch.randint(0, vocab, (b, s, n), generator=g)
+        ids = torch.randint(0, vocab, (b, s, n), generator=g, device=dev)
         top = x.amax(-1, keepdim=True).nan_to_num(neginf=1.0) + rng.choice([0.0, 2.0])
         x.scatter_(-1, ids, top.expand(b, s, n).to(dtype))
         feats.append(f"tied maxima x{n}")
     if rng.random() < 0.05:  # all-equal logits in some rows (conf 1/V, ties to the lowest id)
-        rows = torch.rand(b, s, generator=g) < 0.5
+        rows = torch.rand(b, s, generator=g, device=dev) < 0.5
         x[rows] = rng.choice([0.0, 1.25, -3.5])
         feats.append("constant rows")
     if rng.random() < 0.03:  # one row all -inf (conf NaN on both sides)
@@ -527,7 +533,7 @@ def _fuzz_layout(rng, x, per_vec, same_alignment):
         if same_alignment and vocab % per_vec:
             kind = "padded"
         else:
-            flat = torch.full((off + b * s * vocab + per_vec,), _PAD, dtype=x.dtype)
+            flat = torch.full((off + b * s * vocab + per_vec,), _PAD, dtype=x.dtype, device=x.device)
             out = flat[off:off + b * s * vocab].view(b, s, vocab)
             out.copy_(x)
             return out, f"{kind} (start +{off})"
@@ -535,13 +541,13 @@ def _fuzz_layout(rng, x, per_vec, same_alignment):
     if same_alignment:
         width += -width % per_vec
     if kind == "padded":
-        buf = torch.full((b, s, width), _PAD, dtype=x.dtype)
+        buf = torch.full((b, s, width), _PAD, dtype=x.dtype, device=x.device)
         out = buf[:, :, off:off + vocab]
     elif kind == "transposed":  # sequence stride < position stride
-        buf = torch.full((s, b, width), _PAD, dtype=x.dtype)
+        buf = torch.full((s, b, width), _PAD, dtype=x.dtype, device=x.device)
         out = buf[:, :, off:off + vocab].transpose(0, 1)
     else:  # stride 0 over the batch: every sequence reads the same rows
-        buf = torch.full((1, s, width), _PAD, dtype=x.dtype)
+        buf = torch.full((1, s, width), _PAD, dtype=x.dtype, device=x.device)
         out = buf[:, :, off:off + vocab].expand(b, s, vocab)
         out[:1].copy_(x[:1])
         return out, f"broadcast (row stride {width}, start +{off})"
@@ -554,9 +560,11 @@ def near_tie(logits, masked, quota, threshold, temperature, greedy, noise, seed,
     is fp32 on both sides, so a position whose float64 conf is within their rounding of the threshold, or of
     another conf at the quota boundary, may select differently; sampling scores within an ulp, or bucket scores
     within the fp32 error of a logsumexp, may pick differently). The rounding: ~1e-6 each, and the reference's
-    logsumexp loses ulp(max |logit / T|) (conf 1.0 for a token only nearly certain when the logits are large)."""
+    logsumexp loses ulp(max |logit / T|) (conf 1.0 for a token only nearly certain when the logits are large).
+    Runs on the logits' device (the reference's picks there)."""
     tok, conf, _ = pick_tokens_reference(logits, seed, offset, temperature, 0, 1.0, greedy, noise)
     b, s, vocab = logits.shape
+    dev = logits.device
     scaled = logits.double() / (temperature if temperature > 0 else 1.0)
     conf64 = (scaled.gather(-1, tok[..., None]).squeeze(-1) - torch.logsumexp(scaled, -1)).exp()
     big = scaled.abs().nan_to_num(posinf=0.0).amax(-1) if vocab else scaled.new_zeros(b, s)
@@ -588,7 +596,7 @@ def near_tie(logits, masked, quota, threshold, temperature, greedy, noise, seed,
     if greedy or temperature <= 0:
         return None
     flat = logits.float().view(b * s, vocab)[rows.view(-1)] / temperature
-    ids = torch.arange(b * s).view(b, s)[rows].view(-1, 1)
+    ids = torch.arange(b * s, device=dev).view(b, s)[rows].view(-1, 1)
     if flat.numel() == 0:
         return None
 
@@ -597,7 +605,7 @@ def near_tie(logits, masked, quota, threshold, temperature, greedy, noise, seed,
 
     def gap(scores):  # best minus second best per row (inf where one candidate)
         if scores.shape[-1] < 2:
-            return torch.full(scores.shape[:1], float("inf")), scores[:, 0]
+            return torch.full(scores.shape[:1], float("inf"), device=dev), scores[:, 0]
         top = scores.topk(2, dim=-1).values
         return torch.where(top[:, 1] == float("-inf"), float("inf"), top[:, 0] - top[:, 1]), top[:, 0]
 
@@ -605,30 +613,39 @@ def near_tie(logits, masked, quota, threshold, temperature, greedy, noise, seed,
         nb = -(-vocab // BUCKET)
         padded = torch.nn.functional.pad(flat, (0, nb * BUCKET - vocab), value=float("-inf"))
         mass = torch.logsumexp(padded.view(-1, nb, BUCKET), dim=-1)
-        score = mass + gumbel(BUCKET_TAG + ids * nb + torch.arange(nb))
+        score = mass + gumbel(BUCKET_TAG + ids * nb + torch.arange(nb, device=dev))
         d, top = gap(score)
         if (d <= 1e-5 * top.abs().clamp_min(1.0)).any():
             return "two buckets' scores within the error of a logsumexp"
         j = score.argmax(-1, keepdim=True)
-        t = (j * BUCKET + torch.arange(BUCKET)).clamp_max(vocab - 1)
-        inside = j * BUCKET + torch.arange(BUCKET) < vocab
+        t = (j * BUCKET + torch.arange(BUCKET, device=dev)).clamp_max(vocab - 1)
+        inside = j * BUCKET + torch.arange(BUCKET, device=dev) < vocab
         tscore = (flat.gather(-1, t) + gumbel(ids * vocab + t)).masked_fill(~inside, float("-inf"))
     else:
-        tscore = flat + gumbel(ids * vocab + torch.arange(vocab))
+        tscore = flat + gumbel(ids * vocab + torch.arange(vocab, device=dev))
     d, top = gap(tscore)
     if (d <= 1.5e-6 * top.abs().clamp_min(1.0)).any():
         return "two tokens' perturbed scores within an ulp"
     return None
 
 
-def draw_unmask_config(case) -> dict:
+GPU_FUZZ_LOGITS = 64 * 32 * 152064  # on a GPU: B x S x V at most (64 sequences, blocks of 32, vocabulary 152064)
+GPU_FUZZ_ROWS = 4096  # on a GPU: B x S at most
+GPU_FUZZ_PER_TOKEN = 1 << 27  # on a GPU, per-token sampling: B x S x V at most (the reference's Philox per token)
+
+
+def draw_unmask_config(case, device="cpu", gpu=False) -> dict:
     """One random configuration of the kernel's whole space from the case seed (test_emulated_unmask_random_config
-    lists what is drawn): state [logits, tokens, masked, step_map, logp, conf] (logits at the drawn layout), extra
-    [step, quota, eos_ids, seed, offset], the scalar arguments, the emulator's slots / split / order, the
-    reference's inputs (ref_logits, ref_t), the dense logits and mask before the step (for the float64 check) and
-    `config`, the configuration in words. Logits are redrawn until no near-tie decides the result."""
+    lists what is drawn), its tensors on `device`: state [logits, tokens, masked, step_map, logp, conf] (logits at
+    the drawn layout), extra [step, quota, eos_ids, seed, offset], the scalar arguments, the emulator's slots /
+    split / order, the reference's inputs (ref_logits, ref_t), the dense logits and mask before the step (for the
+    float64 check) and `config`, the configuration in words. Logits are redrawn until no near-tie decides the result
+    (near_tie, on `device`). gpu=True (test_gpu_random_config): larger shapes besides (B to 64, S 32 the most often,
+    vocabulary 151936 far more often; at most GPU_FUZZ_ROWS rows and GPU_FUZZ_LOGITS logits, GPU_FUZZ_PER_TOKEN
+    for per-token sampling); slots / split / order are still drawn (emulator-only). gpu=False on the CPU draws as
+    before the parameters existed."""
     rng = random.Random(case)
-    g = torch.Generator().manual_seed(case)
+    g = torch.Generator(device).manual_seed(case)
     dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
     per_vec = 4 if dtype == torch.float32 else 8
     mode = rng.choice(list(MODES))
@@ -637,13 +654,19 @@ def draw_unmask_config(case) -> dict:
         noise = rng.choice(["two_level", "per_token"])
         if rng.random() < 0.25:  # temperature <= 0 is greedy too
             greedy = False
-    vocab = _fuzz_vocab(rng, per_vec)
+    vocab = _fuzz_vocab(rng, per_vec, gpu)
     big = vocab > 40000
     s = rng.choices([1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 32, 33, rng.randint(34, 100), rng.choice([255, 256, 1024])],
-                    weights=[6, 3, 4, 8, 3, 3, 8, 3, 5, 3, 3, 8, 3, 2, 1])[0]
-    b = rng.choices([1, 2, 3, 4, 5, 8, rng.randint(9, 24)], weights=[6, 5, 5, 4, 3, 2, 1])[0]
-    # keep a case cheap for the emulator: at most ~1.5M logits and ~256 rows
-    while b * s > 256 or b * s * vocab > (600_000 if big else 1_500_000):
+                    weights=[4, 2, 3, 8, 2, 2, 8, 2, 5, 3, 3, 24, 3, 2, 2] if gpu else
+                    [6, 3, 4, 8, 3, 3, 8, 3, 5, 3, 3, 8, 3, 2, 1])[0]
+    if gpu:
+        b = rng.choices([1, 2, 3, 4, 5, 8, rng.randint(9, 24), 32, 64, rng.randint(25, 64)],
+                        weights=[4, 3, 3, 3, 2, 3, 3, 3, 5, 3])[0]
+    else:
+        b = rng.choices([1, 2, 3, 4, 5, 8, rng.randint(9, 24)], weights=[6, 5, 5, 4, 3, 2, 1])[0]
+    # keep a case cheap (for the emulator: at most ~1.5M logits and ~256 rows)
+    rows_cap, logits_cap = (GPU_FUZZ_ROWS, GPU_FUZZ_LOGITS) if gpu else (256, 600_000 if big else 1_500_000)
+    while b * s > rows_cap or b * s * vocab > logits_cap:
         if b > 1:
             b = max(1, b // 2)
         elif s > 1:
@@ -657,7 +680,8 @@ def draw_unmask_config(case) -> dict:
     else:
         temperature = rng.choice([1.0, 1.0, 0.5, 2.0, 0.25, 0.7, 1.3, rng.uniform(0.05, 4.0), 1e-2, 30.0])
     sampling = not greedy and temperature > 0
-    while noise == "per_token" and sampling and b * s * vocab > (300_000 if temperature > 1.5 else 800_000):
+    per_token_cap = GPU_FUZZ_PER_TOKEN if gpu else 300_000 if temperature > 1.5 else 800_000
+    while noise == "per_token" and sampling and b * s * vocab > per_token_cap:
         b, s = (b // 2, s) if b > 1 else (b, s // 2) if s > 1 else (b, s)  # flat rows: a Philox draw per token
         vocab = vocab if b * s > 1 else min(vocab, 300_000)
     if sampling:  # the kernel samples the untruncated distribution; the op dispatches top-k >= V to it
@@ -667,14 +691,14 @@ def draw_unmask_config(case) -> dict:
     threshold = rng.choice([0.0, 1.0, 0.9, 0.5, rng.random(), rng.uniform(0, 0.05), 2.0, -0.5, math.inf, -math.inf])
     frac = rng.choice([0.0, 1.0, 0.3, 0.7, rng.random()])
     quota = torch.tensor([rng.choice([1, 1, 2, 3, 0, -2, s, s + 3, rng.randint(1, max(1, s)), 2**31 - 1, -2**31])
-                          for _ in range(b)], dtype=torch.int32)
+                          for _ in range(b)], dtype=torch.int32, device=device)
     step = torch.tensor([rng.choice([0, 1, 7, -1, rng.randint(0, 2**31 - 1), -2**31]) for _ in range(b)],
-                        dtype=torch.int32)
+                        dtype=torch.int32, device=device)
     n_eos = rng.choice([0, 1, 2, 3, 8, 100])
     eos = [rng.choice([rng.randrange(vocab), rng.randrange(vocab), vocab + rng.randint(0, 5), -1, 0])
            for _ in range(n_eos)]
-    seed = torch.tensor([rng.randint(-2**63, 2**63 - 1)])
-    offset = torch.tensor([rng.choice([0, 5, rng.randint(-2**63, 2**63 - 1)])])
+    seed = torch.tensor([rng.randint(-2**63, 2**63 - 1)], device=device)
+    offset = torch.tensor([rng.choice([0, 5, rng.randint(-2**63, 2**63 - 1)])], device=device)
     slots = rng.choice([132 * 4, 132 * 3, 114 * 4, 16, 1, rng.randint(1, 2000)])
     max_split = _max_split(vocab, per_vec, greedy or temperature <= 0, noise)
     split = rng.choice([0, 0, 1, rng.randint(1, max_split), max_split, rng.randint(1, 64)])
@@ -684,11 +708,12 @@ def draw_unmask_config(case) -> dict:
 
     for attempt in range(40):  # redraw the logits until no near-tie decides the result
         x, feats, same = _fuzz_logits(rng, g, b, s, vocab, dtype)
-        masked = torch.rand(b, s, generator=g) < frac
+        masked = torch.rand(b, s, generator=g, device=device) < frac
         logits, layout = _fuzz_layout(rng, x, per_vec, same)
         dense = logits.contiguous()
         # sampling: the kernel multiplies by fl(1 / T), as torch does on CUDA; the CPU reference divides, so it
-        # gets the logits so scaled (rounded once in fp32) and T = 1: the same scores, hence the same picks
+        # gets the logits so scaled (rounded once in fp32) and T = 1: the same scores, hence the same picks (on
+        # CUDA the very product the reference's own x / T computes)
         inv_t = torch.tensor(1.0 / torch.tensor(temperature, dtype=torch.float32).item() if sampling else 1.0,
                              dtype=torch.float32)
         ref_logits, ref_t = (dense.float() * inv_t, 1.0) if sampling else (dense, temperature)
@@ -697,30 +722,32 @@ def draw_unmask_config(case) -> dict:
             break
     assert kernel_supported(logits, temperature, top_k, top_p, greedy)
 
-    tokens = torch.where(masked, torch.full((b, s), -5), torch.randint(0, vocab, (b, s), generator=g))
+    tokens = torch.where(masked, -5, torch.randint(0, vocab, (b, s), generator=g, device=device))
     if eos and rng.random() < 0.5:  # some already unmasked tokens are EOS ids, prompt (step_map < 0) or not
-        tokens = torch.where(torch.rand(b, s, generator=g) < 0.3, torch.tensor(eos[0]), tokens)
+        tokens = torch.where(torch.rand(b, s, generator=g, device=device) < 0.3, eos[0], tokens)
         tokens = torch.where(masked, -5, tokens)
-    step_map = torch.where(masked, -7, torch.randint(-2, 4, (b, s), generator=g)).int()
-    logp = torch.where(masked, float("nan"), torch.rand(b, s, generator=g).log())
+    step_map = torch.where(masked, -7, torch.randint(-2, 4, (b, s), generator=g, device=device)).int()
+    logp = torch.where(masked, float("nan"), torch.rand(b, s, generator=g, device=device).log())
     conf = torch.where(masked, -9.0, logp.exp())
     state = [logits, tokens, masked.clone(), step_map, logp, conf]
-    extra = [step, quota, torch.tensor(eos, dtype=torch.int64), seed, offset]
+    extra = [step, quota, torch.tensor(eos, dtype=torch.int64, device=device), seed, offset]
     config = (f"case {case}: {dtype} B={b} S={s} V={vocab} mode={mode} greedy={greedy} noise={noise} T={temperature} "
               f"top_k={top_k} top_p={top_p} tau={threshold} frac_masked={frac:.2f} ({int(masked.sum())} masked) "
               f"quota={quota.tolist()} step={step.tolist()} eos={eos} seed={seed.item()} offset={offset.item()} "
-              f"slots={slots} split={split} (launcher max {max_split}) order={order:#x} layout={layout} "
+              f"{'(emulator only: ' if gpu else ''}slots={slots} split={split} (launcher max {max_split}) "
+              f"order={order:#x}{')' if gpu else ''} layout={layout} "
               f"logits: {', '.join(feats)}; redrawn {attempt}x" + (f" (still: {why})" if why else ""))
     return dict(state=state, extra=extra, threshold=threshold, temperature=temperature, greedy=greedy, noise=noise,
                 top_k=top_k, top_p=top_p, slots=slots, split=split, order=order, ref_logits=ref_logits, ref_t=ref_t,
                 dense=dense, masked=masked, config=config)
 
 
-def check_random_config(case, run):
-    """The configuration draw_unmask_config draws from `case`, run by `run(state, extra, cfg)` (the kernel, in place
-    on `state`; -> its (block_done, eos_seen)) and compared with the reference: tokens, mask, step map and flags
-    exactly, logp / conf against float64 (_assert_same_step_fp64). A failure names the configuration."""
-    c = draw_unmask_config(case)
+def check_random_config(case, run, device="cpu", gpu=False):
+    """The configuration draw_unmask_config(case, device, gpu) draws, run by `run(state, extra, cfg)` (the kernel, in
+    place on `state`; -> its (block_done, eos_seen)) and compared with the reference on `device` (on CUDA the same
+    Philox stream, logf and x * fl(1 / T) as the kernel): tokens, mask, step map and flags exactly (near ties were
+    redrawn), logp / conf against float64 (_assert_same_step_fp64). A failure names the configuration."""
+    c = draw_unmask_config(case, device, gpu)
     print(c["config"])
     ref = clone(c["state"])
     ref[0] = c["ref_logits"]
@@ -1080,3 +1107,38 @@ def test_gpu_opcheck(cuda_kernels):
     for noise in ("two_level", "per_token"):
         torch.library.opcheck(torch.ops.lightningrl_fast.threshold_unmask.default,
                               (*clone(state), *extra, 0.9, 1.0, 0, 1.0, False, noise))
+
+
+GPU_FUZZ_CASES = 64  # estimated (not yet timed): ~1.4G logits over the 64 default cases, ~1 s for the largest
+
+
+def op_runner(device):
+    """`run` for check_random_config: the public op on `device` (on CUDA the kernel: every drawn configuration is
+    kernel_supported; on the CPU the reference), its two flags checked for bytes other than 0 / 1 (on CUDA they come
+    from at::empty: freed blocks of the caching allocator are filled with 0xA5 first, so a flag the kernel never
+    wrote likely reads 0xA5; best effort)."""
+
+    def run(state, extra, c):
+        junk = [torch.full((512,), 0xA5, dtype=torch.uint8, device=device) for _ in range(64)]
+        del junk
+        flags = threshold_unmask(*state, *extra, threshold=c["threshold"], temperature=c["temperature"],
+                                 top_k=c["top_k"], top_p=c["top_p"], greedy=c["greedy"], noise=c["noise"])
+        for name, f in zip(("block_done", "eos_seen"), flags):
+            assert f.device == state[0].device and f.dtype == torch.bool, (name, f.device, f.dtype)
+            assert bool((f.view(torch.uint8) <= 1).all()), f"{name} left unwritten: {f.view(torch.uint8).tolist()}"
+        return flags
+
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", fuzz_cases(GPU_FUZZ_CASES))
+def test_gpu_random_config(cuda_kernels, case):
+    """The CUDA kernel through the public op on a random configuration of the emulator's space
+    (test_unmask_emu.test_emulated_unmask_random_config: dtypes, modes incl. T <= 0, temperatures, thresholds,
+    quotas, masks, -inf / tied / peaked / constant / identical rows, EOS ids, row layouts (misaligned, padded,
+    transposed, broadcast), Philox seed and offset) with larger shapes (B to 64, S 32 the most often, vocabulary
+    151936 far more often: draw_unmask_config(gpu=True)), the reference on CUDA; checked as there (near ties
+    redrawn, so picks, selection, writes and flags exactly; logp / conf against float64). The split of a row is the
+    launcher's for this GPU; the forced split, slot count and schedule seed are emulator-only (drawn, not used)."""
+    check_random_config(case, op_runner("cuda"), "cuda", gpu=True)
