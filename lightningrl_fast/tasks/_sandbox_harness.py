@@ -615,11 +615,15 @@ def _on_cpu_limit(signum, frame, _exit=os._exit):
 
 def _idle(_lock=_thread.allocate_lock, _exit=os._exit):
     """The main thread after the hand-over: it holds nothing and waits. A signal sent by the program (say
-    SIGINT from ``os.kill(os.getpid(), ...)``) interrupts the wait: the run ends there, without a result."""
+    SIGINT from ``os.kill(os.getpid(), ...)``) interrupts the wait: the run ends there, without a result. The wait
+    wakes every 20 ms: Python runs a signal's handler on this thread only, and a signal the kernel sends to the
+    process (SIGXCPU at the CPU-seconds limit) may land on a program thread, which does not interrupt a plain
+    wait here; the handler would not run before the hard limit's SIGKILL."""
     try:
         lock = _lock()
         lock.acquire()
-        lock.acquire()
+        while not lock.acquire(timeout=0.02):
+            pass
     except BaseException:
         pass
     _exit(5)
