@@ -8,7 +8,7 @@
 # one call at most 600 s. Two presets fill it, in order of value:
 #   lease1  build, the SASS mix, the sdar-8b batch-1 decode row (#3's target), the launcher checks, then every
 #           GPU test file, 4 at a time, the decode path first, the files that compile FlexAttention or run whole
-#           CLIs last                                                                             (~540 s budget)
+#           CLIs last, then the random-configuration tests of every kernel family        (~540 s budget)
 #   lease2  build (skipped on the same warm machine), the quick block-attention and unmask benches
 #                                                                           (budget: what the lease has left)
 # Stages: build, prebuilt, tests, sass, kernels (unmask, linear, kv_cache, rms_norm, silu_mul, block_attn --quick,
@@ -139,11 +139,16 @@ for s in "${stages[@]}"; do
         while [ "$(jobs -rp | wc -l)" -ge "${GPU_TEST_JOBS:-4}" ]; do wait -n; done
         name=$(basename "$f")
         (cd /tmp && stage "tests $name" "$TEST_LIMIT" "tests_parts/$name.log" python3 -m pytest "$f" -m gpu -v -rfE \
-            --durations 5 -p no:cacheprovider "${per_test[@]}" -k "not launcher_checks") &
+            --durations 5 -p no:cacheprovider "${per_test[@]}" -k "not launcher_checks and not random_config") &
       done
       wait
-      for f in "${files[@]}"; do
-        [ -f "$parts/$(basename "$f").log" ] && cat "$parts/$(basename "$f").log" >>"$OUT/tests.log"
+      # Last, every family's random-configuration tests (test_gpu_random_config: the GPU's share of the draws the
+      # emulator tests make), in one process: they never cost a fixed test its place in the budget.
+      (cd /tmp && stage "tests random configurations" "$TEST_LIMIT" "tests_parts/random_config.log" python3 -m pytest \
+          "${files[@]}" -m gpu -v -rfE --durations 5 -p no:cacheprovider "${per_test[@]}" -k "random_config")
+      for f in "${files[@]}" random_config; do
+        log=$parts/$(basename "$f").log
+        [ -f "$log" ] && cat "$log" >>"$OUT/tests.log"
       done
       rm -rf "$parts"
       grep -E "^=== tests|passed|failed|error" "$OUT/tests.log" | tail -n 30 ;;

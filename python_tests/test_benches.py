@@ -272,16 +272,19 @@ def test_gpu_session_build_is_skipped_on_a_warm_machine_and_presets_keep_the_bud
 
 
 def test_gpu_session_tests_stage_runs_files_in_parallel_and_joins_their_logs(tmp_path):
-    """The tests stage runs one pytest per file, several at once, and joins their logs in file order (here without
-    a GPU: every GPU test skips, so each file's run ends at once with rc 0)."""
+    """The tests stage runs one pytest per file, several at once, then every file's random-configuration tests in
+    one last run, and joins their logs in that order (here without a GPU: every GPU test skips, so each run ends
+    at once with rc 0)."""
     _installed_extension()
     out = tmp_path / "out"
     proc = _session(["tests"], REPO, out, GPU_TESTS="rms_norm silu_mul linear", GPU_TEST_JOBS="2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = (out / "tests.log").read_text()
     heads = [line.split()[2] for line in log.splitlines() if line.startswith("=== tests ") and "rc=" in line]
-    assert heads == ["test_rms_norm.py:", "test_silu_mul.py:", "test_linear.py:"], log[-3000:]
-    assert sum(line.startswith("=== tests ") and "rc=0 in" in line for line in log.splitlines()) == 3
+    assert heads == ["test_rms_norm.py:", "test_silu_mul.py:", "test_linear.py:", "random"], log[-3000:]
+    assert sum(line.startswith("=== tests ") and "rc=0 in" in line for line in log.splitlines()) == 4
+    per_file, last = log.split("=== tests random configurations")[:2]
+    assert "random_config" not in per_file and "test_gpu_random_config" in last  # -v names each skipped test
     assert "skipped" in log
     assert "=== launcher checks: rc=" in log
     assert not (out / "tests_parts").exists()
