@@ -2,8 +2,8 @@
 // CUDA-builtins front-end cuda_builtins.h), a shared library for python_tests/test_unmask_emu.py (ctypes); not
 // part of the extension. It mirrors the launcher csrc/unmask.cu: the same split choice and workspace sizes
 // (both from the header: zeroed counters and a separate partials buffer, here poisoned as a reused one holds
-// stale values), one "launch" of rows * nsplit
-// blocks — run in a caller-chosen order — and it reports whether the kernel left every counter at zero. Build:
+// stale values), one "launch" of rows * nsplit blocks — run in a caller-chosen order — and it reports whether
+// the kernel left every counter at zero. Build:
 //   g++ -std=c++20 -O2 -ffp-contract=off -DLRF_KERNEL_EMULATION -shared -fPIC -Icsrc -I<cuda>/include
 //       csrc/emu/unmask_emu.cpp -o unmask_emu.so
 #include "emu/cuda_builtins.h"
