@@ -135,7 +135,8 @@ for s in "${stages[@]}"; do
       # The logs are joined in file order.
       parts=$OUT/tests_parts; mkdir -p "$parts"
       for f in "${files[@]}"; do
-        grep -q "mark.gpu" "$f" 2>/dev/null || continue
+        # a file with GPU tests other than random-configuration ones (those run in the last stage below)
+        awk '/mark\.gpu/ {g = 1} g && /^def test_/ {print; g = 0}' "$f" 2>/dev/null | grep -qv random_config || continue
         while [ "$(jobs -rp | wc -l)" -ge "${GPU_TEST_JOBS:-4}" ]; do wait -n; done
         name=$(basename "$f")
         (cd /tmp && stage "tests $name" "$TEST_LIMIT" "tests_parts/$name.log" python3 -m pytest "$f" -m gpu -v -rfE \

@@ -9,7 +9,8 @@ import ctypes
 import pytest
 import torch
 from conftest import EMU_GREEDY, fuzz_cases
-from test_unmask import MODES, assert_same_step, case, check_random_config, clone, near_tie
+from test_unmask import MODES, assert_same_step, case, clone
+from test_unmask_random import check_random_config, near_tie
 
 from lightningrl_fast.ops.unmask import threshold_unmask_reference
 
@@ -251,9 +252,9 @@ def test_emulated_full_vocabulary(emu):
 
 @pytest.mark.parametrize("case", fuzz_cases(16))
 def test_emulated_unmask_random_config(emu, case):
-    """One random configuration per case seed (test_unmask.draw_unmask_config), against the reference as the fixed
-    tests compare (picks, selection, writes and flags exactly, the same Philox stream when sampling; logp / conf
-    against float64, test_unmask._assert_same_step_fp64):
+    """One random configuration per case seed (test_unmask_random.draw_unmask_config), against the reference as
+    the fixed tests compare (picks, selection, writes and flags exactly, the same Philox stream when sampling;
+    logp / conf against float64, test_unmask_random._assert_same_step_fp64):
     dtype; batch; block size S (1, 4, 8, 32, odd, rarely up to 1024); vocabulary (tiny, odd, at and around the
     vector groups, chunk steps and buckets; rarely ~152k); the launcher's split for a drawn GPU size, or a forced
     one (mostly within the launcher's range); greedy (also as T <= 0, with top-k / top-p the op ignores),
