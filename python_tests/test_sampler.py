@@ -2,11 +2,13 @@
 
 import dataclasses
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from lightningrl_fast.model import SDARConfig, build_model
+from lightningrl_fast.ops.masked_attn import MaskLayout
 from lightningrl_fast.ops.unmask import threshold_unmask
 from lightningrl_fast.sampler import Decoder, SamplerConfig, _bucket, _check_memory, generate
 
@@ -26,11 +28,21 @@ def prompts_of(lengths, seed=0):
     return [torch.randint(10, 100, (n,), generator=g).tolist() for n in lengths]
 
 
-def nocache_decode(model, prompt, cfg: SamplerConfig, row=0, rows=1):
+class Decoded(NamedTuple):
+    """What `nocache_decode` gives for one prompt: response positions only ([R] = max_new_tokens)."""
+
+    tokens: torch.Tensor  # [R] int64, as decoded (the EOS block's later positions included)
+    step_map: torch.Tensor  # [R] int32
+    logp: torch.Tensor  # [R] float64, NaN where never decoded
+    forwards: int  # forwards this row takes part in: its prefill (a full prompt block), steps, separate commits
+
+
+def nocache_decode(model, prompt, cfg: SamplerConfig, row=0, rows=1) -> Decoded:
     """Recompute the whole sequence every step (no KV cache), one prompt at a time. Greedy, or sampled as the
     sampler's row `row` of a working set of `rows` (never compacted): the op's noise is keyed by the row's index
     (the other rows are inactive here: quota 0), the seed and the step's Philox offset, which starts at 0 and
-    advances by one per denoising step of the batch (= per step of this row: every row is active from step 0)."""
+    advances by one per denoising step of the batch (= per step of this row: every row is active from step 0).
+    The block size is the config's override if it has one (the forward's block-causal mask too)."""
     bs = cfg.block_size or model.config.block_size
     mask, vocab = model.config.mask_token_id, model.config.vocab_size
     temp = cfg.temperature if cfg.temperature > 0 else 1.0  # greedy: confidences under the plain softmax
@@ -41,17 +53,19 @@ def nocache_decode(model, prompt, cfg: SamplerConfig, row=0, rows=1):
     step_map = torch.full((1, seq.shape[1]), -1, dtype=torch.int32)
     masked = torch.arange(seq.shape[1])[None] >= len(prompt)
     logp_map = torch.full((seq.shape[1],), float("nan"), dtype=torch.float64)
-    blk, step = len(prompt) // bs, 0
+    blk, step, blk_steps = len(prompt) // bs, 0, 0
+    forwards = int(len(prompt) >= bs)  # the prefill of the prompt's full blocks
     while True:
         sl = slice(blk * bs, blk * bs + bs)
+        n = blk * bs + bs
         with torch.no_grad():
-            logits = model(seq[:, : blk * bs + bs])[:, sl].clone()
+            logits = model(seq[:, :n], layout=MaskLayout.block_causal(n, bs))[:, sl].clone()
+        forwards += 1
         logits[..., mask] = float("-inf")
         s = cfg.steps_per_block or bs
         quota = 1
         if cfg.rule == "quota":
-            k = nocache_decode.blk_steps
-            quota = bs if k >= s - 1 else bs // s + (k < bs % s)
+            quota = bs if blk_steps >= s - 1 else bs // s + (blk_steps < bs % s)
         # the op on `rows` rows, this prompt's at index `row`, the others inactive (quota 0, nothing masked)
         big = torch.zeros(rows, bs, vocab, dtype=logits.dtype)
         big[row] = logits[0]
@@ -71,17 +85,15 @@ def nocache_decode(model, prompt, cfg: SamplerConfig, row=0, rows=1):
         logp_map[blk * bs + new] = lsm[new, tok[0, new]]
         seq[:, sl], masked[:, sl], step_map[:, sl] = tok, msk, sm
         step += 1
-        nocache_decode.blk_steps += 1
+        blk_steps += 1
         if bool(done):
-            nocache_decode.blk_steps = 0
+            blk_steps = 0
             if bool(eos) or blk == last:
                 break
             blk += 1
-    resp = seq[0, len(prompt) : total]
-    return resp, step_map[0, len(prompt) : total], logp_map[len(prompt) : total]
-
-
-nocache_decode.blk_steps = 0
+            forwards += int(not cfg.fold_commit)  # SDAR's separate commit forward of the finished block
+    r = slice(len(prompt), total)
+    return Decoded(seq[0, r], step_map[0, r], logp_map[r], forwards)
 
 
 def truncate_at_eos(tokens):
@@ -101,8 +113,7 @@ def test_cache_decoding_equals_nocache_decoding(model, rule, threshold):
                         eos_ids=(EOS,))
     ro = generate(model, prompts, cfg)
     for i, p in enumerate(prompts):
-        nocache_decode.blk_steps = 0
-        resp, smap, lp = nocache_decode(model, p, cfg)
+        resp, smap, lp, _ = nocache_decode(model, p, cfg)
         want = truncate_at_eos(resp.tolist())
         assert ro.response_ids(i) == want, i
         assert ro.step_map[i, : len(want)].tolist() == smap[: len(want)].tolist()
@@ -323,8 +334,7 @@ def test_sampled_decoding_equals_nocache_decoding(request, which, kw):
     greedy = generate(m, prompts, dataclasses.replace(cfg, temperature=0))
     assert not torch.equal(ro.tokens, greedy.tokens)
     for i, p in enumerate(prompts):
-        nocache_decode.blk_steps = 0
-        resp, smap, lp = nocache_decode(m, p, cfg, row=i, rows=len(prompts))
+        resp, smap, lp, _ = nocache_decode(m, p, cfg, row=i, rows=len(prompts))
         want = truncate_at_eos(resp.tolist())
         n = len(want)
         assert ro.response_ids(i) == want, i
