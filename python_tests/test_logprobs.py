@@ -12,7 +12,7 @@ from lightningrl_fast.rl.trainer import (Groups, RLConfig, layout_stage, logprob
                                          micro_batches, reference_stage)
 from lightningrl_fast.sampler import SamplerConfig, generate
 
-from conftest import TINY_MASK, TINY_VOCAB, tiny_rl_model, varied_layout_batch
+from conftest import TINY_MASK, TINY_VOCAB, fuzz_cases, tiny_rl_model, varied_layout_batch
 
 MASK, V = TINY_MASK, TINY_VOCAB
 
@@ -390,3 +390,86 @@ def test_gpu_training_passes_do_not_sync_per_micro_batch():
                         syncs(lambda: loss_backward_stage(model, lb, range(12), adv, None, None, correct, cfg)))
     (few, a), (many, b) = sorted(counts.items())
     assert many > few and a == b, counts
+
+
+def draw_rollout_batch(case):
+    """A random decoded batch and its LayoutBatch for `test_packed_random_config`: 1-14 rows (prompts of 1-40
+    tokens, some repeated as a GRPO group would), a decoding block size of 2-8 (the layout's), a threshold and
+    temperature that give 1 to many tokens per step, EOS early, late or never, max_new_tokens 1-40, either mode.
+    Returns (model, rollout, lb, mode, rng)."""
+    import random
+
+    rng = random.Random(case)
+    model = tiny_rl_model(seed=case % 7, dtype=torch.float64, peaky=rng.choice([5.0, 20.0, 60.0]))
+    bs = rng.choice([2, 3, 4, 4, 5, 8])
+    base = [[rng.randrange(10, 100) for _ in range(rng.choice([1, bs - 1 or 1, bs, bs + 1, rng.randint(1, 40)]))]
+            for _ in range(rng.randint(1, 7))]
+    prompts = [p for p in base for _ in range(rng.choice([1, 2]))]
+    cfg = SamplerConfig(block_size=bs, threshold=rng.choice([0.0, 0.3, 0.7, 1.0]), max_new_tokens=rng.randint(1, 40),
+                        temperature=rng.choice([0.0, 1.0]), eos_ids=tuple(rng.sample(range(3, 100), 3)),
+                        seed=case)
+    ro = generate(model, prompts, cfg)
+    mode = rng.choice(["block_proxy", "trace"])
+    lb = build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, bs, MASK, mode)
+    return model, ro, lb, mode, rng
+
+
+@pytest.mark.parametrize("case", fuzz_cases(6))
+def test_packed_random_config(case):
+    """A drawn batch packed into micro-batches (a drawn budget from 1 position to all of them, padded shapes or
+    not, a drawn subset of the rows in any order) gives the padded LayoutBatch forward's log-probs for exactly the
+    subset's targets, each once, rows within the budget unless one sample alone exceeds it; one case in three also
+    checks the micro-batched loss and gradients against the fused loss over the padded forward. In trace mode the
+    padded forward first reproduces the log-prob the sampler recorded for every response token (float32)."""
+    from lightningrl_fast.ops.grpo_loss import fused_linear_grpo_loss
+
+    model, ro, lb, mode, rng = draw_rollout_batch(case)
+    n = int(lb.tgt_row.max()) + 1 if lb.num_tokens else 0
+    assert lb.num_tokens == int(ro.lengths.sum())
+    with torch.no_grad():
+        want = batch_logprobs(model, lb)
+    if mode == "trace":
+        torch.testing.assert_close(want.float(), ro.logp[lb.tgt_row, lb.resp_pos], rtol=0, atol=1e-5)
+    if rng.random() < 0.35:  # valid lengths ending inside a block, past each row's last target (hand-made: the
+        n_, bs = lb.layout.n, lb.layout.block_size  # sampler decodes whole blocks)
+        last = torch.zeros(n, dtype=torch.long).scatter_reduce(0, lb.tgt_row, lb.tgt_col % n_, "amax")
+        extra = torch.tensor([rng.randint(1, bs) for _ in range(n)])
+        lengths = torch.minimum(last + extra, lb.layout.lengths.long())
+        lb = LayoutBatch(lb.x0, lb.rnd, lb.mask_id, MaskLayout(n_, lb.layout.num_copies, bs, lengths), lb.tgt_row,
+                         lb.tgt_col, lb.targets, lb.resp_pos)
+        with torch.no_grad():
+            want = batch_logprobs(model, lb)
+    rows = rng.sample(range(n), rng.randint(1, n)) if n else []
+    budget = rng.choice([1, 7, 40, 128, 300, 10**6])
+    pad = rng.random() < 0.5
+    mbs = pack_micro_batches(lb, rows, budget, pad_shapes=pad, pad_id=MASK)
+    sel = torch.cat([mb.sel for mb in mbs]) if mbs else torch.zeros(0, dtype=torch.int64)
+    assert sorted(sel.tolist()) == torch.isin(lb.tgt_row, torch.tensor(rows, dtype=torch.int64)).nonzero()[:, 0].tolist()
+    for mb in mbs:
+        assert set(mb.samples.tolist()) <= set(rows) and torch.equal(mb.targets, lb.targets[mb.sel])
+        assert mb.used <= mb.positions and (mb.used <= budget or mb.layout.num_segments == 1)
+        assert mb.positions == (packed_length(mb.used, budget) if pad else mb.used)
+        with torch.no_grad():
+            torch.testing.assert_close(micro_batch_logprobs(model, mb), want[mb.sel], rtol=0, atol=1e-12)
+    if case % 3 or not lb.num_tokens:
+        return
+    g = torch.Generator().manual_seed(case)
+    adv_tok = torch.randn(n, generator=g, dtype=torch.float64)[lb.tgt_row]
+    old = want.detach() + 0.1 * torch.randn(lb.num_tokens, generator=g, dtype=torch.float64)  # some ratios clipped
+    ref = want.detach() + 0.1 * torch.randn(lb.num_tokens, generator=g, dtype=torch.float64)
+    correct = torch.rand(n, generator=g) < 0.5
+    cfg = RLConfig(micro_batch_tokens=budget, kl_beta=0.05, nll_weight=0.1, group_size=1, prompts_per_step=n)
+    model.zero_grad()
+    agg = loss_backward_stage(model, lb, range(n), adv_tok, old, ref, correct, cfg)
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    h = model.hidden(lb.input_ids, lb.position_ids, lb.layout)[lb.tgt_row, lb.tgt_col]
+    present = torch.unique(lb.tgt_row)
+    totals = (len(present), lb.num_tokens, int(correct[present].sum()), int(correct[lb.tgt_row].sum()))
+    loss, _, _ = fused_linear_grpo_loss(h, model.lm_head.weight, lb.targets, old, ref, adv_tok, lb.tgt_row, n,
+                                        correct, eps_low=0.2, eps_high=0.2, beta=0.05, mu=0.1,
+                                        reduction="seq-tok-tok", totals=totals, suppress_token=MASK)
+    loss.backward()
+    assert agg["loss"] == pytest.approx(float(loss.detach()), rel=1e-10, abs=1e-14)
+    for a, b in zip(got, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
