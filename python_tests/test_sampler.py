@@ -113,9 +113,10 @@ def test_cache_decoding_equals_nocache_decoding(model, rule, threshold):
                         eos_ids=(EOS,))
     ro = generate(model, prompts, cfg)
     for i, p in enumerate(prompts):
-        resp, smap, lp, _ = nocache_decode(model, p, cfg)
+        resp, smap, lp, forwards = nocache_decode(model, p, cfg)
         want = truncate_at_eos(resp.tolist())
         assert ro.response_ids(i) == want, i
+        assert int(ro.forwards[i]) == forwards, i  # prefill (a full prompt block) + the row's steps
         assert ro.step_map[i, : len(want)].tolist() == smap[: len(want)].tolist()
         # the recorded log-prob and confidence (float32) of every token: within float32 rounding of the oracle's
         n = len(want)
