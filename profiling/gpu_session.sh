@@ -9,16 +9,16 @@
 #   lease1  build, the SASS mix, the sdar-8b batch-1 decode row (#3's target), the launcher checks, then every
 #           GPU test file, 4 at a time, the decode path first, the files that compile FlexAttention or run whole
 #           CLIs last, then the random-configuration tests of every kernel family        (~540 s budget)
-#   lease2  build (skipped on the same warm machine), the quick block-attention and unmask benches
-#                                                                           (budget: what the lease has left)
+#   lease2  build (skipped on the same warm machine), the quick block-attention and unmask benches, then the
+#           batch-128 sdar-4b decode row (REFERENCE §5: JetEngine's H200 figure)   (budget: what the lease has left)
 # Stages: build, prebuilt, tests, sass, kernels (unmask, linear, kv_cache, rms_norm, silu_mul, block_attn --quick,
 # grpo_loss), decode1 (sdar-8b batch 1, block 4, graphs on, cuBLAS and the skinny-GEMM kernel), attn_quick,
-# unmask_quick, decode (bench_decode.py, sdar-8b batch 1/8/64, block 4/32, graphs on, cuBLAS and the skinny-GEMM
-# kernel, the reference child capped at 240 s), pdl (decode at batch 1 with programmatic dependent launch on and
-# off), optim (bench_optim.py: the optimizer step resident vs offloaded), attn_full (every bench_block_attn
-# shape), rl_step (bench_rl_step.py: the RL training pass, padded vs packed micro-batches, sdar-1.7b), ncu (Nsight
-# Compute of the unmask and block-attention kernels). Default (no stage named): build tests sass kernels, a whole
-# lease's worth and more.
+# unmask_quick, decode128 (sdar-4b, batch 128, block 4, forced TPF 2, graphs on, cuBLAS), decode (bench_decode.py,
+# sdar-8b batch 1/8/64, block 4/32, graphs on, cuBLAS and the skinny-GEMM kernel, the reference child capped at
+# 240 s), pdl (decode at batch 1 with programmatic dependent launch on and off), optim (bench_optim.py: the optimizer
+# step resident vs offloaded), attn_full (every bench_block_attn shape), rl_step (bench_rl_step.py: the RL training pass,
+# padded vs packed micro-batches, sdar-1.7b), ncu (Nsight Compute of the unmask and block-attention kernels). Default
+# (no stage named): build tests sass kernels, a whole lease's worth and more.
 # The build uses $CC / $CXX when set (RESULTS.md, 2026-11-22: launcher messages crashed in a build made with the
 # lent image's /opt/gcc; try CC=/usr/bin/gcc CXX=/usr/bin/g++). It is skipped when this machine already has the
 # package installed from the same sources (a second call on a warm machine: the install survives between calls;
@@ -46,7 +46,7 @@ expanded=()
 for s in "${stages[@]}"; do
   case $s in
     lease1) expanded+=(build sass decode1 tests) ;;
-    lease2) expanded+=(build attn_quick unmask_quick) ;;
+    lease2) expanded+=(build attn_quick unmask_quick decode128) ;;
     *) expanded+=("$s") ;;
   esac
 done
@@ -190,6 +190,11 @@ for s in "${stages[@]}"; do
       # greedy and two-level sampling (the default) at 32 / 1024 / 8192 rows, no torch.compile column (minutes)
       stage "bench_unmask.py quick" 120 bench.log python3 profiling/bench_unmask.py --no-compile --rows 32,1024,8192 \
         --modes greedy,sample,sample-flat ;;
+    decode128)
+      # REFERENCE §5 names JetEngine at 5000+ tok/s for SDAR-4B, block 4, batch 128 on an H200 (real prompts, its
+      # own TPF): the same shapes with random weights at a forced TPF of 2 (the figure scales with the TPF)
+      stage bench_decode128 150 bench_decode128.log python3 profiling/bench_decode.py --config sdar-4b --batches 128 \
+        --blocks 4 --tpf 2 --graphs on --impl kernels --gemm cublas --repeats 2 --new-tokens 256 ;;
     optim)
       stage bench_optim.py 150 bench.log python3 profiling/bench_optim.py ;;
     attn_full)
