@@ -1,6 +1,8 @@
 """The trainer's log-prob passes (rl/logprobs.py): training layouts against the sampler's trajectory, micro-batched
 and packed passes against the padded batch, the streamed / offloaded reference, and the same passes on CUDA."""
 
+import random
+
 import pytest
 import torch
 
@@ -397,8 +399,6 @@ def draw_rollout_batch(case):
     tokens, some repeated as a GRPO group would), a decoding block size of 2-8 (the layout's), a threshold and
     temperature that give 1 to many tokens per step, EOS early, late or never, max_new_tokens 1-40, either mode.
     Returns (model, rollout, lb, mode, rng)."""
-    import random
-
     rng = random.Random(case)
     model = tiny_rl_model(seed=case % 7, dtype=torch.float64, peaky=rng.choice([5.0, 20.0, 60.0]))
     bs = rng.choice([2, 3, 4, 4, 5, 8])
