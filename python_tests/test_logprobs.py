@@ -419,10 +419,9 @@ def test_packed_random_config(case):
     """A drawn batch packed into micro-batches (a drawn budget from 1 position to all of them, padded shapes or
     not, a drawn subset of the rows in any order) gives the padded LayoutBatch forward's log-probs for exactly the
     subset's targets, each once, rows within the budget unless one sample alone exceeds it; one case in three also
-    checks the micro-batched loss and gradients against the fused loss over the padded forward. In trace mode the
+    checks the micro-batched loss, KL, clip fraction and gradients of a drawn mini-batch (drawn reductions, clip
+    bounds, KL and NLL weights, on- or off-policy) against the hand-written objective over the padded forward. In trace mode the
     padded forward first reproduces the log-prob the sampler recorded for every response token (float32)."""
-    from lightningrl_fast.ops.grpo_loss import fused_linear_grpo_loss
-
     model, ro, lb, mode, rng = draw_rollout_batch(case)
     n = int(lb.tgt_row.max()) + 1 if lb.num_tokens else 0
     assert lb.num_tokens == int(ro.lengths.sum())
@@ -453,23 +452,37 @@ def test_packed_random_config(case):
             torch.testing.assert_close(micro_batch_logprobs(model, mb), want[mb.sel], rtol=0, atol=1e-12)
     if case % 3 or not lb.num_tokens:
         return
+    # the micro-batched loss of a drawn mini-batch (rows a..b-1) with drawn coefficients and reductions against
+    # REFERENCE §4 written out over the padded forward (test_rl.hand_loss): loss, KL, clip fraction, gradients
+    from test_rl import hand_loss, padded_logp
+
+    a = rng.randrange(n)
+    rows = range(a, rng.randint(a + 1, n))
+    red = "-".join(rng.choice(["seq", "tok"]) for _ in range(3))
+    # off-policy (old log-probs 0.3 away) or on-policy (ratio 1 up to rounding: not with a clip bound of 0, where
+    # the rounding decides the branch and the product and torch's min / clamp backward differ by design on the tie)
+    off = rng.choice([0.0, 0.3])
+    eps_low, eps_high = rng.choice([0.0, 0.1, 0.2][not off:]), rng.choice([0.0, 0.2, 0.28][not off:])
+    beta, mu = rng.choice([0.0, 0.01, 0.5]), rng.choice([0.0, 0.1, 1.0])
     g = torch.Generator().manual_seed(case)
     adv_tok = torch.randn(n, generator=g, dtype=torch.float64)[lb.tgt_row]
-    old = want.detach() + 0.1 * torch.randn(lb.num_tokens, generator=g, dtype=torch.float64)  # some ratios clipped
-    ref = want.detach() + 0.1 * torch.randn(lb.num_tokens, generator=g, dtype=torch.float64)
+    old = want + off * torch.randn(lb.num_tokens, generator=g, dtype=torch.float64)
+    ref = want + 0.3 * torch.randn(lb.num_tokens, generator=g, dtype=torch.float64)
     correct = torch.rand(n, generator=g) < 0.5
-    cfg = RLConfig(micro_batch_tokens=budget, kl_beta=0.05, nll_weight=0.1, group_size=1, prompts_per_step=n)
+    cfg = RLConfig(micro_batch_tokens=budget, kl_beta=beta, nll_weight=mu, eps_low=eps_low, eps_high=eps_high,
+                   reduction=red)
     model.zero_grad()
-    agg = loss_backward_stage(model, lb, range(n), adv_tok, old, ref, correct, cfg)
-    got = [p.grad.clone() for p in model.parameters()]
+    agg = loss_backward_stage(model, lb, rows, adv_tok, old, ref, correct, cfg)
+    got = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
     model.zero_grad()
-    h = model.hidden(lb.input_ids, lb.position_ids, lb.layout)[lb.tgt_row, lb.tgt_col]
-    present = torch.unique(lb.tgt_row)
-    totals = (len(present), lb.num_tokens, int(correct[present].sum()), int(correct[lb.tgt_row].sum()))
-    loss, _, _ = fused_linear_grpo_loss(h, model.lm_head.weight, lb.targets, old, ref, adv_tok, lb.tgt_row, n,
-                                        correct, eps_low=0.2, eps_high=0.2, beta=0.05, mu=0.1,
-                                        reduction="seq-tok-tok", totals=totals, suppress_token=MASK)
-    loss.backward()
-    assert agg["loss"] == pytest.approx(float(loss.detach()), rel=1e-10, abs=1e-14)
-    for a, b in zip(got, (p.grad for p in model.parameters())):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    mine = (lb.tgt_row >= rows.start) & (lb.tgt_row < rows.stop)
+    logp = padded_logp(model, lb)
+    loss, kl, frac = hand_loss(logp[mine], old[mine], ref[mine], adv_tok[mine], lb.tgt_row[mine], correct, beta, mu,
+                               red, eps_low, eps_high)
+    assert agg["loss"] == pytest.approx(float(loss.detach()), rel=1e-10, abs=1e-14), (red, rows)
+    # the KL is measured only where it is in the loss (beta 0: no reference model in a run)
+    assert agg["kl"] == pytest.approx(float(kl.detach()) if beta else 0.0, rel=1e-10, abs=1e-14)
+    assert agg["clip_frac"] == pytest.approx(frac, abs=1e-6)
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    for a_, b_ in zip(got, grads):
+        torch.testing.assert_close(a_, torch.zeros_like(a_) if b_ is None else b_, rtol=1e-9, atol=1e-12)

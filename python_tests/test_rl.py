@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightningrl_fast.model import SDARConfig, build_model
+from lightningrl_fast.rl.logging import step_line
 from lightningrl_fast.rl.advantages import Scored, compute_advantages, keep_groups, score_rollout
 from lightningrl_fast.rl.logprobs import batch_logprobs, build_layout_batch
 from lightningrl_fast.rl.trainer import (Groups, RLConfig, example_stream, layout_stage, loss_backward_stage,
@@ -112,6 +113,11 @@ def test_train_step_updates_the_weights_the_sampler_uses():
     torch.testing.assert_close(lp_new, ro_after.logp[lb.tgt_row, lb.resp_pos], atol=1e-5, rtol=0)
     assert not torch.allclose(lp_new, lp_ref)
     assert ro_before.tokens.shape == ro_after.tokens.shape
+    assert m["kl"] == 0.0 and " kl 0.0000 " in step_line(m)  # measured: the first step's policy is the reference
+    # kl_beta 0: no reference model, and no KL in the metrics (a 0.0 would read as "the policy has not moved")
+    state = make_state(model, dataclasses.replace(rc, kl_beta=0.0))
+    m = train_step(state, tok, task, task.train, dataclasses.replace(rc, kl_beta=0.0), scfg)
+    assert state.ref_model is None and m["updates"] == 1 and "kl" not in m and " kl - " in step_line(m)
 
 
 def test_train_step_trains_under_the_rollout_block_size(monkeypatch):

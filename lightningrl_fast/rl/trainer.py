@@ -460,6 +460,8 @@ def update_stage(state: TrainState, groups: Groups, cfg: RLConfig, block_size: i
                     losses[k] += v / n_updates
     model.eval()
     losses = dict(zip(losses, all_sum(env, list(losses.values()))))  # each rank holds its share of the loss
+    if state.ref_model is None:  # kl_beta 0: no reference, no KL measured (absent, not a 0.0 that reads "unmoved")
+        del losses["kl"]
     positions, used = all_sum(env, [work["positions"], work["used"]])
     metrics.update(losses, grad_norm=gnorm, updates=applied, train_s=time.perf_counter() - t0,
                    train_positions=int(positions), pack_fill=used / positions if positions else 0.0)
