@@ -165,7 +165,8 @@ EXTERNAL_HELP: dict[str, str] = {
     "grad_clip": "gradient-norm clip",
     "eps_low": "PPO clip: rho >= 1 - eps_low",
     "eps_high": "PPO clip: rho <= 1 + eps_high",
-    "kl_beta": "weight of the k3 KL to the frozen initial policy (0 disables it, the reference model and the kl metric)",
+    "kl_beta": "weight of the k3 KL to the frozen initial policy (0 disables it, the reference model and the kl "
+               "metric)",
     "reference_offload": "keep the frozen reference (kl_beta > 0) in host memory and stream it to the GPU one "
                          "layer at a time for the reference log-probs: frees its whole size on the GPU (SDAR-8B "
                          "bf16: 15.3 GiB) for one copy of its size to the GPU per chunk of 16 x "

@@ -16,9 +16,9 @@
 # unmask_quick, decode128 (sdar-4b, batch 128, block 4, forced TPF 2, graphs on, cuBLAS), decode (bench_decode.py,
 # sdar-8b batch 1/8/64, block 4/32, graphs on, cuBLAS and the skinny-GEMM kernel, the reference child capped at
 # 240 s), pdl (decode at batch 1 with programmatic dependent launch on and off), optim (bench_optim.py: the optimizer
-# step resident vs offloaded), attn_full (every bench_block_attn shape), rl_step (bench_rl_step.py: the RL training pass,
-# padded vs packed micro-batches, sdar-1.7b), ncu (Nsight Compute of the unmask and block-attention kernels). Default
-# (no stage named): build tests sass kernels, a whole lease's worth and more.
+# step resident vs offloaded), attn_full (every bench_block_attn shape), rl_step (bench_rl_step.py: the RL training
+# pass, padded vs packed micro-batches, sdar-1.7b), ncu (Nsight Compute of the unmask and block-attention kernels).
+# Default (no stage named): build tests sass kernels, a whole lease's worth and more.
 # The build uses $CC / $CXX when set (RESULTS.md, 2026-11-22: launcher messages crashed in a build made with the
 # lent image's /opt/gcc; try CC=/usr/bin/gcc CXX=/usr/bin/g++). It is skipped when this machine already has the
 # package installed from the same sources (a second call on a warm machine: the install survives between calls;

@@ -420,8 +420,9 @@ def test_packed_random_config(case):
     not, a drawn subset of the rows in any order) gives the padded LayoutBatch forward's log-probs for exactly the
     subset's targets, each once, rows within the budget unless one sample alone exceeds it; one case in three also
     checks the micro-batched loss, KL, clip fraction and gradients of a drawn mini-batch (drawn reductions, clip
-    bounds, KL and NLL weights, on- or off-policy) against the hand-written objective over the padded forward. In trace mode the
-    padded forward first reproduces the log-prob the sampler recorded for every response token (float32)."""
+    bounds, KL and NLL weights, on- or off-policy) against the hand-written objective over the padded forward. In
+    trace mode the padded forward first reproduces the log-prob the sampler recorded for every response token
+    (float32)."""
     model, ro, lb, mode, rng = draw_rollout_batch(case)
     n = int(lb.tgt_row.max()) + 1 if lb.num_tokens else 0
     assert lb.num_tokens == int(ro.lengths.sum())
@@ -443,7 +444,8 @@ def test_packed_random_config(case):
     pad = rng.random() < 0.5
     mbs = pack_micro_batches(lb, rows, budget, pad_shapes=pad, pad_id=MASK)
     sel = torch.cat([mb.sel for mb in mbs]) if mbs else torch.zeros(0, dtype=torch.int64)
-    assert sorted(sel.tolist()) == torch.isin(lb.tgt_row, torch.tensor(rows, dtype=torch.int64)).nonzero()[:, 0].tolist()
+    in_rows = torch.isin(lb.tgt_row, torch.tensor(rows, dtype=torch.int64))
+    assert sorted(sel.tolist()) == in_rows.nonzero()[:, 0].tolist()
     for mb in mbs:
         assert set(mb.samples.tolist()) <= set(rows) and torch.equal(mb.targets, lb.targets[mb.sel])
         assert mb.used <= mb.positions and (mb.used <= budget or mb.layout.num_segments == 1)

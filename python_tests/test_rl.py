@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lightningrl_fast.model import SDARConfig, build_model
-from lightningrl_fast.rl.logging import step_line
 from lightningrl_fast.rl.advantages import Scored, compute_advantages, keep_groups, score_rollout
+from lightningrl_fast.rl.logging import step_line
 from lightningrl_fast.rl.logprobs import batch_logprobs, build_layout_batch
 from lightningrl_fast.rl.trainer import (Groups, RLConfig, example_stream, layout_stage, loss_backward_stage,
                                          make_state, micro_batches, rollout_stage, train_step, update_stage)
