@@ -96,11 +96,12 @@ def nocache_decode(model, prompt, cfg: SamplerConfig, row=0, rows=1) -> Decoded:
     return Decoded(seq[0, r], step_map[0, r], logp_map[r], forwards)
 
 
-def truncate_at_eos(tokens):
+def truncate_at_eos(tokens, eos_ids=(EOS,)):
+    """`tokens` up to and including the first of `eos_ids`."""
     out = []
     for t in tokens:
         out.append(t)
-        if t == EOS:
+        if t in eos_ids:
             break
     return out
 

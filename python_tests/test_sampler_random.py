@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 from conftest import fuzz_cases
-from test_sampler import assert_same_rollout, nocache_decode
+from test_sampler import assert_same_rollout, nocache_decode, truncate_at_eos
 
 import lightningrl_fast.sampler as sampler
 from lightningrl_fast.model import SDARConfig, build_model
@@ -71,15 +71,12 @@ def draw_request(rng: random.Random, vocab: int, frequent: list[int]):
     return prompts, cfg, sync_every, prefill_rows
 
 
-def check_rows(model, prompts, cfg: SamplerConfig, ro) -> int:
-    """Every row of the rollout `ro` against the no-cache oracle; returns how many rows ended at an EOS."""
+def check_rows(model, prompts, cfg: SamplerConfig, ro) -> None:
+    """Every row of the rollout `ro` against the no-cache oracle."""
     assert len(ro) == len(prompts) and ro.tokens.shape == (len(prompts), cfg.max_new_tokens)
-    ended = 0
     for i, p in enumerate(prompts):
         want = nocache_decode(model, p, cfg, row=i, rows=len(prompts))
-        toks = want.tokens.tolist()
-        ends = [k for k, t in enumerate(toks) if t in cfg.eos_ids]
-        toks = toks[: ends[0] + 1] if ends else toks  # up to and including the first EOS
+        toks = truncate_at_eos(want.tokens.tolist(), cfg.eos_ids)
         n = len(toks)
         assert ro.response_ids(i) == toks, (i, ro.response_ids(i), toks)
         assert ro.step_map[i, :n].tolist() == want.step_map[:n].tolist(), i
@@ -93,8 +90,6 @@ def check_rows(model, prompts, cfg: SamplerConfig, ro) -> int:
         # padding after the response: the last EOS id, step -1, no log-prob or confidence
         assert ro.tokens[i, n:].tolist() == [cfg.eos_ids[-1]] * (cfg.max_new_tokens - n)
         assert (ro.step_map[i, n:] == -1).all() and (ro.logp[i, n:] == 0).all() and (ro.conf[i, n:] == 0).all()
-        ended += eos
-    return ended
 
 
 def run_request(dec: Decoder, monkeypatch, prompts, cfg, sync_every, prefill_rows):
