@@ -360,6 +360,15 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
         errs.append(f"--eval-thresholds must be in [0, 1], got {bad}")
     if ev.eval_every < 0:
         errs.append(f"--eval-every must be >= 0, got {ev.eval_every}")
+    if not 0 <= ev.select_margin <= 1:
+        errs.append(f"--select-margin must be in [0, 1] (a fraction of the validation examples), got {ev.select_margin}")
+    has_val = d.val_data is not None or d.val_fraction > 0
+    if ev.select_best and r.baseline == "none":
+        if not has_val:
+            errs.append("--select-best selects on a validation split: give --val-data FILE or --val-fraction F "
+                        "(never the held-out --eval-data / test split)")
+        if ev.eval_every < 1:
+            errs.append("--select-best chooses among the validation evaluations: give --eval-every N")
     if ev.eval_batch_size < 1:
         errs.append(f"--eval-batch-size must be >= 1, got {ev.eval_batch_size}")
     for name in ("eval_limit", "eval_max_new_tokens"):
@@ -398,6 +407,15 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
                         "(or pick --task math|code)")
     elif d.train_data is None:
         errs.append(f"--task {d.task} needs --train-data FILE (its training prompts)")
+    if not 0 <= d.val_fraction < 1:
+        errs.append(f"--val-fraction must be in [0, 1), got {d.val_fraction}")
+    elif d.val_data is not None and d.val_fraction > 0:
+        errs.append("give the validation split as --val-data FILE or as --val-fraction F, not both")
+    elif d.task == "synthetic" and d.val_data is not None:
+        errs.append("--task synthetic carves its own validation split (--val-fraction); drop --val-data")
+    elif d.task == "synthetic" and 0 < e.test_fraction < 1 and d.val_fraction >= 1 - e.test_fraction:
+        errs.append(f"--val-fraction {d.val_fraction} + --test-fraction {e.test_fraction} leave no training prompts "
+                    "(their sum must be below 1)")
     if d.max_train_examples is not None and d.max_train_examples < 1:
         errs.append(f"--max-train-examples must be >= 1, got {d.max_train_examples}")
     # embedded model
@@ -431,7 +449,7 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
             errs.append(str(ex))
     # files and folders
     if check_paths:
-        for flag, p in (("--train-data", d.train_data), ("--eval-data", d.eval_data)):
+        for flag, p in (("--train-data", d.train_data), ("--eval-data", d.eval_data), ("--val-data", d.val_data)):
             if p is not None and not Path(p).is_file():
                 errs.append(f"{flag} {p}: no such file")
         # a resumed run loads its model from the checkpoint: the folder it once started from may be gone

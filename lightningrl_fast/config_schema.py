@@ -79,6 +79,13 @@ class DataConfig:
                                 metavar="FILE")
     eval_data: str | None = _f(None, "held-out evaluation file (same formats); synthetic: its test split",
                                metavar="FILE")
+    val_data: str | None = _f(None, "validation prompts file (same formats): what --eval-every evaluates and "
+                                    "--select-best selects on, kept apart from --eval-data so that the final "
+                                    "evaluation is not chosen on", metavar="FILE")
+    val_fraction: float = _f(0.0, "carve this fraction of the training prompts out as the validation split "
+                                  "(by a fixed hash of each example's id, so the same prompts whatever the order "
+                                  "or --seed; synthetic: of all operand tuples, the test split unchanged); "
+                                  "0 = none; not with --val-data")
     data_format: str | None = _f(None, "force the row format of the data files ('none': detected from the first row)",
                                  choices=("gsm8k", "math500", "mbpp", "humaneval", "plain"))
     max_train_examples: int | None = _f(None, "use at most this many training examples")
@@ -120,7 +127,16 @@ class EvalConfig:
 
     eval_thresholds: list[float] = _f([0.5, 0.7, 0.9, 0.95], "thresholds of the accuracy-TPF sweep before and "
                                                              "after RL (the rollout --threshold is always added)")
-    eval_every: int = _f(0, "evaluate (greedy, at --threshold) every N RL steps; 0 = only before and after")
+    eval_every: int = _f(0, "evaluate (greedy, at --threshold) every N RL steps, on the validation split when "
+                            "there is one (--val-data / --val-fraction), else on the held-out set; 0 = only "
+                            "before and after")
+    select_best: bool = _f(False, "RL: keep, in <out>/best-model, the weights of the validation evaluation (before "
+                                  "RL, every --eval-every steps, and the last step) with the highest TPF among "
+                                  "those whose validation accuracy is within --select-margin of the one before "
+                                  "RL, and evaluate them on the held-out set at the end next to the last step's "
+                                  "(needs a validation split and --eval-every; --baseline rft ignores it)")
+    select_margin: float = _f(0.01, "--select-best: validation accuracy (a fraction: 0.01 = one point) a selected "
+                                    "step may lose against the model before RL")
     eval_limit: int | None = _f(None, "evaluate on at most this many held-out examples")
     eval_batch_size: int = _f(256, "prompts per generate() call during evaluation")
     eval_max_new_tokens: int | None = _f(None, "max new tokens at evaluation (default: --max-new-tokens; the "

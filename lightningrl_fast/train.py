@@ -51,9 +51,10 @@ import torch
 from ._jsonfile import write_text_atomic
 from .config import OPTIONS, RUN_CONFIG, ConfigError, TrainConfig, cache_root, parse_config
 from .rl.distributed import SINGLE, DistEnv
+from .rl.selection import BEST_DIR, Candidate, Selection, reconcile, save_best
 from .tasks import is_correct_batch
 
-SAVED_AS_ABSOLUTE = ("model", "train_data", "eval_data", "cache_dir")  # path options of the run's config.json
+SAVED_AS_ABSOLUTE = ("model", "train_data", "eval_data", "val_data", "cache_dir")  # path options of the run's config.json
 
 SFT_CACHE_VERSION = 4  # bump when the SFT recipe changes in a way the cache key cannot see
 
@@ -80,8 +81,9 @@ def make_synthetic_task(cfg: TrainConfig):
     from .tasks.synthetic import SyntheticArithmetic
 
     e = cfg.embedded
-    # The split hash seed is fixed (0): the held-out test set is the same whatever --seed is.
-    return SyntheticArithmetic(num_operands=e.num_operands, max_operand=e.max_operand, test_fraction=e.test_fraction)
+    # The split hash seed is fixed (0): the held-out test set is the same whatever --seed (or --val-fraction) is.
+    return SyntheticArithmetic(num_operands=e.num_operands, max_operand=e.max_operand, test_fraction=e.test_fraction,
+                               val_fraction=cfg.data.val_fraction)
 
 
 def default_max_new_tokens(cfg: TrainConfig, task: Any, block_size: int) -> int:
@@ -116,6 +118,8 @@ def sft_cache_key(cfg: TrainConfig, mcfg: Any) -> str:
                 "time_budget": e.sft_time_budget},
         "seed": cfg.rl.seed,
     }
+    if cfg.data.val_fraction:  # the warm-up never sees the validation prompts (keys without one are unchanged)
+        spec["task"]["val_fraction"] = cfg.data.val_fraction
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -210,6 +214,7 @@ class RunContext:
     reference_fingerprint: str | None  # of reference_dir, taken when the model was loaded
     resume_from: Path | None
     env: DistEnv = SINGLE  # this process's rank (data-parallel runs)
+    val_examples: list = dataclasses.field(default_factory=list)  # validation split (--val-data / --val-fraction)
 
 
 def _load_examples(path: str, fmt: str | None, limit: int | None, say, task: str | None = None) -> list:
@@ -365,13 +370,31 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistE
         warn_mask_mismatch(tokenizer, model.config)
 
     # data
-    if d.task == "synthetic":
-        train_examples, eval_examples = list(task.train), list(task.test)
-        if d.max_train_examples:
-            train_examples = train_examples[: d.max_train_examples]
+    if d.task == "synthetic":  # its own split; --val-fraction carves the validation tuples out of train
+        train_examples, eval_examples, val_examples = list(task.train), list(task.test), list(task.val)
+        if d.val_fraction and not val_examples:
+            raise ConfigError(f"--val-fraction {d.val_fraction:g} carves no validation prompt out of the synthetic "
+                              f"task's {len(train_examples)} training tuples; raise it")
     else:
-        train_examples = _load_examples(d.train_data, d.data_format, d.max_train_examples, say, d.task)
+        from .rl.selection import split_by_hash
+        from .tasks.data import DataFormatError
+
+        # --max-train-examples counts the prompts left for training, after the validation carve
+        train_examples = _load_examples(d.train_data, d.data_format, None if d.val_fraction else d.max_train_examples,
+                                        say, d.task)
         eval_examples = _load_examples(d.eval_data, d.data_format, None, say, d.task) if d.eval_data else []
+        val_examples = _load_examples(d.val_data, d.data_format, None, say, d.task) if d.val_data else []
+        if d.val_fraction:
+            train_examples, val_examples = split_by_hash(train_examples, d.val_fraction)
+            if not train_examples or not val_examples:
+                raise DataFormatError(f"{d.train_data}: --val-fraction {d.val_fraction:g} of its "
+                                      f"{len(train_examples) + len(val_examples)} examples leaves "
+                                      f"{len(train_examples)} to train on and {len(val_examples)} to validate on; "
+                                      "both must be non-empty")
+            say(f"data: --val-fraction {d.val_fraction:g}: {len(val_examples)} of the training examples held out "
+                f"for validation, {len(train_examples)} left to train on")
+    if d.max_train_examples:
+        train_examples = train_examples[: d.max_train_examples]
     if cfg.eval.eval_limit:
         eval_examples = eval_examples[: cfg.eval.eval_limit]
 
@@ -393,8 +416,11 @@ def build_context(cfg: TrainConfig, say: Callable[[str], None] = log, env: DistE
     if eval_examples:  # decoded with the evaluation's response cap
         eval_examples = fit_examples(eval_examples, label="evaluation data",
                                      max_new_tokens=cfg.eval.eval_max_new_tokens or scfg.max_new_tokens, **fit)
+    if val_examples:
+        val_examples = fit_examples(val_examples, label="validation data",
+                                    max_new_tokens=cfg.eval.eval_max_new_tokens or scfg.max_new_tokens, **fit)
     return RunContext(cfg, out, device, model, tokenizer, task, train_examples, eval_examples, scfg,
-                      reference_dir, reference_fp, resume_from, env)
+                      reference_dir, reference_fp, resume_from, env, val_examples)
 
 
 def _sweep_thresholds(cfg: TrainConfig, scfg) -> list[float]:
@@ -414,28 +440,42 @@ def _eval_sweep(ctx: RunContext, label: str, say) -> dict:
     return res
 
 
+def _step_eval(ctx: RunContext) -> tuple[str, dict[str, float]]:
+    """The greedy evaluation of --eval-every at the rollout threshold: on the validation split when the run has
+    one ("val"), else on the held-out set ("eval"). Returns (metric prefix, {acc, tpf[, well_formed]})."""
+    split = "val" if ctx.val_examples else "eval"
+    tau = ctx.scfg.threshold
+    ev = evaluate(ctx.model, ctx.tokenizer, ctx.task, ctx.val_examples or ctx.eval_examples, ctx.scfg, [tau],
+                  ctx.cfg.eval.eval_batch_size, ctx.cfg.eval.eval_max_new_tokens, env=ctx.env)[f"{tau:g}"]
+    return split, {k: ev[k] for k in ("acc", "tpf", "well_formed") if k in ev}
+
+
 def _write_json(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, allow_nan=True) + "\n")
 
 
-def _report(ctx: RunContext, before: dict, after: dict, label: str, history: list, evals: list, say) -> dict:
+def _report(ctx: RunContext, before: dict, after: dict, label: str, history: list, evals: list, say,
+            selected: dict | None = None) -> dict:
+    """Tables on the console and PNG plots; `selected`: --select-best's record (a column of its own when the
+    kept step is not the last one)."""
     from .rl.logging import before_after_table, plot_sweep, plot_training, sweep_table
 
     cfg = ctx.cfg
     tau = ctx.scfg.threshold
     plots = {}
+    kept = {f"kept step {selected['step']}": selected["eval"]} if selected and selected["eval"] is not after else {}
     if before and after:
         say("")
-        say(sweep_table({"before": before, label: after}, title="threshold sweep (greedy, held-out)"))
+        say(sweep_table({"before": before, label: after, **kept}, title="threshold sweep (greedy, held-out)"))
         say("")
-        say(before_after_table(before, after, tau, labels=("before", label)))
+        say(before_after_table(before, after, tau, labels=("before", label), extra_rows=kept or None))
     if cfg.run.plots:
         if history:
             p = plot_training(history, ctx.out / "training.png", log=say, evals=evals)
             if p:
                 plots["training"] = str(p)
         if before and after:
-            p = plot_sweep({"before": before, label: after}, ctx.out / "sweep.png", log=say)
+            p = plot_sweep({"before": before, label: after, **kept}, ctx.out / "sweep.png", log=say)
             if p:
                 plots["sweep"] = str(p)
         if plots:
@@ -474,11 +514,17 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     before = extra.get("eval_before") or _eval_sweep(ctx, "before RL", say)
     elapsed = float(extra.get("rl_elapsed_s", 0.0))
     budget = cfg.run.rl_time_budget
+    select = cfg.eval.select_best and bool(ctx.val_examples)
+    sel = Selection.from_dict(extra["selection"], cfg.eval.select_margin) if extra.get("selection") else None
+    if select and sel is not None:  # resumed: the kept step's weights must still be in out/best-model
+        sel = broadcast(env, reconcile(ctx.out, sel, say) if env.main else None)
+    sel = sel if sel is not None else Selection(cfg.eval.select_margin)
     logger = RunLogger(ctx.out, total_steps=rl.steps, progress=cfg.run.progress, truncate_to=metrics_len,
                        initial_step=state.step, write=env.main)
 
     def ckpt_extra() -> dict:
-        return {"eval_before": before, "rl_elapsed_s": elapsed, "train_config": cfg.to_dict(), "phase": "rl"}
+        return {"eval_before": before, "rl_elapsed_s": elapsed, "train_config": cfg.to_dict(), "phase": "rl",
+                **({"selection": sel.to_dict()} if select else {})}
 
     def save() -> Path:
         return save_checkpoint_ranks(env, ctx.out, state, ckpt_extra(), config=rl,
@@ -486,7 +532,28 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
                                      reference_dir=reference_dir, reference_fingerprint=reference_fp,
                                      metrics_len=logger.n_logged)
 
+    def validate(m: dict[str, Any] | None) -> None:
+        """--eval-every's evaluation of the current weights; with --select-best, offer them to the selection
+        (rank 0 saves them when they become the kept step). `m`: the step's metrics record (None: before RL)."""
+        nonlocal last_validated
+        split, ev = _step_eval(ctx)
+        if m is not None:
+            m.update({f"{split}_{k}": v for k, v in ev.items()})
+        kept = select and sel.offer(Candidate(state.step, ev["acc"], ev["tpf"]))
+        if kept and env.main:
+            save_best(ctx.out, ctx.model, ctx.tokenizer, sel)
+        line = f"{'validation' if split == 'val' else 'eval'} (greedy, tau {tau:g}) at step {state.step}: " \
+               f"acc {ev['acc']:.3f} TPF {ev['tpf']:.2f}" + ("  [kept: best-model]" if kept else "")
+        if m is not None:
+            logger.info("  " + line)
+        else:
+            say(line)
+        last_validated = state.step
+
     tau = ctx.scfg.threshold
+    last_validated = -1
+    if select and sel.best is None:  # before RL (or the resumed step): the start of the selection
+        validate(None)
     say(f"RL: {rl.steps} steps" + (f" or {budget:g}s" if budget else "") + f", {rl.prompts_per_step} prompts x "
         f"{rl.group_size} samples per step, lr {rl.lr:g}, kl_beta {rl.kl_beta:g}, tau {tau:g}, "
         f"{len(ctx.train_examples)} train prompts -> {ctx.out}")
@@ -503,15 +570,11 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
             m["reward"] = m["acc"] + rl.tpf_weight * m["tpf"]
             m["tokens_per_s"] = m["tokens"] / m["rollout_s"] if m.get("rollout_s") else None
             m["elapsed_s"] = elapsed
-            if cfg.eval.eval_every and state.step % cfg.eval.eval_every == 0 and ctx.eval_examples:
-                ev = evaluate(ctx.model, ctx.tokenizer, ctx.task, ctx.eval_examples, ctx.scfg, [tau],
-                              cfg.eval.eval_batch_size, cfg.eval.eval_max_new_tokens, env=env)[f"{tau:g}"]
-                m["eval_acc"], m["eval_tpf"] = ev["acc"], ev["tpf"]
-                if "well_formed" in ev:
-                    m["eval_well_formed"] = ev["well_formed"]
+            last = select and (state.step >= rl.steps or broadcast(env, budget is not None and elapsed >= budget))
+            if (cfg.eval.eval_every and state.step % cfg.eval.eval_every == 0 and (ctx.val_examples or ctx.eval_examples)) \
+                    or last:  # the selection always sees the last step
+                validate(m)
             logger.log_step(m)
-            if cfg.eval.eval_every and "eval_acc" in m:
-                logger.info(f"  eval (greedy, tau {tau:g}): acc {m['eval_acc']:.3f} TPF {m['eval_tpf']:.2f}")
             if cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0 and state.step < rl.steps:
                 p = save()
                 logger.info(f"  checkpoint: {p}")
@@ -523,6 +586,8 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
         return EXIT_NONFINITE
     finally:
         logger.close()
+    if select and last_validated != state.step:  # a resumed run that had already reached --steps
+        validate(None)
     final = None
     if cfg.checkpoint.save_final:
         try:
@@ -532,17 +597,49 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
             say(f"error: {ex}")
             status = EXIT_NONFINITE
     after = _eval_sweep(ctx, "after RL", say)
+    selected = _selected_sweep(ctx, sel, after, state.step, say) if select else None
     history = logger.history
-    evals = [{"step": m["step"], "acc": m["eval_acc"], "tpf": m["eval_tpf"]} for m in history if "eval_acc" in m]
+    ekey = "val_acc" if ctx.val_examples else "eval_acc"
+    evals = [{"step": m["step"], "acc": m[ekey], "tpf": m[ekey.replace("acc", "tpf")]} for m in history if ekey in m]
     if not env.main:
         return status
-    plots = _report(ctx, before, after, "after RL", history, evals, say)
+    plots = _report(ctx, before, after, "after RL", history, evals, say, selected)
     _write_json(ctx.out / "summary.json", {
         "mode": "lightningrl", "steps": state.step, "rl_elapsed_s": elapsed, "threshold": tau,
         "eval_before": before, "eval_after": after, "final_checkpoint": str(final) if final else None,
         "plots": plots, "metrics": str(ctx.out / "metrics.jsonl"),
+        **({"selection": selected} if selected is not None else {}),
     })
     return status
+
+
+def _selected_sweep(ctx: RunContext, sel: Selection, after: dict, last_step: int, say) -> dict[str, Any]:
+    """--select-best at the end: the kept step, its validation numbers and its held-out sweep (the last step's
+    when it is the last step; else its weights are loaded from out/best-model into the model, which the run
+    no longer trains, and evaluated)."""
+    from .checkpoint import load_model
+    from .rl.distributed import broadcast_params
+
+    assert sel.best is not None and sel.start is not None
+    b = sel.best
+    rec: dict[str, Any] = {"step": b.step, "val_acc": b.acc, "val_tpf": b.tpf, "val_acc_before": sel.start.acc,
+                           "margin": sel.margin, "model": str(ctx.out / BEST_DIR)}
+    note = ("the model before RL (no evaluated RL step had a higher TPF within the margin of its validation "
+            "accuracy)" if b.step == sel.start.step == 0 else "the last step" if b.step == last_step else f"step {b.step}")
+    say(f"select: kept {note} (validation acc {b.acc:.3f} TPF {b.tpf:.2f}; before RL {sel.start.acc:.3f}, "
+        f"margin {sel.margin:g}) -> {ctx.out / BEST_DIR}")
+    if b.step == last_step:
+        rec["eval"] = after
+        return rec
+    if ctx.env.main:
+        best, _ = load_model(ctx.out / BEST_DIR, dtype=next(ctx.model.parameters()).dtype, device="cpu")
+        with torch.no_grad():
+            for p, q in zip(ctx.model.parameters(), best.parameters()):
+                p.copy_(q)
+        del best
+    broadcast_params(ctx.env, ctx.model)
+    rec["eval"] = _eval_sweep(ctx, f"of the kept step {b.step}", say)
+    return rec
 
 
 def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
@@ -656,7 +753,8 @@ def _run(cfg: TrainConfig, say: Callable[[str], None], env: DistEnv, device: tor
     ranks = f" x {env.world} ranks" if env.active else ""
     say(f"run: {ctx.out} | device {ctx.device}{ranks} | {n_params / 1e6:.2f} M parameters "
         f"({next(ctx.model.parameters()).dtype}) | task {cfg.data.task}: {len(ctx.train_examples)} train / "
-        f"{len(ctx.eval_examples)} eval examples | block {ctx.scfg.block_size or ctx.model.config.block_size}, "
+        f"{len(ctx.eval_examples)} eval" + (f" / {len(ctx.val_examples)} validation" if ctx.val_examples else "")
+        + f" examples | block {ctx.scfg.block_size or ctx.model.config.block_size}, "
         f"max new tokens {ctx.scfg.max_new_tokens}")
     status = run_rft(ctx, say) if cfg.run.baseline == "rft" else run_rl(ctx, say)
     say(f"done in {time.perf_counter() - t0:.1f}s -> {ctx.out}")

@@ -586,6 +586,26 @@ def test_cli_under_torchrun(tmp_path):
     assert (out / "checkpoint-4" / shard_file(1)).is_file()
 
 
+def test_torchrun_select_best(tmp_path):
+    """--select-best on two ranks: the validation evaluations are merged over the ranks (one line each, printed
+    once), rank 0 alone writes best-model, which holds the weights of the step its record names, and the kept
+    step's held-out sweep covers every example."""
+    from lightningrl_fast.checkpoint import load_model
+
+    out, env = tmp_path / "run", cli_env(tmp_path)
+    r = torchrun(SMOKE_DP + ["--out", str(out), "--steps", "3", "--val-fraction", "0.1", "--eval-every", "1",
+                             "--select-best", "--save-every", "1", "--keep-checkpoints", "5"], env)
+    assert r.stdout.count("validation (greedy") == 4 and r.stdout.count("select: kept") == 1
+    step = json.loads((out / "best-model.json").read_text())["step"]
+    ref = out / f"checkpoint-{step}" if step else next((tmp_path / "cache").glob("sft-*"))
+    wb, wr = (dict(load_model(x)[0].named_parameters()) for x in (out / "best-model", ref))
+    assert all(torch.equal(wb[n], wr[n]) for n in wb)
+    sel = json.loads((out / "summary.json").read_text())["selection"]
+    assert sel["step"] == step and sel["eval"]["0.9"]["n"] == 5
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("val_acc" in m for m in recs) and len(recs) == 3
+
+
 def test_torchrun_resume_on_the_same_ranks_is_bit_exact(tmp_path):
     """2 steps on 2 ranks == 1 step, then a 2-rank resume for the second: same weights, same rollouts (each
     rank's optimizer shard, RNG states and the global data cursor come back)."""

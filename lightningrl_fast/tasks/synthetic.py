@@ -15,8 +15,10 @@ block in one step and there would be nothing to gain. All eight phrasings of an 
 length, so TPF (tokens per forward) is the inverse of forwards per answer: a policy cannot raise TPF by
 choosing a longer phrasing whose extra tokens are easy.
 
-Splits: the operand triples are split once by a fixed hash into train and held-out test, so the test
-accuracy measures generalization to unseen prompts. The verifier is exact and, by default, strict: the
+Splits: the operand triples are split once by a fixed hash into train, an optional validation split and
+held-out test, so the test accuracy measures generalization to unseen prompts; the validation split (none by
+default) is what a run may select or tune on without touching the test split. The test split depends on
+`test_fraction` alone: carving a validation split out of the rest leaves it unchanged. The verifier is exact and, by default, strict: the
 text after the last `#` (before EOS) must be the true sum AND every step of the worked trace must be right
 (`well_formed`). With an answer-only verifier (`strict=False`) RL learns to keep the answer and turn the
 trace into fast junk (measured: `9+9+7?` -> `09 0 0= 18,08++  = 25#25`, 95% "correct", 0% well-formed).
@@ -110,9 +112,12 @@ class SyntheticArithmetic:
     name = "synthetic"
 
     def __init__(self, num_operands: int = 3, max_operand: int = 9, test_fraction: float = 0.2, seed: int = 0,
-                 min_operand: int = 1, pad_numbers: bool = True, strict: bool = True) -> None:
+                 min_operand: int = 1, pad_numbers: bool = True, strict: bool = True, val_fraction: float = 0.0) -> None:
         if num_operands < 2 or not 0 <= min_operand < max_operand or not 0 < test_fraction < 1:
             raise ValueError("need num_operands >= 2, 0 <= min_operand < max_operand and 0 < test_fraction < 1")
+        if not 0 <= val_fraction < 1 - test_fraction:
+            raise ValueError(f"need 0 <= val_fraction < 1 - test_fraction, got val_fraction {val_fraction} with "
+                             f"test_fraction {test_fraction}")
         self.num_operands, self.max_operand = num_operands, max_operand
         self.strict = strict  # the worked trace must be right too, not only the final answer
         # every number in a trace has the width of the largest possible sum: the length of a trace is fixed
@@ -120,10 +125,11 @@ class SyntheticArithmetic:
         self.width = len(str(num_operands * max_operand)) if pad_numbers else 1
         self.tokenizer = CharTokenizer(ALPHABET)
         triples = _all_operands(num_operands, min_operand, max_operand)
-        test = [t for t in triples if _hash01(t, seed) < test_fraction]
-        train = [t for t in triples if _hash01(t, seed) >= test_fraction]
-        self.train = [ArithExample(t) for t in train]
-        self.test = [ArithExample(t) for t in test]
+        # one hash value per tuple: [0, test) -> test, [test, test + val) -> validation, the rest -> train
+        h = {t: _hash01(t, seed) for t in triples}
+        self.test = [ArithExample(t) for t in triples if h[t] < test_fraction]
+        self.val = [ArithExample(t) for t in triples if test_fraction <= h[t] < test_fraction + val_fraction]
+        self.train = [ArithExample(t) for t in triples if h[t] >= test_fraction + val_fraction]
 
     # -- the Task interface ---------------------------------------------------------------------------
     def build_prompt(self, ex: ArithExample) -> str:
