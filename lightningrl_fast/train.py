@@ -21,7 +21,9 @@ RNG; the run's saved config.json is the base, flags override it; --lr/--betas/--
 checkpoint's optimizer settings). Resuming from a checkpoint older than the run's newest moves the later
 checkpoints and metrics records to `discarded-<k>/` in the run folder (said on the console). An `--out` folder
 holding a previous run, a model checkpoint or lying inside the --model folder is refused (continue a run with
---resume); without --out, each run creates its own runs/<timestamp>[-N] folder.
+--resume); without --out, each run creates its own runs/<timestamp>[-N] folder. `--val-fraction F` / `--val-data
+FILE` give a validation split that `--eval-every` evaluates; `--select-best` keeps the evaluated step that meets
+REFERENCE §7's bar best in out/best-model and evaluates it at the end too (rl/selection.py).
 
 Several GPUs: `torchrun --nproc-per-node N -m lightningrl_fast.train ...` runs one process per GPU
 (rl/distributed.py: rollouts split by prompt, gradients summed, optimizer state sharded over the ranks,
