@@ -361,7 +361,8 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
     if ev.eval_every < 0:
         errs.append(f"--eval-every must be >= 0, got {ev.eval_every}")
     if not 0 <= ev.select_margin <= 1:
-        errs.append(f"--select-margin must be in [0, 1] (a fraction of the validation examples), got {ev.select_margin}")
+        errs.append(f"--select-margin must be in [0, 1] (a fraction of the validation examples), "
+                    f"got {ev.select_margin}")
     has_val = d.val_data is not None or d.val_fraction > 0
     if ev.select_best and r.baseline == "none":
         if not has_val:

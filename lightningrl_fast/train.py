@@ -56,7 +56,8 @@ from .rl.distributed import SINGLE, DistEnv
 from .rl.selection import BEST_DIR, Candidate, Selection, reconcile, save_best
 from .tasks import is_correct_batch
 
-SAVED_AS_ABSOLUTE = ("model", "train_data", "eval_data", "val_data", "cache_dir")  # path options of the run's config.json
+# path options of the run's config.json
+SAVED_AS_ABSOLUTE = ("model", "train_data", "eval_data", "val_data", "cache_dir")
 
 SFT_CACHE_VERSION = 4  # bump when the SFT recipe changes in a way the cache key cannot see
 
@@ -457,7 +458,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _report(ctx: RunContext, before: dict, after: dict, label: str, history: list, evals: list, say,
-            selected: dict | None = None) -> dict:
+            selected: dict | None = None, eval_label: str = "eval (greedy)") -> dict:
     """Tables on the console and PNG plots; `selected`: --select-best's record (a column of its own when the
     kept step is not the last one)."""
     from .rl.logging import before_after_table, plot_sweep, plot_training, sweep_table
@@ -473,7 +474,7 @@ def _report(ctx: RunContext, before: dict, after: dict, label: str, history: lis
         say(before_after_table(before, after, tau, labels=("before", label), extra_rows=kept or None))
     if cfg.run.plots:
         if history:
-            p = plot_training(history, ctx.out / "training.png", log=say, evals=evals)
+            p = plot_training(history, ctx.out / "training.png", log=say, evals=evals, eval_label=eval_label)
             if p:
                 plots["training"] = str(p)
         if before and after:
@@ -573,8 +574,8 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
             m["tokens_per_s"] = m["tokens"] / m["rollout_s"] if m.get("rollout_s") else None
             m["elapsed_s"] = elapsed
             last = select and (state.step >= rl.steps or broadcast(env, budget is not None and elapsed >= budget))
-            if (cfg.eval.eval_every and state.step % cfg.eval.eval_every == 0 and (ctx.val_examples or ctx.eval_examples)) \
-                    or last:  # the selection always sees the last step
+            every = cfg.eval.eval_every and state.step % cfg.eval.eval_every == 0
+            if (every and (ctx.val_examples or ctx.eval_examples)) or last:  # the selection always sees the last step
                 validate(m)
             logger.log_step(m)
             if cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0 and state.step < rl.steps:
@@ -605,7 +606,8 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     evals = [{"step": m["step"], "acc": m[ekey], "tpf": m[ekey.replace("acc", "tpf")]} for m in history if ekey in m]
     if not env.main:
         return status
-    plots = _report(ctx, before, after, "after RL", history, evals, say, selected)
+    plots = _report(ctx, before, after, "after RL", history, evals, say, selected,
+                    eval_label="validation (greedy)" if ctx.val_examples else "held-out eval (greedy)")
     _write_json(ctx.out / "summary.json", {
         "mode": "lightningrl", "steps": state.step, "rl_elapsed_s": elapsed, "threshold": tau,
         "eval_before": before, "eval_after": after, "final_checkpoint": str(final) if final else None,
@@ -626,8 +628,10 @@ def _selected_sweep(ctx: RunContext, sel: Selection, after: dict, last_step: int
     b = sel.best
     rec: dict[str, Any] = {"step": b.step, "val_acc": b.acc, "val_tpf": b.tpf, "val_acc_before": sel.start.acc,
                            "margin": sel.margin, "model": str(ctx.out / BEST_DIR)}
-    note = ("the model before RL (no evaluated RL step had a higher TPF within the margin of its validation "
-            "accuracy)" if b.step == sel.start.step == 0 else "the last step" if b.step == last_step else f"step {b.step}")
+    if b.step == sel.start.step == 0:
+        note = "the model before RL (no evaluated RL step had a higher TPF within the margin of its accuracy)"
+    else:
+        note = "the last step" if b.step == last_step else f"step {b.step}"
     say(f"select: kept {note} (validation acc {b.acc:.3f} TPF {b.tpf:.2f}; before RL {sel.start.acc:.3f}, "
         f"margin {sel.margin:g}) -> {ctx.out / BEST_DIR}")
     if b.step == last_step:

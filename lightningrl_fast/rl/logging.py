@@ -287,8 +287,9 @@ def _pyplot(log: Callable[[str], None] | None):
 
 
 def plot_training(history: Sequence[dict[str, Any]], path: str | Path, log: Callable[[str], None] | None = None,
-                  evals: Sequence[dict[str, Any]] | None = None) -> Path | None:
-    """Accuracy and TPF of the rollouts over RL steps (and greedy eval points when given) -> PNG."""
+                  evals: Sequence[dict[str, Any]] | None = None, eval_label: str = "eval (greedy)") -> Path | None:
+    """Accuracy and TPF of the rollouts over RL steps (and greedy eval points when given, named `eval_label` in
+    the legend) -> PNG."""
     plt = _pyplot(log)
     if plt is None:
         return None
@@ -298,7 +299,7 @@ def plot_training(history: Sequence[dict[str, Any]], path: str | Path, log: Call
         ys = [m.get(key) for m in history]
         ax.plot(steps, [y if y is not None else float("nan") for y in ys], label="rollouts (sampled)", alpha=0.8)
         if evals:
-            ax.plot([e["step"] for e in evals], [e.get(key) for e in evals], "o-", label="eval (greedy)")
+            ax.plot([e["step"] for e in evals], [e.get(key) for e in evals], "o-", label=eval_label)
         ax.set_xlabel("RL step")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
