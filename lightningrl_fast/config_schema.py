@@ -88,7 +88,8 @@ class DataConfig:
                                   "0 = none; not with --val-data")
     data_format: str | None = _f(None, "force the row format of the data files ('none': detected from the first row)",
                                  choices=("gsm8k", "math500", "mbpp", "humaneval", "plain"))
-    max_train_examples: int | None = _f(None, "use at most this many training examples")
+    max_train_examples: int | None = _f(None, "use at most this many training examples (counted after the "
+                                              "--val-fraction carve)")
     out: str | None = _f(None, "output folder (metrics.jsonl, checkpoints, plots); default runs/<timestamp>, "
                                "or the resumed run's folder with --resume", metavar="DIR")
     device: str = _f("auto", "torch device: 'auto' (cuda when available, else cpu), 'cpu', 'cuda', 'cuda:1'", metavar="DEVICE")
