@@ -367,9 +367,10 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
     if ev.select_best and r.baseline == "none":
         if not has_val:
             errs.append("--select-best selects on a validation split: give --val-data FILE or --val-fraction F "
-                        "(never the held-out --eval-data / test split)")
+                        "(never the held-out --eval-data / test split), or --no-select-best")
         if ev.eval_every < 1:
-            errs.append("--select-best chooses among the validation evaluations: give --eval-every N")
+            errs.append("--select-best chooses among the validation evaluations: give --eval-every N (or "
+                        "--no-select-best)")
     if ev.eval_batch_size < 1:
         errs.append(f"--eval-batch-size must be >= 1, got {ev.eval_batch_size}")
     for name in ("eval_limit", "eval_max_new_tokens"):

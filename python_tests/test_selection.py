@@ -176,17 +176,20 @@ def test_save_best_and_reconcile_on_resume(tmp_path):
 # ------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv,match", [
-    (["--select-best", "--eval-every", "5"], "--select-best selects on a validation split"),
-    (["--select-best", "--val-fraction", "0.1"], "give --eval-every N"),
+    (["--preset", "none", "--select-best", "--eval-every", "5"], "--select-best selects on a validation split"),
+    (["--preset", "none", "--select-best", "--val-fraction", "0.1"], "give --eval-every N"),
+    (["--val-fraction", "0"], r"validation split: .* or --no-select-best"),  # the default preset selects
+    (["--eval-every", "0"], r"give --eval-every N \(or --no-select-best\)"),
     (["--val-fraction", "1"], r"--val-fraction must be in \[0, 1\)"),
     (["--val-fraction", "-0.1"], r"--val-fraction must be in \[0, 1\)"),
     (["--val-fraction", "0.85"], "leave no training prompts"),
     (["--select-margin", "1.5"], r"--select-margin must be in \[0, 1\]"),
-    (["--val-data", "x.jsonl"], "carves its own validation split"),
+    (["--val-fraction", "0", "--no-select-best", "--val-data", "x.jsonl"], "carves its own validation split"),
 ])
 def test_bad_selection_settings_are_config_errors(argv, match):
     with pytest.raises(C.ConfigError, match=match):
         C.parse_config(argv, check_paths=False)
+    C.parse_config(["--val-fraction", "0", "--no-select-best"], check_paths=False)  # no validation at all
 
 
 def test_bad_validation_files_are_config_errors(tmp_path):

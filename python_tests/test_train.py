@@ -130,7 +130,8 @@ def test_presets_hold_the_documented_recipes():
     """The embedded default's recipe as README "Results" and the PRESETS comments state it (the measured numbers
     there were obtained with these values): 0.59 M parameter model (128 hidden x 3 layers, tied embeddings),
     block 8, SFT warm-up budget 600 s, RL budget 180 s and 200 steps, rollouts at tau 0.9 and temperature 0.5,
-    mu = 1, lr 1e-4, 2 passes over each rollout batch, the paper's KL beta 0.01; RFT at lr 2e-4. The gpu preset
+    mu = 1, lr 1e-4, 2 passes over each rollout batch, KL beta 0.05 (chosen on the validation split: 10% of the
+    train tuples, evaluated every 10 steps, --select-best on); RFT at lr 2e-4. The gpu preset
     keeps the default's RL recipe with head_dim 64 (what the GPU kernels take); smoke: 2 RL steps, a low
     threshold, filtering off."""
     from lightningrl_fast.tasks.synthetic import SyntheticArithmetic
@@ -143,10 +144,12 @@ def test_presets_hold_the_documented_recipes():
     assert e.sft_time_budget == 600.0 and d.run.rl_time_budget == 180.0 and d.rl.steps == 200
     # the warm-up behind README's numbers (1931 of at most 2500 steps in its 600 s; part of the SFT cache key)
     assert (e.sft_steps, e.sft_batch_size, e.sft_lr, e.sft_warmup) == (2500, 64, 3e-3, 20)
-    recipe = dict(threshold=0.9, temperature=0.5, nll_weight=1.0, lr=1e-4, epochs_per_step=2, kl_beta=0.01,
+    recipe = dict(threshold=0.9, temperature=0.5, nll_weight=1.0, lr=1e-4, epochs_per_step=2, kl_beta=0.05,
                   tpf_weight=1.0)
     got = {k: getattr(d.sampler if k in ("threshold", "temperature") else d.rl, k) for k in recipe}
     assert got == recipe
+    # the validation split the preset's kl_beta was chosen on, and the step selection on it
+    assert (d.data.val_fraction, d.eval.eval_every, d.eval.select_best, d.eval.select_margin) == (0.1, 10, True, 0.01)
     assert d.baseline.rft_lr == 2e-4 and d.eval.eval_thresholds == [0.5, 0.7, 0.9, 0.95]
     tok = SyntheticArithmetic(num_operands=e.num_operands, max_operand=e.max_operand).tokenizer
     mcfg = T.embedded_model_config(d, tok)
@@ -158,6 +161,7 @@ def test_presets_hold_the_documented_recipes():
     g = C.parse_config(["--preset", "gpu"], check_paths=False)
     assert g.embedded.head_dim in (64, 128)
     assert {k: getattr(g.sampler if k in ("threshold", "temperature") else g.rl, k) for k in recipe} == recipe
+    assert (g.data.val_fraction, g.eval.eval_every, g.eval.select_best) == (0.1, 10, True)
     s = C.parse_config(["--preset", "smoke"], check_paths=False)
     assert s.rl.steps == 2 and s.rl.filter_groups is False and s.sampler.threshold < 0.5
 
