@@ -16,9 +16,10 @@ length, so TPF (tokens per forward) is the inverse of forwards per answer: a pol
 choosing a longer phrasing whose extra tokens are easy.
 
 Splits: the operand triples are split once by a fixed hash into train, an optional validation split and
-held-out test, so the test accuracy measures generalization to unseen prompts; the validation split (none by
-default) is what a run may select or tune on without touching the test split. The test split depends on
-`test_fraction` alone: carving a validation split out of the rest leaves it unchanged. The verifier is exact and, by default, strict: the
+held-out test, so the test accuracy measures generalization to unseen prompts; the validation split (none unless
+`val_fraction` asks for it; the train CLI's default preset carves 10%) is what a run may select or tune on without
+touching the test split. The test split depends on `test_fraction` alone: carving a validation split out of the
+rest leaves it unchanged. The verifier is exact and, by default, strict: the
 text after the last `#` (before EOS) must be the true sum AND every step of the worked trace must be right
 (`well_formed`). With an answer-only verifier (`strict=False`) RL learns to keep the answer and turn the
 trace into fast junk (measured: `9+9+7?` -> `09 0 0= 18,08++  = 25#25`, 95% "correct", 0% well-formed).
@@ -112,7 +113,8 @@ class SyntheticArithmetic:
     name = "synthetic"
 
     def __init__(self, num_operands: int = 3, max_operand: int = 9, test_fraction: float = 0.2, seed: int = 0,
-                 min_operand: int = 1, pad_numbers: bool = True, strict: bool = True, val_fraction: float = 0.0) -> None:
+                 min_operand: int = 1, pad_numbers: bool = True, strict: bool = True,
+                 val_fraction: float = 0.0) -> None:
         if num_operands < 2 or not 0 <= min_operand < max_operand or not 0 < test_fraction < 1:
             raise ValueError("need num_operands >= 2, 0 <= min_operand < max_operand and 0 < test_fraction < 1")
         if not 0 <= val_fraction < 1 - test_fraction:
