@@ -203,7 +203,9 @@ def _yaml_loader(yaml: Any) -> type:
 
 def resolve(flags: dict[str, Any], file_values: dict[str, Any] | None = None, config_file: str | None = None,
             resumed_values: dict[str, Any] | None = None) -> TrainConfig:
-    """Merge defaults < preset < resumed run's config < file < flags into a TrainConfig (not validated)."""
+    """Merge defaults < preset < resumed run's config < file < flags into a TrainConfig (not validated). With a
+    resumed run, an option its saved config does not hold (added to the package after the run was made) takes its
+    plain default, the behaviour the run had, rather than the preset's value: a resumed run continues as it was."""
     file_values = file_values or {}
     resumed_values = resumed_values or {}
     values: dict[str, Any] = {k: o.default for k, o in OPTIONS.items()}
@@ -219,6 +221,10 @@ def resolve(flags: dict[str, Any], file_values: dict[str, Any] | None = None, co
         for k, v in PRESETS[preset].items():
             values[k] = convert(OPTIONS[k], v)
             sources[k] = f"preset:{preset}"
+    if resumed_values:  # an option the resumed run's config lacks is newer than the run: it keeps the behaviour
+        for k, o in OPTIONS.items():  # the run had (the plain default), not what the preset now sets
+            if k not in resumed_values and sources[k].startswith("preset:"):
+                values[k], sources[k] = o.default, "default (absent from the resumed run's config)"
     for k, v in resumed_values.items():
         values[k] = convert(OPTIONS[k], v)
         sources[k] = "resumed run"

@@ -221,6 +221,32 @@ def test_resolve_priorities_with_a_resumed_run():
     assert C.resolve({}, {}, None, {}).run.preset == "default"
 
 
+def test_a_resumed_run_from_before_an_option_existed_keeps_its_behaviour(tmp_path):
+    """A run saved before --val-fraction / --select-best existed (its config.json lacks them) resumes without a
+    validation carve and without selection, though the default preset now sets both: its training prompts and
+    data cursor stay what they were. A run saved with them keeps them; flags still win."""
+    fresh = C.resolve({}, {}, None, {})
+    assert (fresh.data.val_fraction, fresh.eval.select_best, fresh.eval.eval_every) == (0.1, True, 10)
+    saved = fresh.flat()
+    old = {k: v for k, v in saved.items() if k not in ("val_fraction", "val_data", "select_best", "select_margin")}
+    old.update(kl_beta=0.01, eval_every=0)  # what the preset held then, saved with the run
+    r = C.resolve({}, {}, None, old)
+    assert (r.data.val_fraction, r.eval.select_best, r.rl.kl_beta, r.eval.eval_every) == (0.0, False, 0.01, 0)
+    assert r.sources["val_fraction"] == "default (absent from the resumed run's config)"
+    C.validate(r, check_paths=False)  # a valid configuration: no selection without a split
+    assert C.resolve({}, {}, None, saved).data.val_fraction == 0.1  # saved with the option: kept
+    assert C.resolve({"val_fraction": "0.2"}, {}, None, old).data.val_fraction == 0.2
+    # through the CLI: an old run folder (its config.json without the new keys) resumes as it was
+    run = tmp_path / "old-run"
+    (run / "checkpoint-3").mkdir(parents=True)
+    (run / "checkpoint-3" / "trainer_state.pt").write_bytes(b"")
+    (run / "latest").write_text("checkpoint-3\n")
+    (run / "config.json").write_text(json.dumps({sec: {k: v for k, v in vals.items() if k in old}
+                                                 for sec, vals in fresh.to_dict().items()}))
+    cfg = C.parse_config(["--resume", str(run)], check_paths=False)
+    assert (cfg.data.val_fraction, cfg.eval.select_best) == (0.0, False)
+
+
 def test_resume_takes_the_saved_config_but_not_its_output_folder(tmp_path):
     """A resumed run writes into the folder --resume names (train.build_context), never into the `out` its saved
     config.json recorded (the run folder may have been moved or copied since)."""
