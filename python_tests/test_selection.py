@@ -145,7 +145,7 @@ def tiny_model(seed: int = 0):
     return build_model(cfg, dtype=torch.float32, seed=seed), tok
 
 
-def test_save_best_and_reconcile_on_resume(tmp_path):
+def test_save_best_and_reconcile_on_resume(tmp_path, monkeypatch):
     model, tok = tiny_model()
     sel = Selection(0.01)
     sel.offer(Candidate(0, 0.5, 2.0))
@@ -167,6 +167,18 @@ def test_save_best_and_reconcile_on_resume(tmp_path):
     assert saved_step(tmp_path) is None and reconcile(tmp_path, sel, said.append).best is None
     assert (tmp_path / f"{BEST_DIR}-discarded-1").is_dir() and "has no readable record" in said[-1]
     assert reconcile(tmp_path, sel, said.append).best is None and "are not in" in said[-1]  # nothing left
+    # a crash after the new weights but before their record: no record names the folder's old step any more
+    save_best(tmp_path, model, tok, sel)
+    later = Selection(0.01, start=sel.start, best=Candidate(8, 0.5, 4.0))
+    other, _ = tiny_model(seed=1)
+
+    def crash(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("lightningrl_fast.rl.selection.write_text_atomic", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_best(tmp_path, other, tok, later)
+    assert saved_step(tmp_path) is None and reconcile(tmp_path, sel, said.append).best is None
     (tmp_path / BEST_META).write_text("{not json")
     assert saved_step(tmp_path) is None
 

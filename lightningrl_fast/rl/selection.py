@@ -1,7 +1,7 @@
 """Choosing the RL step to keep, on a validation split (`--select-best`), and the split itself.
 
 RL on a few hundred prompts can keep gaining on the prompts it revisits while losing on unseen ones (the
-embedded default's seed 0 did: README "Results"). The last step is then not the model to use, and choosing
+embedded default's seed 0 did before it had a validation split: README "Results", the earlier table). The last step is then not the model to use, and choosing
 another one by the held-out test split would leave nothing that tests the choice. A run with a validation
 split (`--val-data FILE`, or `--val-fraction F` carved out of the training prompts by `split_by_hash`)
 evaluates it greedily before RL, every `--eval-every` steps and at the last step, and keeps one of them.
@@ -97,10 +97,12 @@ class Selection:
 
 
 def save_best(out: Path, model: Any, tokenizer: Any, sel: Selection) -> Path:
-    """Write the kept step's weights to <out>/best-model (atomic) and then <out>/best-model.json. Main rank only."""
+    """Write the kept step's weights to <out>/best-model (atomic) and then <out>/best-model.json. The old record
+    goes first, so a crash at any point leaves no record naming weights the folder does not hold. Main rank only."""
     from ..checkpoint import save_model
 
     assert sel.best is not None
+    (out / BEST_META).unlink(missing_ok=True)
     folder = save_model(model, model.config, out / BEST_DIR, tokenizer=tokenizer)
     meta = {**dataclasses.asdict(sel.best), "start": dataclasses.asdict(sel.start) if sel.start else None,
             "margin": sel.margin, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -118,17 +120,18 @@ def saved_step(out: Path) -> int | None:
     return int(step) if isinstance(step, int) and (out / BEST_DIR / "config.json").is_file() else None
 
 
-def reconcile(out: Path, sel: Selection, say: Callable[[str], None], main: bool = True) -> Selection:
+def reconcile(out: Path, sel: Selection, say: Callable[[str], None]) -> Selection:
     """A resumed run: keep the recorded choice when <out>/best-model holds its step. Otherwise (the folder was
     overwritten by a later step of the part of the run the resume discards, or a crash came between the folder
     and its record) the choice is dropped, the folder moved aside to <out>/best-model-discarded[-k], and the
-    selection continues from the next evaluation with the same threshold."""
+    selection continues from the next evaluation with the same threshold. Main rank only (the caller broadcasts
+    the result)."""
     if sel.best is None:
         return sel
     on_disk = saved_step(out)
     if on_disk == sel.best.step:
         return sel
-    if main and (out / BEST_DIR).exists():
+    if (out / BEST_DIR).exists():
         dest = out / f"{BEST_DIR}-discarded"
         k = 1
         while dest.exists():
@@ -139,7 +142,7 @@ def reconcile(out: Path, sel: Selection, say: Callable[[str], None], main: bool 
         where = f"holds step {on_disk}" if on_disk is not None else "has no readable record"
         say(f"select: {out / BEST_DIR} {where}, not the kept step {sel.best.step}: moved to {dest}; the selection "
             "continues from the next validation evaluation")
-    elif main:
+    else:
         say(f"select: the kept step {sel.best.step}'s weights are not in {out / BEST_DIR}; the selection continues "
             "from the next validation evaluation")
     return dataclasses.replace(sel, best=None)
