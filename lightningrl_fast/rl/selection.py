@@ -1,10 +1,11 @@
 """Choosing the RL step to keep, on a validation split (`--select-best`), and the split itself.
 
 RL on a few hundred prompts can keep gaining on the prompts it revisits while losing on unseen ones (the
-embedded default's seed 0 did before it had a validation split: README "Results", the earlier table). The last step is then not the model to use, and choosing
-another one by the held-out test split would leave nothing that tests the choice. A run with a validation
-split (`--val-data FILE`, or `--val-fraction F` carved out of the training prompts by `split_by_hash`)
-evaluates it greedily before RL, every `--eval-every` steps and at the last step, and keeps one of them.
+embedded default's seed 0 did before it had a validation split: README "Results", the earlier table). The last
+step is then not the model to use, and choosing another one by the held-out test split would leave nothing that
+tests the choice. A run with a validation split (`--val-data FILE`, or `--val-fraction F` carved out of the
+training prompts by `split_by_hash`) evaluates it greedily before RL, every `--eval-every` steps and at the last
+step, and keeps one of them.
 
 The rule (`Selection.offer`): an evaluation qualifies when its validation accuracy is at least the accuracy
 before RL minus `--select-margin` (REFERENCE §7's bar: more tokens per forward at an accuracy within a point of
