@@ -458,9 +458,9 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _report(ctx: RunContext, before: dict, after: dict, label: str, history: list, evals: list, say,
-            selected: dict | None = None, eval_label: str = "eval (greedy)") -> dict:
+            selected: dict | None = None, eval_label: str = "eval (greedy)", kept_eval: dict | None = None) -> dict:
     """Tables on the console and PNG plots; `selected`: --select-best's record (a column of its own when the
-    kept step is not the last one)."""
+    kept step is not the last one); `kept_eval`: the kept validation evaluation, starred in the training plot."""
     from .rl.logging import before_after_table, plot_sweep, plot_training, sweep_table
 
     cfg = ctx.cfg
@@ -474,7 +474,8 @@ def _report(ctx: RunContext, before: dict, after: dict, label: str, history: lis
         say(before_after_table(before, after, tau, labels=("before", label), extra_rows=kept or None))
     if cfg.run.plots:
         if history:
-            p = plot_training(history, ctx.out / "training.png", log=say, evals=evals, eval_label=eval_label)
+            p = plot_training(history, ctx.out / "training.png", log=say, evals=evals, eval_label=eval_label,
+                              kept=kept_eval)
             if p:
                 plots["training"] = str(p)
         if before and after:
@@ -604,10 +605,13 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     history = logger.history
     ekey = "val_acc" if ctx.val_examples else "eval_acc"
     evals = [{"step": m["step"], "acc": m[ekey], "tpf": m[ekey.replace("acc", "tpf")]} for m in history if ekey in m]
+    if select and sel.start is not None and all(e["step"] != sel.start.step for e in evals):
+        evals.insert(0, dataclasses.asdict(sel.start))  # the evaluation before RL (or at the resumed step)
     if not env.main:
         return status
     plots = _report(ctx, before, after, "after RL", history, evals, say, selected,
-                    eval_label="validation (greedy)" if ctx.val_examples else "held-out eval (greedy)")
+                    eval_label="validation (greedy)" if ctx.val_examples else "held-out eval (greedy)",
+                    kept_eval=dataclasses.asdict(sel.best) if select and sel.best is not None else None)
     _write_json(ctx.out / "summary.json", {
         "mode": "lightningrl", "steps": state.step, "rl_elapsed_s": elapsed, "threshold": tau,
         "eval_before": before, "eval_after": after, "final_checkpoint": str(final) if final else None,

@@ -239,11 +239,16 @@ def test_cli_select_best_keeps_and_evaluates_the_chosen_steps_weights(tmp_path, 
     """Validation numbers scripted so that step 2 is the one to keep (step 4 is faster but two points less
     accurate than before RL): best-model holds checkpoint-2's weights, not the last step's, and the summary's
     held-out sweep of the kept step is that of checkpoint-2's weights."""
-    out, sizes = tmp_path / "run", []
+    out, sizes, plotted = tmp_path / "run", [], {}
     scripted(monkeypatch, [(0.5, 2.0), (0.5, 3.0), (0.48, 9.0)], sizes)
+    monkeypatch.setattr(L, "plot_training", lambda history, path, **kw: plotted.update(kw))
     argv = SMOKE + ["--out", str(out), "--steps", "4", "--eval-every", "2", "--save-every", "1",
-                    "--keep-checkpoints", "10", "--val-fraction", "0.1", "--select-best"]
+                    "--keep-checkpoints", "10", "--val-fraction", "0.1", "--select-best", "--plots"]
     assert T.main(argv) == 0
+    # the training plot gets every validation evaluation (the one before RL too) and the kept one
+    assert plotted["evals"] == [{"step": 0, "acc": 0.5, "tpf": 2.0}, {"step": 2, "acc": 0.5, "tpf": 3.0},
+                                {"step": 4, "acc": 0.48, "tpf": 9.0}]
+    assert plotted["kept"] == {"step": 2, "acc": 0.5, "tpf": 3.0} and plotted["eval_label"] == "validation (greedy)"
     printed = capsys.readouterr().out
     n_val = len(SyntheticArithmetic(val_fraction=0.1).val)
     assert sizes == [n_val] * 3 and f"/ {n_val} validation examples" in printed

@@ -529,6 +529,8 @@ def test_tables_and_plots(tmp_path, monkeypatch, capsys):
     hist = [{"step": i, "acc": 0.5 + i / 10, "tpf": 2 + i / 5} for i in range(1, 4)]
     pytest.importorskip("matplotlib")
     assert L.plot_training(hist, tmp_path / "t.png", evals=[{"step": 2, "acc": 0.7, "tpf": 2.5}]).stat().st_size > 0
+    assert L.plot_training(hist, tmp_path / "k.png", evals=[{"step": 2, "acc": 0.7, "tpf": 2.5}],
+                           eval_label="validation (greedy)", kept={"step": 2, "acc": 0.7, "tpf": 2.5}).is_file()
     assert L.plot_sweep({"before": before, "after": after}, tmp_path / "s.png").stat().st_size > 0
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     assert L.plot_sweep({"before": before}, tmp_path / "s2.png") is None

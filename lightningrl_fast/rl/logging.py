@@ -287,9 +287,10 @@ def _pyplot(log: Callable[[str], None] | None):
 
 
 def plot_training(history: Sequence[dict[str, Any]], path: str | Path, log: Callable[[str], None] | None = None,
-                  evals: Sequence[dict[str, Any]] | None = None, eval_label: str = "eval (greedy)") -> Path | None:
+                  evals: Sequence[dict[str, Any]] | None = None, eval_label: str = "eval (greedy)",
+                  kept: dict[str, Any] | None = None) -> Path | None:
     """Accuracy and TPF of the rollouts over RL steps (and greedy eval points when given, named `eval_label` in
-    the legend) -> PNG."""
+    the legend; `kept`: the evaluation --select-best kept, {step, acc, tpf}, marked with a star) -> PNG."""
     plt = _pyplot(log)
     if plt is None:
         return None
@@ -300,6 +301,9 @@ def plot_training(history: Sequence[dict[str, Any]], path: str | Path, log: Call
         ax.plot(steps, [y if y is not None else float("nan") for y in ys], label="rollouts (sampled)", alpha=0.8)
         if evals:
             ax.plot([e["step"] for e in evals], [e.get(key) for e in evals], "o-", label=eval_label)
+        if kept:
+            ax.plot([kept["step"]], [kept[key]], "*", markersize=16, color="tab:red",
+                    label=f"kept: step {kept['step']} (best-model)")
         ax.set_xlabel("RL step")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
