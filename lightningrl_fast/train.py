@@ -562,19 +562,24 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
         f"{rl.group_size} samples per step, lr {rl.lr:g}, kl_beta {rl.kl_beta:g}, tau {tau:g}, "
         f"{len(ctx.train_examples)} train prompts -> {ctx.out}")
     status = EXIT_OK
+
+    def out_of_time() -> bool:  # rank 0's clock decides for every rank (one leaving alone would stall the others)
+        return broadcast(env, budget is not None and elapsed >= budget)
+
     try:
+        stop = out_of_time()
         while state.step < rl.steps:
-            # rank 0's clock decides for every rank (a rank leaving the loop alone would stall the others)
-            if broadcast(env, budget is not None and elapsed >= budget):
+            if stop:
                 logger.info(f"RL: time budget {budget:g}s reached after {state.step} steps")
                 break
             t0 = time.perf_counter()
             m = train_step(state, ctx.tokenizer, ctx.task, ctx.train_examples, rl, ctx.scfg)
             elapsed += time.perf_counter() - t0
+            stop = out_of_time()  # once per step: decides this step's "last" and the next iteration
             m["reward"] = m["acc"] + rl.tpf_weight * m["tpf"]
             m["tokens_per_s"] = m["tokens"] / m["rollout_s"] if m.get("rollout_s") else None
             m["elapsed_s"] = elapsed
-            last = select and (state.step >= rl.steps or broadcast(env, budget is not None and elapsed >= budget))
+            last = select and (state.step >= rl.steps or stop)
             every = cfg.eval.eval_every and state.step % cfg.eval.eval_every == 0
             if (every and (ctx.val_examples or ctx.eval_examples)) or last:  # the selection always sees the last step
                 validate(m)
@@ -625,7 +630,7 @@ def _selected_sweep(ctx: RunContext, sel: Selection, after: dict, last_step: int
     """--select-best at the end: the kept step, its validation numbers and its held-out sweep (the last step's
     when it is the last step; else its weights are loaded from out/best-model into the model, which the run
     no longer trains, and evaluated)."""
-    from .checkpoint import load_model
+    from .rl.checkpointing import load_weights_into
     from .rl.distributed import broadcast_params
 
     assert sel.best is not None and sel.start is not None
@@ -642,11 +647,7 @@ def _selected_sweep(ctx: RunContext, sel: Selection, after: dict, last_step: int
         rec["eval"] = after
         return rec
     if ctx.env.main:
-        best, _ = load_model(ctx.out / BEST_DIR, dtype=next(ctx.model.parameters()).dtype, device="cpu")
-        with torch.no_grad():
-            for p, q in zip(ctx.model.parameters(), best.parameters()):
-                p.copy_(q)
-        del best
+        load_weights_into(ctx.model, ctx.out / BEST_DIR)
     broadcast_params(ctx.env, ctx.model)
     rec["eval"] = _eval_sweep(ctx, f"of the kept step {b.step}", say)
     return rec
