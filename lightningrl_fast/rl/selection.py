@@ -64,19 +64,11 @@ class Selection:
     start: Candidate | None = None  # the first evaluation (before RL): fixes the accuracy threshold
     best: Candidate | None = None  # the evaluation whose weights are kept
 
-    @property
-    def threshold(self) -> float:
-        assert self.start is not None
-        return self.start.acc - self.margin - 1e-9  # 1e-9: a fraction of examples compares as equal to itself
-
-    def qualifies(self, c: Candidate) -> bool:
-        return self.start is None or c.acc >= self.threshold
-
     def offer(self, c: Candidate) -> bool:
         """Record the evaluation `c`; True when it becomes the kept one (the caller saves its weights)."""
         if self.start is None:
             self.start = c
-        if not self.qualifies(c):
+        if c.acc < self.start.acc - self.margin - 1e-9:  # 1e-9: a fraction of examples compares equal to itself
             return False
         if self.best is None or (c.tpf, c.acc, -c.step) > (self.best.tpf, self.best.acc, -self.best.step):
             self.best = c
