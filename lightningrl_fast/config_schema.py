@@ -230,6 +230,9 @@ EXTERNAL_HELP: dict[str, str] = {
     "cuda_graphs": "capture the denoising step as a CUDA graph",
     "sync_every": "CUDA: denoising steps between host checks for 'all finished'",
     "compact": "shrink the decoding working set once at most half of it is still active",
+    "pack": "run each decoding forward's GEMMs on the rows' real chunk tokens only, not on the static [rows, 2 x "
+            "block] chunk (one host read a step): 'auto' (CUDA, working sets of >= 256 rows x block tokens), 'on', "
+            "'off'",
 }
 
 # Defaults that differ from the dataclass's own for this CLI.
@@ -398,6 +401,8 @@ def _build_options() -> dict[str, Option]:
                 choices = ("threshold", "quota")
             elif f.name == "noise":
                 choices = ("two_level", "per_token")
+            elif f.name == "pack":
+                choices = ("auto", "on", "off")
             if f.name in opts:
                 raise RuntimeError(f"config field {f.name!r} appears in sections {opts[f.name].section!r} and "
                                    f"{sec!r}: flag names must be unique")

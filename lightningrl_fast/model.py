@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -293,19 +293,54 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         if packed is not None:  # x holds only the valid tokens [1, N, H]: pad them to [B, C] for the attention op
-            rows, cols, shape = packed
-            q, k, v = (_unpack(t[0], rows, cols, shape) for t in (q, k, v))
+            q, k, v = (packed.unpack(t[0]) for t in (q, k, v))  # [B, C, Hq | Hkv, D]
         o = block_attention(q, k, v, k_cache, v_cache, cache_lens, chunk_lens, block_size,
                             check_lengths=False)  # [B, C, Hq, D]
         if packed is not None:
-            o = o[rows, cols][None]  # [1, N, Hq, D]
+            o = packed.pack(o)  # [1, N, Hq, D]
         return _decode_linear(o.reshape(*o.shape[:2], self.hq * self.d), self.o_proj.weight)  # [B, C, H]
 
 
-def _unpack(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    out = t.new_zeros((*shape, *t.shape[1:]))
-    out[rows, cols] = t
-    return out
+class _Packing(NamedTuple):
+    """Where the tokens of a cached forward's [1, N] packed layout sit in its [B, C] chunk (rows' valid tokens back
+    to back in row order). Slot t is chunk position (rows[t], cols[t]); a slot past the valid tokens (a static
+    capacity larger than their count) has rows[t] == B, a spare row of the padded buffers, and reads (0, 0)."""
+
+    rows: torch.Tensor  # [N] int64 in [0, B]
+    cols: torch.Tensor  # [N] int64 in [0, C)
+    shape: tuple[int, int]  # (B, C)
+
+    @staticmethod
+    def dynamic(chunk_lens: torch.Tensor, c: int) -> "_Packing | None":
+        """Exactly the valid tokens (reads their count on the host); None when every row is full."""
+        valid = torch.arange(c, device=chunk_lens.device)[None] < chunk_lens.to(torch.int64)[:, None]  # [B, C]
+        if bool(valid.all()):
+            return None
+        rows, cols = valid.nonzero(as_tuple=True)
+        return _Packing(rows, cols, (chunk_lens.shape[0], c))
+
+    @staticmethod
+    def static(chunk_lens: torch.Tensor, c: int, capacity: int) -> "_Packing":
+        """`capacity` slots whatever the lengths (no host read: a CUDA graph can hold it). The caller guarantees
+        sum(chunk_lens) <= capacity; tokens past it would be dropped."""
+        b = chunk_lens.shape[0]
+        lens = chunk_lens.to(torch.int64).clamp(0, c)  # [B]
+        ends = lens.cumsum(0)  # [B] one past each row's last slot
+        slot = torch.arange(capacity, device=chunk_lens.device)  # [N]
+        rows = torch.searchsorted(ends, slot, right=True)  # [N] the row whose span holds the slot; B past them all
+        first = (ends - lens)[rows.clamp_max(b - 1)]  # [N] that row's first slot
+        cols = torch.where(rows < b, slot - first, 0)  # [N]
+        return _Packing(rows, cols, (b, c))
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, C, ...] -> [1, N, ...] (padding slots read row 0, column 0)."""
+        return t[self.rows.clamp_max(self.shape[0] - 1), self.cols][None]
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, C, ...], zeros where no token sits (padding slots land in the spare row, dropped)."""
+        out = t.new_zeros((self.shape[0] + 1, self.shape[1], *t.shape[1:]))
+        out[self.rows, self.cols] = t
+        return out[: self.shape[0]]
 
 
 class MLP(nn.Module):
@@ -491,8 +526,9 @@ class SDARForCausalLM(nn.Module):
     # -- incremental forward against the KV cache ----------------------------------------------------------
     def hidden_cached(self, input_ids: torch.Tensor, cache: KVCache, cache_lens: torch.Tensor,
                       chunk_lens: torch.Tensor, block_size: int | None = None,
-                      check_lengths: bool | None = None) -> torch.Tensor:
-        """Hidden states [B, C, H] of a chunk per row at positions cache_lens + arange(C).
+                      check_lengths: bool | None = None, token_capacity: int | None = None) -> torch.Tensor:
+        """Hidden states [B, C, H] of a chunk per row at positions cache_lens + arange(C) (past chunk_lens: zeros when
+        packed, else what the padding tokens compute; never read by the sampler).
 
         Writes the chunk's K/V into `cache` (rows' first chunk_lens[b] tokens); lengths are not advanced.
         `block_size` overrides the config's (decoding a checkpoint with another block size).
@@ -501,8 +537,15 @@ class SDARForCausalLM(nn.Module):
         `check_lengths`: validate the lengths and the token ids once on the host (one device sync for CUDA
         tensors; None = unless a CUDA graph is being captured or torch.compile traces; CPU ids are checked
         always). The sampler, which builds them, passes False.
+        `token_capacity`: run the projections, norms and MLP on this many token slots: the rows' valid tokens
+        back to back, then padding (the attention op still sees [B, C]). Shapes stay static (no host read: a CUDA
+        graph can hold it), and padding tokens of the [B, C] chunk cost no GEMM work. The caller guarantees
+        sum(chunk_lens) <= token_capacity (checked with `check_lengths`); >= B x C means no packing. None: on the
+        CPU exactly the valid tokens (their count read on the host), on CUDA the whole [B, C] chunk.
         """
         block_size = self.config.block_size if block_size is None else check_int("block_size", block_size, lo=1)
+        if token_capacity is not None:
+            token_capacity = check_int("token_capacity", token_capacity, lo=1)
         if check_lengths is None:
             check_lengths = host_checks_allowed(input_ids.device) if isinstance(input_ids, torch.Tensor) else False
         self._check_ids(input_ids, True if check_lengths else None)  # CPU ids are checked either way (no sync)
@@ -514,16 +557,16 @@ class SDARForCausalLM(nn.Module):
             check_tensor(name, t, shape=(bsz,), dtypes=(torch.int32,), device=input_ids.device)
         if check_lengths:
             check_cache_lengths(cache_lens, chunk_lens, c, cache.capacity)
+            if token_capacity is not None and int(chunk_lens.sum()) > token_capacity:
+                raise ValueError(f"chunk_lens sum to {int(chunk_lens.sum())} tokens, more than token_capacity "
+                                 f"{token_capacity}")
         position_ids = cache_lens.to(torch.int64)[:, None] + torch.arange(c, device=input_ids.device)  # [B, C]
-        packed = None
-        if not input_ids.is_cuda:
-            # CPU: projections and MLP see only the valid tokens (rows past chunk_lens, idle rows are skipped).
-            # On CUDA shapes stay static for graph capture; the attention kernel skips the padding itself.
-            valid = torch.arange(c)[None] < chunk_lens.to(torch.int64)[:, None]  # [B, C]
-            if not bool(valid.all()):
-                rows, cols = valid.nonzero(as_tuple=True)
-                packed = (rows, cols, (bsz, c))
-                input_ids, position_ids = input_ids[rows, cols][None], position_ids[rows, cols][None]  # [1, N]
+        if token_capacity is not None:
+            packed = _Packing.static(chunk_lens, c, token_capacity) if token_capacity < bsz * c else None
+        else:  # CPU: exactly the valid tokens; CUDA: static [B, C] (the attention kernel skips the padding itself)
+            packed = None if input_ids.is_cuda else _Packing.dynamic(chunk_lens, c)
+        if packed is not None:
+            input_ids, position_ids = packed.pack(input_ids), packed.pack(position_ids)  # [1, N]
         x = self.model.embed_tokens(input_ids)  # [B, C, H] (or [1, N, H] packed)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         # each residual add is fused with the norm after it (the next layer's input norm, the final norm last)
@@ -535,7 +578,7 @@ class SDARForCausalLM(nn.Module):
             h, x = _decode_add_norm(layer.post_attention_layernorm, a, x)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, x = _decode_add_norm(nxt, layer.mlp.forward_cached(h), x)
-        return _unpack(h[0], packed[0], packed[1], packed[2]) if packed is not None else h
+        return packed.unpack(h[0]) if packed is not None else h
 
     def _check_cache(self, cache: KVCache) -> None:
         """`cache` is a KVCache whose k and v are [layers, batch, capacity, kv_heads, head_dim] of this model, on

@@ -30,10 +30,24 @@ decode forward runs two GEMMs for them instead of five.
 
 On CUDA the per-step work (chunk gather -> forward -> unmask -> state update) runs without any host
 synchronization; the "all finished?" test reads one flag every `sync_every` steps and at the loop's last
-step. `fold_commit=False` is the exception: it reads one flag every step (is any row's separate commit forward
-due?). With `cuda_graphs` the step is captured once per working-set size (on the model's device, current or
-not) and replayed. The random stream is Philox keyed by `seed` with a per-step offset, so the same seed gives
-the same tokens.
+step. `fold_commit=False` is an exception: it reads one flag every step (is any row's separate commit forward
+due?). Packed steps are the other. With `cuda_graphs` the step is captured once per working-set size (and packed
+size; on the model's device, current or not) and replayed. The random stream is Philox keyed by `seed` with a
+per-step offset, so the same seed gives the same tokens.
+
+Packed steps (`pack`): the step's query chunk is [n, 2B] (a row folding a commit needs both blocks), but most rows
+need only their current block, and finished rows nothing. On CUDA shapes are static, so the projections and the
+MLP would run on all 2nB positions: up to twice the GEMM work of the ~nB tokens a step really has (block 32: a
+row folds a commit on one step of its ~5-10 per block). A packed step reads the number of chunk tokens on the host
+(one int per step), rounds it up to a few sizes (`_pack_rows`: at most 25% padding) and runs the forward on
+that many token slots, the rows' chunk tokens back to back (`SDARForCausalLM.hidden_cached(token_capacity=)`);
+each packed size is a graph of its own. The read costs a launch gap per step, which only pays off where the
+forward is long: `pack="auto"` packs on CUDA when the working set holds >= `_PACK_MIN_TOKENS` (256) rows x block
+tokens (where the GEMMs start to be compute-bound on an H100; smaller steps stream weights and keep the sync-free
+path), and always packs the prefill and the separate commit forwards, whose token counts the host knows.
+`"on"` packs every step on any device (the tests' way to run the packed path on the CPU), `"off"` never. Each
+row computes what the unpacked step computes (on the CPU the tests find the same tokens, greedy and sampled; on
+CUDA the GEMMs run at another size and may round differently).
 
 The mask token is taken out of the distribution (logit -inf) before picks and confidences, so a position is
 never "unmasked" to it; SDAR's reference `block_diffusion_generate` keeps it in the softmax, so where a model
@@ -63,7 +77,9 @@ from .ops.unmask import NOISE_MODES, check_sampling_args, threshold_unmask
 from .profiling import nvtx_range
 
 _PREFILL_TOKENS = 16384  # prompt positions (rows x longest full-block prefix) per prefill forward
-_MAX_GRAPHS = 64  # captured steps a Decoder keeps (working-set sizes x step parameters) before it starts over
+_MAX_GRAPHS = 128  # captured steps a Decoder keeps (working-set sizes x packed sizes x step parameters)
+_PACK_MIN_TOKENS = 256  # pack="auto": working sets of at least this many rows x block tokens pack their steps
+PACK_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -85,6 +101,7 @@ class SamplerConfig:
     cuda_graphs: bool = True  # capture the denoising step on CUDA
     sync_every: int = 4  # CUDA: steps between host checks for "all finished"
     compact: bool = True  # shrink the working set once at most half of it is active
+    pack: str = "auto"  # forwards on the chunk tokens only: "auto" (CUDA, >= 256 rows x block tokens), "on", "off"
     seed: int = 0
 
     @property
@@ -212,6 +229,8 @@ def _validate(model: SDARForCausalLM, prompts, cfg: SamplerConfig, bs: int) -> i
         raise ValueError(f"eos_ids {cfg.eos_ids} must be non-empty and inside the vocabulary [0, {vocab})")
     if cfg.top_k < 0 or not 0 < cfg.top_p <= 1:
         raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {cfg.top_k}, {cfg.top_p}")
+    if cfg.pack not in PACK_MODES:
+        raise ValueError(f"pack must be one of {PACK_MODES}, got {cfg.pack!r}")
     if cfg.noise not in NOISE_MODES:
         raise ValueError(f"noise must be one of {NOISE_MODES}, got {cfg.noise!r}")
     # what threshold_unmask will check at every step (an integer top_k, a temperature with an fp32 inverse)
@@ -285,8 +304,10 @@ def _quota(st: _State, cfg: SamplerConfig, bs: int) -> torch.Tensor:
     return torch.where(st.done, torch.zeros_like(q), q)
 
 
-def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int, eos_ids: torch.Tensor) -> None:
-    """One forward + unmask for every row of the working set; all updates in place, no host sync."""
+def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int, eos_ids: torch.Tensor,
+                  token_capacity: int | None = None) -> None:
+    """One forward + unmask for every row of the working set; all updates in place, no host sync.
+    `token_capacity`: the forward's packed token slots (>= the rows' chunk tokens; None: not packed)."""
     n, ltot = st.seq.shape
     dev = st.seq.device
     ar = torch.arange(2 * bs, device=dev)
@@ -294,7 +315,8 @@ def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int
     idx = (start[:, None] + ar).clamp_max(ltot - 1)  # [n, 2B]
     chunk = st.seq.gather(1, idx)  # [n, 2B]
     chunk_lens = torch.where(st.done, 0, bs + st.pending.int() * bs).int()  # [n]
-    hidden = model.hidden_cached(chunk, cache, start.int(), chunk_lens, bs, check_lengths=False)  # [n, 2B, H]
+    hidden = model.hidden_cached(chunk, cache, start.int(), chunk_lens, bs, check_lengths=False,
+                                 token_capacity=token_capacity)  # [n, 2B, H]
     off = st.pending.long()[:, None] * bs + ar[:bs]  # [n, B] the current block inside the chunk
     h = hidden.gather(1, off[..., None].expand(-1, -1, hidden.shape[-1]))  # [n, B, H]
     logits = model.decode_logits(h)  # [n, B, V] (ops.linear: the skinny-GEMM kernel when enabled)
@@ -327,12 +349,13 @@ def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int
     st.offset.add_(1)
 
 
-def _commit_step(model, st: _State, cache: KVCache, bs: int) -> None:
+def _commit_step(model, st: _State, cache: KVCache, bs: int, token_capacity: int | None = None) -> None:
     """SDAR-style separate commit: re-run each row's just-finished block to write its clean K/V."""
     start = (st.cur_block - 1).clamp_min(0) * bs
     idx = start[:, None] + torch.arange(bs, device=st.seq.device)
     chunk_lens = torch.where(st.pending, bs, 0).int()
-    model.hidden_cached(st.seq.gather(1, idx), cache, start.int(), chunk_lens, bs, check_lengths=False)
+    model.hidden_cached(st.seq.gather(1, idx), cache, start.int(), chunk_lens, bs, check_lengths=False,
+                        token_capacity=token_capacity)
     st.forwards.add_(st.pending.long())
     st.cache_len.add_(chunk_lens)
     st.pending.zero_()
@@ -408,6 +431,16 @@ def _host_check_every(cfg: SamplerConfig, dev: torch.device) -> int:
     """Denoising steps between host checks of "all rows finished?" (and compactions): `sync_every` on CUDA,
     where a check waits for the device; every step on the CPU, where it costs nothing."""
     return cfg.sync_every if dev.type == "cuda" else 1
+
+
+def _pack_rows(n: int) -> int:
+    """Packed step size in block-rows for n rows' worth of chunk tokens: n up to 8, then the next multiple of a
+    quarter of n's power of two (10, 12, 14, 16, 20, 24, 28, 32, 40, ...): at most 25% padding, and a working set
+    meets few sizes, so few graphs."""
+    if n <= 8:
+        return max(n, 1)
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
 
 
 def _bucket(n: int) -> int:
@@ -516,8 +549,9 @@ class Decoder:
                 full[layer, :m].copy_(cur[layer, keep])
         return self._working_set(m)
 
-    def _step_fn(self, st: _State, cache: KVCache, cfg: "SamplerConfig", bs: int, eos_ids: torch.Tensor):
-        return lambda: _denoise_step(self.model, st, cache, cfg, bs, eos_ids)
+    def _step_fn(self, st: _State, cache: KVCache, cfg: "SamplerConfig", bs: int, eos_ids: torch.Tensor,
+                 cap: int | None):
+        return lambda: _denoise_step(self.model, st, cache, cfg, bs, eos_ids, cap)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], cfg: "SamplerConfig", pad_id: int | None = None) -> "Rollout":
@@ -569,6 +603,8 @@ class Decoder:
         eos_ids = self._eos[eos_key]
         total_forwards = 0
 
+        # packing: a step's forward runs on its rows' chunk tokens only (see the module docstring)
+        pack = cfg.pack == "on" or (cfg.pack == "auto" and dev.type == "cuda")
         full_blocks = (plens // bs) * bs  # [n0] prompt positions prefilled
         pmax = int(full_blocks.max())
         if pmax > 0:
@@ -585,7 +621,8 @@ class Decoder:
                         continue  # no row of the chunk has a full prompt block
                     part = KVCache(cache.k[:, rows], cache.v[:, rows])  # views: each layer's [r, L, Hkv, D] rows
                     model.hidden_cached(st.seq[rows, :c], part, st.cache_len[rows], lens[rows], bs,
-                                        check_lengths=False)
+                                        check_lengths=False,
+                                        token_capacity=int(full_blocks[rows].sum()) if pack else None)
                 st.cache_len.copy_(lens)
                 st.forwards.add_((lens > 0).long())
                 total_forwards += 1
@@ -597,9 +634,15 @@ class Decoder:
         sync_every = _host_check_every(cfg, dev)
         max_steps = ltot + 1  # each active row unmasks >= 1 position per step
         for step_i in range(1, max_steps + 1):
+            n = st.seq.shape[0]
+            packing = pack and (cfg.pack == "on" or n * bs >= _PACK_MIN_TOKENS)
+            cap = None
+            if packing:  # one host read a step: the chunk tokens of the active rows, 1 or 2 blocks each
+                chunk_rows = int(torch.where(st.done, 0, 1 + st.pending.long()).sum())
+                cap = _pack_rows(chunk_rows) * bs if _pack_rows(chunk_rows) < 2 * n else None
             with nvtx_range("denoise_step"):
                 if use_graphs:
-                    key = (sig, st.seq.shape[0])
+                    key = (sig, n, cap)
                     if key not in self._graphs:
                         if len(self._graphs) >= _MAX_GRAPHS:  # many step parameters seen (a threshold sweep)
                             self._drop_graphs()  # start over, with a new pool
@@ -607,19 +650,20 @@ class Decoder:
                             self._pool = torch.cuda.graph_pool_handle()
                         if self._stream is None:  # release() drops it (the device may change)
                             self._stream = _capture_stream(dev)
-                        self._graphs[key] = _GraphedStep(self._step_fn(st, cache, cfg, bs, eos_ids), self._pool,
+                        self._graphs[key] = _GraphedStep(self._step_fn(st, cache, cfg, bs, eos_ids, cap), self._pool,
                                                          self._stream)
                     self._graphs[key]()
                 else:
-                    _denoise_step(model, st, cache, cfg, bs, eos_ids)
+                    _denoise_step(model, st, cache, cfg, bs, eos_ids, cap)
             total_forwards += 1
             if not cfg.fold_commit:
-                if bool(st.pending.any()):
+                n_pending = int(st.pending.sum())
+                if n_pending:
                     with nvtx_range("commit"):
-                        _commit_step(model, st, cache, bs)
+                        _commit_step(model, st, cache, bs, n_pending * bs if pack else None)
                     total_forwards += 1
-            if step_i % sync_every and step_i < max_steps:  # the last step always checks
-                continue
+            if step_i % sync_every and step_i < max_steps and not packing:  # the last step always checks; a
+                continue  # packed step has read the device already, so its check costs nothing more
             active = ~st.done  # [n]
             n_active = int(active.sum())
             if n_active == 0:

@@ -37,6 +37,9 @@ variant is set through LRF_BLOCK_ATTN_VARIANT for that combination, ops/block_at
 GEMMs: `--gemm cublas,kernel` times the kernel rows once per implementation of the decode forward's GEMMs
 (column `gemm`; LRF_DECODE_GEMM for that combination, ops/linear.py: cuBLAS, or the skinny-GEMM kernel for
 <= 64 tokens per forward); default `cublas`.
+Packed forwards: `--pack auto,on,off` times every row once per `SamplerConfig.pack` mode (column `pack`; "auto"
+packs on the GPU from 256 rows x block tokens, sampler.py). With the forced TPF every row folds its commit on the
+same steps, so a packed working set runs [rows, 2 x block] on those and [rows, block] on the others.
 Programmatic dependent launch: `--pdl on,off` times the kernel rows with and without it (column `pdl`; LRF_PDL=0
 for "off": every kernel launched plainly, csrc/launch.h); default `on`.
 
@@ -58,6 +61,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -79,7 +83,7 @@ from lightningrl_fast.ops._common import PDL_ENV  # noqa: E402
 from lightningrl_fast.ops.linear import IMPL_ENV as GEMM_ENV  # noqa: E402
 from lightningrl_fast.ops.linear import IMPLS as GEMM_IMPLS  # noqa: E402
 from lightningrl_fast.profiling import Timer, nvtx_range  # noqa: E402
-from lightningrl_fast.sampler import Decoder, SamplerConfig  # noqa: E402
+from lightningrl_fast.sampler import PACK_MODES, Decoder, SamplerConfig  # noqa: E402
 
 _SDAR = dict(vocab_size=151936, head_dim=128, mask_token_id=151669, max_position_embeddings=32768,
              rms_norm_eps=1e-6, rope_theta=1e6, torch_dtype="bfloat16")
@@ -153,18 +157,19 @@ def reference_switch_honoured(device: torch.device) -> bool:
     return all(cuda_kernel(n, probe) is None for n in DECODE_OPS)
 
 
-def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, args, torch_trace: str | None) -> dict:
+def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, args, torch_trace: str | None,
+              pack: str = "auto") -> dict:
     cfg_m = model.config
     k = min(args.tpf, block)
     cfg = SamplerConfig(block_size=block, threshold=1.01, rule="quota", steps_per_block=max(1, block // k),
                         temperature=0.0, max_new_tokens=args.new_tokens, eos_ids=(cfg_m.mask_token_id,),
-                        cuda_graphs=graphs, seed=0)
+                        cuda_graphs=graphs, seed=0, pack=pack)
     gen = torch.Generator().manual_seed(batch * 1000 + block)
     hi = min(cfg_m.vocab_size, 30000)
     prompts = torch.randint(0, hi - 1, (batch, args.prompt_len), generator=gen)
     prompts = torch.where(prompts == cfg_m.mask_token_id, prompts + 1, prompts).tolist()
-    label = f"bench b={batch} blk={block} graphs={'on' if graphs else 'off'} impl={impl}"
-    row = {"batch": batch, "block": block, "graphs": "on" if graphs else "off", "impl": impl,
+    label = f"bench b={batch} blk={block} graphs={'on' if graphs else 'off'} impl={impl} pack={pack}"
+    row = {"batch": batch, "block": block, "graphs": "on" if graphs else "off", "impl": impl, "pack": pack,
            "engine": "fresh" if args.fresh else "kept"}
     old_block = cfg_m.block_size
     cfg_m.block_size = block  # the model's attention blocks must match the sampler's
@@ -265,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="programmatic dependent launch for the kernel rows, comma-separated: on, off")
     ap.add_argument("--gemm", type=gemm_impls, default=["cublas"],
                     help="decode GEMM implementations for the kernel rows, comma-separated: cublas, kernel")
+    ap.add_argument("--pack", type=pack_modes, default=["auto"],
+                    help="packed decoding forwards (SamplerConfig.pack), comma-separated: auto, on, off")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (tiny config, reference ops)")
     ap.add_argument("--torch-trace", default=None, help="Chrome trace of the first combination's timed call")
     ap.add_argument("--no-steady", dest="steady", action="store_false",
@@ -344,10 +351,10 @@ def main(argv: list[str] | None = None) -> None:
         for attn, gemm, pdl in combos:
             for batch in args.batches:
                 for block in args.blocks:
-                    for g in graphs:
+                    for g, pack in itertools.product(graphs, args.pack):
                         pdl_env = {"on": "1", "off": "0"}.get(pdl, "-")
                         with env_setting(ATTN_ENV, attn), env_setting(GEMM_ENV, gemm), env_setting(PDL_ENV, pdl_env):
-                            row = run_combo(model, device, batch, block, g, impl, args, trace)
+                            row = run_combo(model, device, batch, block, g, impl, args, trace, pack)
                         used = "off (capture retry)" if row.pop("pdl_retried", False) else pdl
                         rows.append({**row, "attn": attn, "gemm": gemm, "pdl": used})
                         trace = None
@@ -381,6 +388,13 @@ def gemm_impls(text: str) -> list[str]:
     bad = [n for n in names if n not in GEMM_IMPLS]
     if not names or bad:
         raise argparse.ArgumentTypeError(f"GEMM implementations must be among {', '.join(GEMM_IMPLS)}, got {text!r}")
+    return names
+
+
+def pack_modes(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names or any(n not in PACK_MODES for n in names):
+        raise argparse.ArgumentTypeError(f"pack modes must be among {', '.join(PACK_MODES)}, got {text!r}")
     return names
 
 

@@ -84,6 +84,53 @@ def test_varlen_rows_in_one_cached_forward():
             assert torch.isfinite(out[b, n:]).all()  # padding rows: defined, meaningless
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_token_capacity_packs_the_chunk_tokens(seed):
+    """hidden_cached(token_capacity=N) runs the layers on N slots (the rows' chunk tokens back to back, then
+    padding): every valid position's hidden state and the KV cache after the write equal the [B, C] forward's
+    (float64: within float64 rounding of each other, the GEMMs see other shapes), positions past a row's chunk are
+    zero, rows of length 0 and a capacity of B x C or more (no packing) included."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = tiny_config()
+    model = build_model(cfg, dtype=torch.float64, seed=seed).eval()
+    b, c, cap_len = 5, 8, 24
+    ids = torch.randint(0, MASK, (b, c), generator=g)
+    cache_lens = torch.randint(0, 3, (b,), generator=g).int() * 4  # [B] block-aligned, mixed
+    chunk_lens = torch.randint(0, c + 1, (b,), generator=g).int()
+    chunk_lens[seed % b] = 0  # an idle row
+    chunk_lens[(seed + 1) % b] = c  # a full one
+    valid = int(chunk_lens.sum())
+    prior = torch.randn(cfg.num_hidden_layers, b, cap_len, cfg.num_key_value_heads, cfg.head_dim, generator=g,
+                        dtype=torch.float64)
+
+    def run(capacity):
+        cache = KVCache(prior.clone(), prior.clone() + 1)
+        with torch.no_grad():
+            h = model.hidden_cached(ids, cache, cache_lens, chunk_lens, token_capacity=capacity)
+        return h, cache
+
+    want, want_cache = run(None)
+    for capacity in (valid, valid + 1, valid + 7, b * c - 1, b * c, b * c + 5):
+        h, cache = run(capacity)
+        for r in range(b):
+            n = int(chunk_lens[r])
+            torch.testing.assert_close(h[r, :n], want[r, :n], rtol=1e-13, atol=1e-13)
+            if capacity < b * c:
+                assert torch.equal(h[r, n:], torch.zeros_like(h[r, n:])), (capacity, r)
+        torch.testing.assert_close(cache.k, want_cache.k, rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(cache.v, want_cache.v, rtol=1e-13, atol=1e-13)
+    with torch.no_grad(), pytest.raises(ValueError, match=f"chunk_lens sum to {valid} tokens, more than "
+                                                          f"token_capacity {valid - 1}"):
+        model.hidden_cached(ids, KVCache(prior.clone(), prior.clone()), cache_lens, chunk_lens,
+                            check_lengths=True, token_capacity=valid - 1)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="token_capacity"):
+            model.hidden_cached(ids, KVCache(prior.clone(), prior.clone()), cache_lens, chunk_lens, token_capacity=bad)
+    for bad in (2.5, True):
+        with pytest.raises(TypeError, match="token_capacity"):
+            model.hidden_cached(ids, KVCache(prior.clone(), prior.clone()), cache_lens, chunk_lens, token_capacity=bad)
+
+
 def test_block_proxy_reproduces_incremental_masked_block():
     torch.manual_seed(2)
     cfg = tiny_config(block_size=4)

@@ -10,7 +10,7 @@ import torch
 from lightningrl_fast.model import SDARConfig, build_model
 from lightningrl_fast.ops.masked_attn import MaskLayout
 from lightningrl_fast.ops.unmask import threshold_unmask
-from lightningrl_fast.sampler import Decoder, SamplerConfig, _bucket, _check_memory, generate
+from lightningrl_fast.sampler import Decoder, SamplerConfig, _bucket, _check_memory, _pack_rows, generate
 
 MASK, EOS, V = 110, 3, 111
 
@@ -374,6 +374,45 @@ def assert_same_rollout(a, b):
     assert a.total_forwards == b.total_forwards and a.finish_reason == b.finish_reason
 
 
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0, threshold=0.3),  # greedy, folded commits
+    dict(temperature=0.8, threshold=0.4, seed=3),  # sampled: the same noise per row and step
+    dict(temperature=0, threshold=0.2, fold_commit=False),  # separate commits (packed to the pending rows)
+    dict(temperature=0, rule="quota", steps_per_block=2, block_size=8),  # all rows fold on the same steps
+    dict(temperature=1.0, threshold=0.9, compact=False, seed=9),  # finished rows stay in the working set
+])
+def test_packed_steps_equal_unpacked_steps(model, monkeypatch, kw):
+    """pack="on" runs every forward (prefill, denoising steps, separate commits) on the rows' chunk tokens packed
+    into a static number of slots (rounded up: padding slots included) instead of the [rows, 2B] chunk: the same
+    rollout, bit for bit, as pack="off" (on the CPU the unpacked path packs exactly the valid tokens itself)."""
+    import lightningrl_fast.model as model_mod
+
+    real, seen = model_mod._Packing.static, []
+
+    def spy(chunk_lens, c, capacity):
+        seen.append((int(chunk_lens.clamp(0, c).sum()), capacity, chunk_lens.shape[0] * c))
+        return real(chunk_lens, c, capacity)
+
+    monkeypatch.setattr(model_mod._Packing, "static", staticmethod(spy))
+    prompts = prompts_of([1, 3, 4, 5, 9, 13, 2, 8, 11], seed=3)  # prompt tails of every length, full blocks to prefill
+    cfg = SamplerConfig(max_new_tokens=21, eos_ids=(EOS,), **kw)
+    a = generate(model, prompts, dataclasses.replace(cfg, pack="off"))
+    assert not seen  # the CPU default never packs statically
+    b = generate(model, prompts, dataclasses.replace(cfg, pack="on"))
+    assert_same_rollout(a, b)
+    assert seen and all(valid <= cap < full for valid, cap, full in seen)  # packed, never past its slots
+    assert any(valid < cap for valid, cap, _ in seen)  # padding slots were exercised
+    if not kw.get("fold_commit", True):
+        assert any(valid == cap for valid, cap, _ in seen)  # the commit forwards: exactly the pending rows
+
+
+def test_pack_sizes():
+    assert [_pack_rows(n) for n in range(1, 18)] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 12, 12, 14, 14, 16, 16, 20]
+    assert [_pack_rows(n) for n in (31, 33, 100, 256, 257, 300, 513)] == [32, 40, 112, 256, 320, 320, 640]
+    for n in range(1, 5000):  # never below n, at most 25% above it
+        assert n <= _pack_rows(n) <= max(n, 8) * 1.25
+
+
 def test_bucket_sizes():
     assert [_bucket(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
     assert _bucket(97) == 128 and _bucket(129) == 192 and _bucket(192) == 192 and _bucket(193) == 256
@@ -520,6 +559,8 @@ def test_bad_requests(model):
         generate(model, [[5]], dataclasses.replace(cfg, rule="fast"))
     with pytest.raises(ValueError, match="noise must be one of"):
         generate(model, [[5]], dataclasses.replace(cfg, noise="bucket"))
+    with pytest.raises(ValueError, match=r"pack must be one of \('auto', 'on', 'off'\), got 'yes'"):
+        generate(model, [[5]], dataclasses.replace(cfg, pack="yes"))
     for s in (0, -1):  # a negative S decoded every block in one step, 0 fell back to the block size, silently
         with pytest.raises(ValueError, match=f"steps_per_block must be >= 1 .*got {s}"):
             generate(model, [[5]], dataclasses.replace(cfg, rule="quota", steps_per_block=s))
@@ -586,11 +627,13 @@ def test_gpu_kernels_equal_reference_ops(model, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pack", ["off", "on"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_denoise_step_never_syncs_with_the_host(model, monkeypatch, dtype):
+def test_gpu_denoise_step_never_syncs_with_the_host(model, monkeypatch, dtype, pack):
     """Every eager denoising step runs under torch.cuda.set_sync_debug_mode('error'): any op that waits for
     the device (.item(), nonzero, a host copy) raises. (fp32 has no block-attention kernel: its reference, which
-    writes the cache through the kv_cache_write kernel and keeps static shapes, must not sync either.)"""
+    writes the cache through the kv_cache_write kernel and keeps static shapes, must not sync either.) A packed
+    step too: its one host read (the token count) happens before it, outside."""
     import lightningrl_fast.sampler as sampler
 
     real = sampler._denoise_step
@@ -608,7 +651,7 @@ def test_gpu_denoise_step_never_syncs_with_the_host(model, monkeypatch, dtype):
     m = _on_cuda(model, dtype)
     for temperature in (0.0, 1.0):
         cfg = SamplerConfig(threshold=0.5, temperature=temperature, max_new_tokens=12, eos_ids=(EOS,),
-                            cuda_graphs=False)
+                            cuda_graphs=False, pack=pack)
         generate(m, prompts_of([3, 6, 9], seed=13), cfg)
     assert len(calls) > 4
 
@@ -667,6 +710,44 @@ def test_gpu_decoder_replays_its_graphs_across_calls(model, monkeypatch):
         assert_same_rollout(dec.generate(prompts, tcfg), want)
         assert dec._graphs and all(g.graph is not None and not g.failed for g in dec._graphs.values())
     assert dec._stream is sampler._capture_stream(next(m.parameters()).device)  # one per device for every Decoder
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("error:CUDA graph capture")  # a failed capture would compare eager with eager
+def test_gpu_packed_steps(model, monkeypatch):
+    """Packed steps on CUDA. bf16: the captured packed steps (one graph per working-set size and packed size)
+    replay what the eager packed steps compute, greedy and sampled, and a kept Decoder replays them in a second
+    call. fp32: packed and unpacked rollouts agree (tokens and steps exactly; log-probs within rounding: the
+    GEMMs run at other sizes). pack="auto" packs a working set of >= 256 rows x block tokens and leaves a
+    smaller one unpacked."""
+    import lightningrl_fast.model as model_mod
+
+    prompts = prompts_of([1, 3, 4, 5, 9, 13, 2, 8, 11, 6, 7, 12], seed=16)
+    cfg = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=24, eos_ids=(EOS,), pack="on")
+    m = _on_cuda(model, torch.bfloat16)
+    for c in (cfg, dataclasses.replace(cfg, temperature=1.0, threshold=0.6, seed=4),
+              dataclasses.replace(cfg, fold_commit=False)):
+        dec = Decoder(m)
+        a = dec.generate(prompts, c)
+        assert any(k[2] is not None for k in dec._graphs)  # packed sizes were captured
+        assert all(g.graph is not None and not g.failed for g in dec._graphs.values())
+        assert_same_rollout(a, generate(m, prompts, dataclasses.replace(c, cuda_graphs=False)))
+        assert_same_rollout(dec.generate(prompts, c), a)
+    m32 = _on_cuda(model, torch.float32)
+    a = generate(m32, prompts, cfg)
+    b = generate(m32, prompts, dataclasses.replace(cfg, pack="off"))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.step_map, b.step_map)
+    assert torch.equal(a.forwards, b.forwards) and a.total_forwards == b.total_forwards
+    torch.testing.assert_close(a.logp, b.logp, rtol=1e-5, atol=1e-6)
+
+    real, seen = model_mod._Packing.static, []
+    monkeypatch.setattr(model_mod._Packing, "static",
+                        staticmethod(lambda lens, c, cap: seen.append(lens.shape[0]) or real(lens, c, cap)))
+    auto = dataclasses.replace(cfg, pack="auto", max_new_tokens=8)
+    generate(m, prompts_of([4] * 63, seed=17), auto)  # 63 rows x block 4 < 256: unpacked steps
+    assert not seen  # (the prompts are whole blocks and unpacked prefills pack nothing either: equal lengths)
+    generate(m, prompts_of([4] * 64, seed=17), auto)  # 64 x 4 = 256: packed steps
+    assert seen and max(seen) == 64
 
 
 @pytest.mark.gpu

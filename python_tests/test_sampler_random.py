@@ -1,12 +1,12 @@
 """Random-configuration tests of the decoding engine (sampler.Decoder / generate): each case draws a whole request
-(batch size, prompt lengths around the block boundaries, a block-size override, rule and steps per block,
-threshold, greedy or sampled with temperature / top-k / top-p / noise mode / seed, EOS ids the model does produce,
-max_new_tokens, folded or separate commits, compaction, the CUDA cadence of the "all finished?" check, prefill row
-chunks, a kept Decoder that served another random request first) and checks every row against the no-cache oracle
-of test_sampler.py (the whole sequence recomputed every step): tokens, step map, log-probs, confidences, length,
-EOS, TPF and the row's forward count. CI runs a fixed few; LRF_FUZZ_CASES / LRF_FUZZ_SEED run a campaign
-(conftest.fuzz_cases). test_gpu_random_config replays drawn requests through captured CUDA graphs on a kept
-Decoder against eager fresh calls."""
+(batch size, prompt lengths around the block boundaries, a block-size override, rule and steps per block, threshold,
+greedy or sampled with temperature / top-k / top-p / noise mode / seed, EOS ids the model does produce,
+max_new_tokens, folded or separate commits, compaction, packed or unpacked forwards, the CUDA cadence of the "all
+finished?" check, prefill row chunks, a kept Decoder that served another random request first) and checks every row
+against the no-cache oracle of test_sampler.py (the whole sequence recomputed every step): tokens, step map,
+log-probs, confidences, length, EOS, TPF and the row's forward count. CI runs a fixed few; LRF_FUZZ_CASES /
+LRF_FUZZ_SEED run a campaign (conftest.fuzz_cases). test_gpu_random_config replays drawn requests through captured
+CUDA graphs on a kept Decoder against eager fresh calls."""
 
 import dataclasses
 import random
@@ -68,6 +68,7 @@ def draw_request(rng: random.Random, vocab: int, frequent: list[int]):
     )
     sync_every = rng.choice([None, None, 1, 2, 3, 5, 16])  # None: the CPU's check after every step
     prefill_rows = rng.choice([None, None, 1, 2 * b, 5 * b])  # _PREFILL_TOKENS: a few prompt positions per chunk
+    cfg = dataclasses.replace(cfg, pack=rng.choice(["auto", "on"]))  # "on": packed forwards (CPU "auto": unpacked)
     return prompts, cfg, sync_every, prefill_rows
 
 
@@ -136,8 +137,9 @@ def test_random_requests_reach_every_path(models):
             seen |= {"compact"} if cfg.compact and len(prompts) >= 2 else set()
             seen |= {"chunked prefill"} if prefill_rows is not None else set()
             seen |= {"cadence"} if sync_every not in (None, 1) else set()
+            seen |= {"packed" if cfg.pack == "on" else "unpacked"}
     want = {"eos", "length", "threshold", "quota", "greedy", "sampled", "separate commit", "compact",
-            "chunked prefill", "cadence", "second call", "one call"}
+            "chunked prefill", "cadence", "second call", "one call", "packed", "unpacked"}
     assert want <= seen, want - seen
 
 
