@@ -304,7 +304,8 @@ class Attention(nn.Module):
 class _Packing(NamedTuple):
     """Where the tokens of a cached forward's [1, N] packed layout sit in its [B, C] chunk (rows' valid tokens back
     to back in row order). Slot t is chunk position (rows[t], cols[t]); a slot past the valid tokens (a static
-    capacity larger than their count) has rows[t] == B, a spare row of the padded buffers, and reads (0, 0)."""
+    capacity larger than their count) has rows[t] == B, a spare row of the padded buffers (cols[t] = t mod C, so
+    that padding slots rarely share a target), and reads row 0 at that column."""
 
     rows: torch.Tensor  # [N] int64 in [0, B]
     cols: torch.Tensor  # [N] int64 in [0, C)
@@ -329,11 +330,11 @@ class _Packing(NamedTuple):
         slot = torch.arange(capacity, device=chunk_lens.device)  # [N]
         rows = torch.searchsorted(ends, slot, right=True)  # [N] the row whose span holds the slot; B past them all
         first = (ends - lens)[rows.clamp_max(b - 1)]  # [N] that row's first slot
-        cols = torch.where(rows < b, slot - first, 0)  # [N]
+        cols = torch.where(rows < b, slot - first, slot % c)  # [N]
         return _Packing(rows, cols, (b, c))
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """[B, C, ...] -> [1, N, ...] (padding slots read row 0, column 0)."""
+        """[B, C, ...] -> [1, N, ...] (padding slots read row 0)."""
         return t[self.rows.clamp_max(self.shape[0] - 1), self.cols][None]
 
     def unpack(self, t: torch.Tensor) -> torch.Tensor:
