@@ -10,10 +10,12 @@
 #           GPU test file, 4 at a time, the decode path first, the files that compile FlexAttention or run whole
 #           CLIs last, then the random-configuration tests of every kernel family        (~540 s budget)
 #   lease2  build (skipped on the same warm machine), the quick block-attention and unmask benches, then the
-#           batch-128 sdar-4b decode row (REFERENCE §5: JetEngine's H200 figure)   (budget: what the lease has left)
+#           batch-128 sdar-4b decode row (REFERENCE §5: JetEngine's H200 figure), then packed vs unpacked decoding
+#           forwards at batch 64, block 32                                              (budget: what the lease has left)
 # Stages: build, prebuilt, tests, sass, kernels (unmask, linear, kv_cache, rms_norm, silu_mul, block_attn --quick,
 # grpo_loss), decode1 (sdar-8b batch 1, block 4, graphs on, cuBLAS and the skinny-GEMM kernel), attn_quick,
-# unmask_quick, decode128 (sdar-4b, batch 128, block 4, forced TPF 2, graphs on, cuBLAS), decode (bench_decode.py,
+# unmask_quick, decode128 (sdar-4b, batch 128, block 4, forced TPF 2, graphs on, cuBLAS), pack (sdar-8b, batch 64,
+# block 32, forced TPF 4, graphs on, SamplerConfig.pack auto vs off), decode (bench_decode.py,
 # sdar-8b batch 1/8/64, block 4/32, graphs on, cuBLAS and the skinny-GEMM kernel, the reference child capped at
 # 240 s), pdl (decode at batch 1 with programmatic dependent launch on and off), optim (bench_optim.py: the optimizer
 # step resident vs offloaded), attn_full (every bench_block_attn shape), rl_step (bench_rl_step.py: the RL training
@@ -46,7 +48,7 @@ expanded=()
 for s in "${stages[@]}"; do
   case $s in
     lease1) expanded+=(build sass decode1 tests) ;;
-    lease2) expanded+=(build attn_quick unmask_quick decode128) ;;
+    lease2) expanded+=(build attn_quick unmask_quick decode128 pack) ;;
     *) expanded+=("$s") ;;
   esac
 done
@@ -195,6 +197,12 @@ for s in "${stages[@]}"; do
       # own TPF): the same shapes with random weights at a forced TPF of 2 (the figure scales with the TPF)
       stage bench_decode128 150 bench_decode128.log python3 profiling/bench_decode.py --config sdar-4b --batches 128 \
         --blocks 4 --tpf 2 --graphs on --impl kernels --gemm cublas --repeats 2 --new-tokens 256 ;;
+    pack)
+      # packed decoding forwards (sampler.py: the GEMMs on the rows' chunk tokens, not on [rows, 2 x block]) against
+      # the unpacked step, where they should pay: a large working set of block-32 rows (compute-bound GEMMs)
+      stage bench_decode_pack 200 bench_decode_pack.log python3 profiling/bench_decode.py --config sdar-8b \
+        --batches 64 --blocks 32 --tpf 4 --graphs on --impl kernels --gemm cublas --pack auto,off --repeats 1 \
+        --new-tokens 128 ;;
     optim)
       stage bench_optim.py 150 bench.log python3 profiling/bench_optim.py ;;
     attn_full)

@@ -261,7 +261,7 @@ def test_gpu_session_build_is_skipped_on_a_warm_machine_and_presets_keep_the_bud
     assert proc.returncode == 124, proc.stdout + proc.stderr  # the last stage's status: skipped for the budget
     assert f"build: skipped, this machine has lightningrl_fast installed from these sources ({src_hash})" \
         in proc.stdout
-    for name in ("bench_block_attn.py --quick", "bench_unmask.py quick", "bench_decode128"):
+    for name in ("bench_block_attn.py --quick", "bench_unmask.py quick", "bench_decode128", "bench_decode_pack"):
         assert f"=== {name}: skipped" in proc.stdout, proc.stdout
     assert "pip install" not in (out / "build.log").read_text()
     # other sources installed: the stage would build (checked without building: budget too small to start it)
