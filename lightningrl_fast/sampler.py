@@ -3,7 +3,8 @@
 `generate(model, prompts, cfg) -> Rollout` decodes every prompt (REFERENCE §2):
   * blocks of B tokens are aligned at absolute position 0; a prefill forward writes each prompt's full
     blocks into the cache (in row chunks of at most `_PREFILL_TOKENS` prompt positions, so its activations
-    stay bounded); the prompt's tail shares the first generation block, whose other positions start as the
+    stay bounded; rows whose prompts share those blocks, an RL group's G samples, compute them once and copy
+    the cache rows); the prompt's tail shares the first generation block, whose other positions start as the
     mask token;
   * one denoising step = one forward of each row's current block against its cache, then
     `ops.threshold_unmask` (top-1 + threshold, or SDAR's quota rule; greedy / temperature / top-k / top-p);
@@ -611,18 +612,29 @@ class Decoder:
             with nvtx_range("prefill"):
                 # row chunks of <= _PREFILL_TOKENS positions: on CUDA a forward runs each row over the chunk's
                 # longest prefix, padding included, and its activations are outside _check_memory. Counted as
-                # one forward however many chunks it takes.
-                lens = full_blocks.int().to(dev)
+                # one forward however many chunks it takes. A row whose prefix an earlier row has too (an RL
+                # group's G samples) computes nothing: it copies that row's cache rows after.
+                src = _prefix_sources(prompts, full_blocks.tolist())  # [n0] host
+                copies = [i for i in range(n0) if src[i] != i]
+                run = full_blocks.clone()
+                run[copies] = 0  # [n0] positions each row computes
+                lens, run_dev = full_blocks.int().to(dev), run.int().to(dev)
                 per = max(1, _PREFILL_TOKENS // pmax)
                 for r0 in range(0, n0, per):
                     rows = slice(r0, min(r0 + per, n0))
-                    c = int(full_blocks[rows].max())  # this chunk's longest prefix
+                    c = int(run[rows].max())  # this chunk's longest prefix
                     if c == 0:
-                        continue  # no row of the chunk has a full prompt block
+                        continue  # no row of the chunk computes a full prompt block
                     part = KVCache(cache.k[:, rows], cache.v[:, rows])  # views: each layer's [r, L, Hkv, D] rows
-                    model.hidden_cached(st.seq[rows, :c], part, st.cache_len[rows], lens[rows], bs,
-                                        check_lengths=False,
-                                        token_capacity=int(full_blocks[rows].sum()) if pack else None)
+                    model.hidden_cached(st.seq[rows, :c], part, st.cache_len[rows], run_dev[rows], bs,
+                                        check_lengths=False, token_capacity=int(run[rows].sum()) if pack else None)
+                if copies:
+                    dst = torch.tensor(copies, device=dev)
+                    from_ = torch.tensor([src[i] for i in copies], device=dev)
+                    width_ = int(full_blocks[copies].max())
+                    for full in (cache.k, cache.v):
+                        for layer in range(full.shape[0]):  # one layer at a time: the temporary is one layer's rows
+                            full[layer, :, :width_].index_copy_(0, dst, full[layer, from_, :width_])
                 st.cache_len.copy_(lens)
                 st.forwards.add_((lens > 0).long())
                 total_forwards += 1
@@ -678,6 +690,13 @@ class Decoder:
             raise RuntimeError(f"decoding did not finish within {max_steps} steps (a row unmasked nothing in a step)")
         _save_rows(out, st, torch.ones_like(st.done))
         return _finish(prompts, out, plens, ltot, cfg, pad_id, total_forwards, time.perf_counter() - t0)
+
+
+def _prefix_sources(prompts: list[list[int]], full: list[int]) -> list[int]:
+    """For each row, the first row whose prompt has the same prefilled prefix (`full[i]` tokens: the prompt's
+    whole blocks): itself when it is the first, or when it has no whole block."""
+    first: dict[tuple[int, ...], int] = {}
+    return [first.setdefault(tuple(p[:f]), i) if f else i for i, (p, f) in enumerate(zip(prompts, full))]
 
 
 def _check_memory(mcfg, rows: int, width: int, bs: int, dtype: torch.dtype, dev: torch.device) -> None:

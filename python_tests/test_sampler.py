@@ -11,6 +11,7 @@ from lightningrl_fast.model import SDARConfig, build_model
 from lightningrl_fast.ops.masked_attn import MaskLayout
 from lightningrl_fast.ops.unmask import threshold_unmask
 from lightningrl_fast.sampler import Decoder, SamplerConfig, _bucket, _check_memory, _pack_rows, generate
+from lightningrl_fast.sampler import _prefix_sources as sampler_prefix_sources
 
 MASK, EOS, V = 110, 3, 111
 
@@ -506,6 +507,65 @@ def test_host_check_at_the_last_step(model, monkeypatch, bs, new, sync_every, pr
     assert got.total_forwards > want.total_forwards  # the steps run after every row finished, before the check
 
 
+@pytest.mark.parametrize("pack", ["off", "on"])
+def test_rows_with_the_same_prompt_prefix_prefill_once(model, monkeypatch, pack):
+    """Rows whose prompts share their whole-block prefix (an RL group's G samples; or prompts that differ only in
+    the tail after their last whole block) run no prefill tokens of their own: the first such row's prefill is
+    computed, and its cache rows are copied. Every row still decodes as the no-cache oracle says (greedy and
+    sampled, the copies in any order, chunked prefill across them) and counts its prefill forward."""
+    import contextlib
+
+    import lightningrl_fast.sampler as sampler
+
+    a, b, c = prompts_of([9, 6, 13], seed=21)
+    tail = a[:8] + [a[8] + 1]  # a's two whole blocks, another tail token
+    prompts = [a, b, a, c, tail, a[:3], b, a, c, a[:3]]
+    computed, ranges = [], []
+    real_range, real_hidden = sampler.nvtx_range, model.hidden_cached
+
+    @contextlib.contextmanager
+    def named(name):
+        ranges.append(name)
+        with real_range(name):
+            yield
+        ranges.pop()
+
+    def spy(input_ids, cache, cache_lens, chunk_lens, *args, **kwargs):
+        if ranges and ranges[-1] == "prefill":
+            computed.append(chunk_lens.tolist())
+        return real_hidden(input_ids, cache, cache_lens, chunk_lens, *args, **kwargs)
+
+    monkeypatch.setattr(sampler, "nvtx_range", named)
+    monkeypatch.setattr(model, "hidden_cached", spy)
+    for cfg in (SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=11, eos_ids=(EOS,), pack=pack),
+                SamplerConfig(threshold=0.5, temperature=1.0, max_new_tokens=11, eos_ids=(EOS,), pack=pack, seed=4,
+                              compact=False)):
+        for limit in (None, 30):  # one prefill forward; chunks of 30 // 12 = 2 rows (copies' sources elsewhere)
+            computed.clear()
+            with monkeypatch.context() as mp:
+                if limit:
+                    mp.setattr(sampler, "_PREFILL_TOKENS", limit)
+                ro = generate(model, prompts, cfg)
+            assert len(computed) == (2 if limit else 1), computed  # rows 0-1 (a, b), 2-3 (a's copy, c); no others
+            lens = [n for chunk in computed for n in chunk]
+            # rows 0 (a), 1 (b), 3 (c) compute 8, 4, 12 positions; the rest copy (5: no whole block; 4: a's)
+            assert sorted(n for n in lens if n) == [4, 8, 12], computed
+            for i, p in enumerate(prompts):
+                want = nocache_decode(model, p, cfg, row=i, rows=len(prompts))
+                toks = truncate_at_eos(want.tokens.tolist())
+                assert ro.response_ids(i) == toks, i
+                assert ro.step_map[i, : len(toks)].tolist() == want.step_map[: len(toks)].tolist(), i
+                torch.testing.assert_close(ro.logp[i, : len(toks)].double(), want.logp[: len(toks)], rtol=2.4e-7,
+                                           atol=1e-9)
+                assert int(ro.forwards[i]) == want.forwards, i
+
+
+def test_prefix_sources():
+    assert sampler_prefix_sources([[1, 2, 3], [1, 2, 4], [1, 2, 3], [5], [1, 2]], [2, 2, 2, 0, 2]) == [0, 0, 0, 3, 0]
+    assert sampler_prefix_sources([[1], [1]], [0, 0]) == [0, 1]  # no whole block: nothing to share
+    assert sampler_prefix_sources([[1, 2, 3, 4], [1, 2, 3, 5]], [4, 0]) == [0, 1]
+
+
 def test_prefill_in_row_chunks_equals_one_forward(model, monkeypatch):
     """The prefill runs in row chunks of at most `_PREFILL_TOKENS` positions (bounded activations on CUDA)
     and writes the same cache as one forward over every row: the decodes are identical."""
@@ -748,6 +808,26 @@ def test_gpu_packed_steps(model, monkeypatch):
     assert not seen  # (the prompts are whole blocks and unpacked prefills pack nothing either: equal lengths)
     generate(m, prompts_of([4] * 64, seed=17), auto)  # 64 x 4 = 256: packed steps
     assert seen and max(seen) == 64
+
+
+@pytest.mark.gpu
+def test_gpu_rows_with_the_same_prompt_prefix_prefill_once(model):
+    """On CUDA (the cache rows copied on the device): under greedy decoding a row whose prompt repeats an earlier
+    one decodes exactly as that row (the copied cache holds the same values), and each distinct prompt decodes
+    as it does in a batch without repeats (fp32: tokens and steps; log-probs within rounding)."""
+    m = _on_cuda(model, torch.float32)
+    a, b, c = prompts_of([9, 6, 13], seed=22)
+    prompts = [a, b, a, c, a, b, c, c]
+    for pack in ("auto", "on", "off"):
+        cfg = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=14, eos_ids=(EOS,), pack=pack)
+        ro = generate(m, prompts, cfg)
+        one = generate(m, [a, b, c], cfg)
+        for i, j in enumerate([0, 1, 0, 2, 0, 1, 2, 2]):
+            assert ro.response_ids(i) == one.response_ids(j), (pack, i)
+            assert torch.equal(ro.step_map[i], one.step_map[j]), (pack, i)
+            torch.testing.assert_close(ro.logp[i], one.logp[j], rtol=1e-5, atol=1e-6)
+        for i, src in ((2, 0), (4, 0), (5, 1), (6, 3), (7, 3)):
+            assert torch.equal(ro.logp[i], ro.logp[src]) and torch.equal(ro.conf[i], ro.conf[src]), (pack, i)
 
 
 @pytest.mark.gpu
