@@ -1,12 +1,12 @@
 """Random-configuration tests of the decoding engine (sampler.Decoder / generate): each case draws a whole request
 (batch size, prompt lengths around the block boundaries, a block-size override, rule and steps per block, threshold,
 greedy or sampled with temperature / top-k / top-p / noise mode / seed, EOS ids the model does produce,
-max_new_tokens, folded or separate commits, compaction, packed or unpacked forwards, the CUDA cadence of the "all
-finished?" check, prefill row chunks, a kept Decoder that served another random request first) and checks every row
-against the no-cache oracle of test_sampler.py (the whole sequence recomputed every step): tokens, step map,
-log-probs, confidences, length, EOS, TPF and the row's forward count. CI runs a fixed few; LRF_FUZZ_CASES /
-LRF_FUZZ_SEED run a campaign (conftest.fuzz_cases). test_gpu_random_config replays drawn requests through captured
-CUDA graphs on a kept Decoder against eager fresh calls."""
+max_new_tokens, folded or separate commits, compaction, packed or unpacked forwards, repeated prompts, the CUDA
+cadence of the "all finished?" check, prefill row chunks, a kept Decoder that served another random request first)
+and checks every row against the no-cache oracle of test_sampler.py (the whole sequence recomputed every step):
+tokens, step map, log-probs, confidences, length, EOS, TPF and the row's forward count. CI runs a fixed few;
+LRF_FUZZ_CASES / LRF_FUZZ_SEED run a campaign (conftest.fuzz_cases). test_gpu_random_config replays drawn requests
+through captured CUDA graphs on a kept Decoder against eager fresh calls."""
 
 import dataclasses
 import random
@@ -69,6 +69,10 @@ def draw_request(rng: random.Random, vocab: int, frequent: list[int]):
     sync_every = rng.choice([None, None, 1, 2, 3, 5, 16])  # None: the CPU's check after every step
     prefill_rows = rng.choice([None, None, 1, 2 * b, 5 * b])  # _PREFILL_TOKENS: a few prompt positions per chunk
     cfg = dataclasses.replace(cfg, pack=rng.choice(["auto", "on"]))  # "on": packed forwards (CPU "auto": unpacked)
+    if n > 1 and rng.random() < 0.4:  # repeated prompts (an RL group): they prefill once and copy the cache rows
+        for i in range(1, n):
+            if rng.random() < 0.5:
+                prompts[i] = list(prompts[rng.randrange(i)])
     return prompts, cfg, sync_every, prefill_rows
 
 
@@ -138,8 +142,10 @@ def test_random_requests_reach_every_path(models):
             seen |= {"chunked prefill"} if prefill_rows is not None else set()
             seen |= {"cadence"} if sync_every not in (None, 1) else set()
             seen |= {"packed" if cfg.pack == "on" else "unpacked"}
+            full = [tuple(p[: len(p) // (cfg.block_size or 4) * (cfg.block_size or 4)]) for p in prompts]
+            seen |= {"shared prefill"} if len({f for f in full if f}) < sum(1 for f in full if f) else set()
     want = {"eos", "length", "threshold", "quota", "greedy", "sampled", "separate commit", "compact",
-            "chunked prefill", "cadence", "second call", "one call", "packed", "unpacked"}
+            "chunked prefill", "cadence", "second call", "one call", "packed", "unpacked", "shared prefill"}
     assert want <= seen, want - seen
 
 
