@@ -629,12 +629,11 @@ class Decoder:
                     model.hidden_cached(st.seq[rows, :c], part, st.cache_len[rows], run_dev[rows], bs,
                                         check_lengths=False, token_capacity=int(run[rows].sum()) if pack else None)
                 if copies:
-                    dst = torch.tensor(copies, device=dev)
-                    from_ = torch.tensor([src[i] for i in copies], device=dev)
-                    width_ = int(full_blocks[copies].max())
+                    dst, srcs = torch.tensor(copies, device=dev), torch.tensor([src[i] for i in copies], device=dev)
+                    w = int(full_blocks[copies].max())  # the longest copied prefix
                     for full in (cache.k, cache.v):
                         for layer in range(full.shape[0]):  # one layer at a time: the temporary is one layer's rows
-                            full[layer, :, :width_].index_copy_(0, dst, full[layer, from_, :width_])
+                            full[layer, :, :w].index_copy_(0, dst, full[layer, srcs, :w])
                 st.cache_len.copy_(lens)
                 st.forwards.add_((lens > 0).long())
                 total_forwards += 1
