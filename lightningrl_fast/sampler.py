@@ -554,6 +554,36 @@ class Decoder:
                  cap: int | None):
         return lambda: _denoise_step(self.model, st, cache, cfg, bs, eos_ids, cap)
 
+    def _prefill(self, st: _State, cache: KVCache, prompts, full_blocks: torch.Tensor, bs: int, pack: bool) -> None:
+        """Write each row's whole prompt blocks (`full_blocks` [n0] positions, host) into the cache; set its length.
+
+        Row chunks of <= _PREFILL_TOKENS positions: on CUDA an unpacked forward runs each row over the chunk's
+        longest prefix, padding included, and its activations are outside _check_memory. A row whose prefix an
+        earlier row has too (an RL group's G samples) computes nothing: it copies that row's cache rows after."""
+        model, dev, n0 = self.model, st.seq.device, len(prompts)
+        src = _prefix_sources(prompts, full_blocks.tolist())  # [n0] host
+        copies = [i for i in range(n0) if src[i] != i]
+        run = full_blocks.clone()
+        run[copies] = 0  # [n0] positions each row computes
+        lens, run_dev = full_blocks.int().to(dev), run.int().to(dev)
+        per = max(1, _PREFILL_TOKENS // int(full_blocks.max()))
+        for r0 in range(0, n0, per):
+            rows = slice(r0, min(r0 + per, n0))
+            c = int(run[rows].max())  # this chunk's longest prefix
+            if c == 0:
+                continue  # no row of the chunk computes a full prompt block
+            part = KVCache(cache.k[:, rows], cache.v[:, rows])  # views: each layer's [r, L, Hkv, D] rows
+            model.hidden_cached(st.seq[rows, :c], part, st.cache_len[rows], run_dev[rows], bs, check_lengths=False,
+                                token_capacity=int(run[rows].sum()) if pack else None)
+        if copies:
+            dst, srcs = torch.tensor(copies, device=dev), torch.tensor([src[i] for i in copies], device=dev)
+            w = int(full_blocks[copies].max())  # the longest copied prefix
+            for full in (cache.k, cache.v):
+                for layer in range(full.shape[0]):  # one layer at a time: the temporary is one layer's rows
+                    full[layer, :, :w].index_copy_(0, dst, full[layer, srcs, :w])
+        st.cache_len.copy_(lens)
+        st.forwards.add_((lens > 0).long())
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], cfg: "SamplerConfig", pad_id: int | None = None) -> "Rollout":
         """Decode `prompts` (lists of token ids); see the module docstring. Returns a `Rollout`."""
@@ -607,36 +637,10 @@ class Decoder:
         # packing: a step's forward runs on its rows' chunk tokens only (see the module docstring)
         pack = cfg.pack == "on" or (cfg.pack == "auto" and dev.type == "cuda")
         full_blocks = (plens // bs) * bs  # [n0] prompt positions prefilled
-        pmax = int(full_blocks.max())
-        if pmax > 0:
+        if int(full_blocks.max()) > 0:
             with nvtx_range("prefill"):
-                # row chunks of <= _PREFILL_TOKENS positions: on CUDA a forward runs each row over the chunk's
-                # longest prefix, padding included, and its activations are outside _check_memory. Counted as
-                # one forward however many chunks it takes. A row whose prefix an earlier row has too (an RL
-                # group's G samples) computes nothing: it copies that row's cache rows after.
-                src = _prefix_sources(prompts, full_blocks.tolist())  # [n0] host
-                copies = [i for i in range(n0) if src[i] != i]
-                run = full_blocks.clone()
-                run[copies] = 0  # [n0] positions each row computes
-                lens, run_dev = full_blocks.int().to(dev), run.int().to(dev)
-                per = max(1, _PREFILL_TOKENS // pmax)
-                for r0 in range(0, n0, per):
-                    rows = slice(r0, min(r0 + per, n0))
-                    c = int(run[rows].max())  # this chunk's longest prefix
-                    if c == 0:
-                        continue  # no row of the chunk computes a full prompt block
-                    part = KVCache(cache.k[:, rows], cache.v[:, rows])  # views: each layer's [r, L, Hkv, D] rows
-                    model.hidden_cached(st.seq[rows, :c], part, st.cache_len[rows], run_dev[rows], bs,
-                                        check_lengths=False, token_capacity=int(run[rows].sum()) if pack else None)
-                if copies:
-                    dst, srcs = torch.tensor(copies, device=dev), torch.tensor([src[i] for i in copies], device=dev)
-                    w = int(full_blocks[copies].max())  # the longest copied prefix
-                    for full in (cache.k, cache.v):
-                        for layer in range(full.shape[0]):  # one layer at a time: the temporary is one layer's rows
-                            full[layer, :, :w].index_copy_(0, dst, full[layer, srcs, :w])
-                st.cache_len.copy_(lens)
-                st.forwards.add_((lens > 0).long())
-                total_forwards += 1
+                self._prefill(st, cache, prompts, full_blocks, bs, pack)
+            total_forwards += 1  # however many row chunks it takes
 
         out = {k: getattr(st, k).clone() for k in ("seq", "step_map", "logp", "conf", "forwards", "steps")}
         use_graphs = cfg.cuda_graphs and dev.type == "cuda"
