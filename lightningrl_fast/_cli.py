@@ -232,7 +232,7 @@ def sampler_config_from_args(args, eos_ids: tuple[int, ...]):
     return SamplerConfig(block_size=args.block_size, threshold=args.threshold, rule=args.rule,
                          steps_per_block=args.steps_per_block, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, noise=args.noise, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids,
-                         cuda_graphs=not args.no_cuda_graphs, seed=args.seed)
+                         cuda_graphs=not args.no_cuda_graphs, seed=args.seed, pack=args.pack)
 
 
 def add_decoding_args(ap: argparse.ArgumentParser, temperature: float = 0.0, max_new_tokens: int | None = 256,
@@ -258,6 +258,9 @@ def add_decoding_args(ap: argparse.ArgumentParser, temperature: float = 0.0, max
     g.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run the denoising step eagerly on CUDA")
+    g.add_argument("--pack", choices=("auto", "on", "off"), default="auto",
+                   help="run each decoding forward's GEMMs on the rows' real chunk tokens only: auto (default; CUDA, "
+                        "batches of >= 256 rows x block tokens), on, off")
 
 
 SEED_LIMIT = 2**62  # Philox seeds are int64; each batch adds its index

@@ -683,11 +683,14 @@ def test_sampler_config_takes_every_decoding_flag():
     args = gen.build_parser().parse_args(["--model", "m", "--prompts", "p", "--block-size", "8", "--threshold", "0.7",
                                           "--rule", "quota", "--steps-per-block", "3", "--temperature", "0.8",
                                           "--top-k", "5", "--top-p", "0.9", "--noise", "per_token",
-                                          "--max-new-tokens", "17", "--seed", "11", "--no-cuda-graphs"])
+                                          "--max-new-tokens", "17", "--seed", "11", "--no-cuda-graphs",
+                                          "--pack", "off"])
     cfg = sampler_config_from_args(args, (2, 7))
     assert (cfg.block_size, cfg.threshold, cfg.rule, cfg.steps_per_block, cfg.temperature, cfg.top_k, cfg.top_p,
-            cfg.noise, cfg.max_new_tokens, cfg.eos_ids, cfg.cuda_graphs, cfg.seed) == (
-        8, 0.7, "quota", 3, 0.8, 5, 0.9, "per_token", 17, (2, 7), False, 11)
+            cfg.noise, cfg.max_new_tokens, cfg.eos_ids, cfg.cuda_graphs, cfg.seed, cfg.pack) == (
+        8, 0.7, "quota", 3, 0.8, 5, 0.9, "per_token", 17, (2, 7), False, 11, "off")
+    assert sampler_config_from_args(gen.build_parser().parse_args(["--model", "m", "--prompts", "p"]), (2,)).pack == \
+        "auto"
 
 
 def test_decoding_flag_checks_at_their_edges():
