@@ -507,21 +507,13 @@ def test_host_check_at_the_last_step(model, monkeypatch, bs, new, sync_every, pr
     assert got.total_forwards > want.total_forwards  # the steps run after every row finished, before the check
 
 
-@pytest.mark.parametrize("pack", ["off", "on"])
-def test_rows_with_the_same_prompt_prefix_prefill_once(model, monkeypatch, pack):
-    """Rows whose prompts share their whole-block prefix (an RL group's G samples; or prompts that differ only in
-    the tail after their last whole block) run no prefill tokens of their own: the first such row's prefill is
-    computed, and its cache rows are copied. Every row still decodes as the no-cache oracle says (greedy and
-    sampled, the copies in any order, chunked prefill across them) and counts its prefill forward."""
+def spy_on_prefill(monkeypatch, model, record) -> None:
+    """`record(input_ids, chunk_lens)` for every forward the sampler runs inside its "prefill" NVTX range."""
     import contextlib
 
     import lightningrl_fast.sampler as sampler
 
-    a, b, c = prompts_of([9, 6, 13], seed=21)
-    tail = a[:8] + [a[8] + 1]  # a's two whole blocks, another tail token
-    prompts = [a, b, a, c, tail, a[:3], b, a, c, a[:3]]
-    computed, ranges = [], []
-    real_range, real_hidden = sampler.nvtx_range, model.hidden_cached
+    ranges, real_range, real_hidden = [], sampler.nvtx_range, model.hidden_cached
 
     @contextlib.contextmanager
     def named(name):
@@ -532,11 +524,26 @@ def test_rows_with_the_same_prompt_prefix_prefill_once(model, monkeypatch, pack)
 
     def spy(input_ids, cache, cache_lens, chunk_lens, *args, **kwargs):
         if ranges and ranges[-1] == "prefill":
-            computed.append(chunk_lens.tolist())
+            record(input_ids, chunk_lens)
         return real_hidden(input_ids, cache, cache_lens, chunk_lens, *args, **kwargs)
 
     monkeypatch.setattr(sampler, "nvtx_range", named)
     monkeypatch.setattr(model, "hidden_cached", spy)
+
+
+@pytest.mark.parametrize("pack", ["off", "on"])
+def test_rows_with_the_same_prompt_prefix_prefill_once(model, monkeypatch, pack):
+    """Rows whose prompts share their whole-block prefix (an RL group's G samples; or prompts that differ only in
+    the tail after their last whole block) run no prefill tokens of their own: the first such row's prefill is
+    computed, and its cache rows are copied. Every row still decodes as the no-cache oracle says (greedy and
+    sampled, the copies in any order, chunked prefill across them) and counts its prefill forward."""
+    import lightningrl_fast.sampler as sampler
+
+    a, b, c = prompts_of([9, 6, 13], seed=21)
+    tail = a[:8] + [a[8] + 1]  # a's two whole blocks, another tail token
+    prompts = [a, b, a, c, tail, a[:3], b, a, c, a[:3]]
+    computed = []
+    spy_on_prefill(monkeypatch, model, lambda ids, chunk_lens: computed.append(chunk_lens.tolist()))
     for cfg in (SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=11, eos_ids=(EOS,), pack=pack),
                 SamplerConfig(threshold=0.5, temperature=1.0, max_new_tokens=11, eos_ids=(EOS,), pack=pack, seed=4,
                               compact=False)):
@@ -569,31 +576,14 @@ def test_prefix_sources():
 def test_prefill_in_row_chunks_equals_one_forward(model, monkeypatch):
     """The prefill runs in row chunks of at most `_PREFILL_TOKENS` positions (bounded activations on CUDA)
     and writes the same cache as one forward over every row: the decodes are identical."""
-    import contextlib
-
     import lightningrl_fast.sampler as sampler
 
     prompts = prompts_of([13, 2, 5, 9, 1, 14, 6, 12, 3, 8], seed=9)  # full blocks 12, 0, 4, 8, 0, 12, 4, ...
     cfg = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=15, eos_ids=(EOS,))
     sampled = dataclasses.replace(cfg, temperature=1.0, threshold=0.6, seed=2)
-    ranges, shapes = [], []
-    real_range, real_hidden = sampler.nvtx_range, model.hidden_cached
-
-    @contextlib.contextmanager
-    def named(name):
-        ranges.append(name)
-        with real_range(name):
-            yield
-        ranges.pop()
-
-    def spy(input_ids, *args, **kwargs):
-        if ranges and ranges[-1] == "prefill":
-            shapes.append(tuple(input_ids.shape))
-        return real_hidden(input_ids, *args, **kwargs)
-
+    shapes = []
     want = [generate(model, prompts, c) for c in (cfg, sampled)]  # the default: one prefill forward
-    monkeypatch.setattr(sampler, "nvtx_range", named)
-    monkeypatch.setattr(model, "hidden_cached", spy)
+    spy_on_prefill(monkeypatch, model, lambda ids, chunk_lens: shapes.append(tuple(ids.shape)))
     for limit in (1, 24, 40):
         monkeypatch.setattr(sampler, "_PREFILL_TOKENS", limit)
         for c, w in zip((cfg, sampled), want):
