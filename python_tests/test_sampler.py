@@ -403,8 +403,26 @@ def test_packed_steps_equal_unpacked_steps(model, monkeypatch, kw):
     assert_same_rollout(a, b)
     assert seen and all(valid <= cap < full for valid, cap, full in seen)  # packed, never past its slots
     assert any(valid < cap for valid, cap, _ in seen)  # padding slots were exercised
+    bs = cfg.block_size or model.config.block_size
+    # exactly the rule: the prefill and the separate commits their own token counts, a denoising step its active
+    # rows' blocks (1 or 2 each) rounded up by _pack_rows
+    assert all(cap in (valid, _pack_rows(valid // bs) * bs) for valid, cap, _ in seen), seen
     if not kw.get("fold_commit", True):
         assert any(valid == cap for valid, cap, _ in seen)  # the commit forwards: exactly the pending rows
+
+
+def test_packed_steps_check_for_the_end_every_step(model, monkeypatch):
+    """A packed step reads the device before it anyway, so the "all finished?" check runs after every packed step
+    whatever the CUDA cadence (`sync_every`): no step runs after the last row finished (forced cadence on the CPU)."""
+    import lightningrl_fast.sampler as sampler
+
+    prompts = prompts_of([3, 6, 9, 2], seed=23)
+    cfg = SamplerConfig(threshold=0.3, temperature=0, max_new_tokens=13, eos_ids=(EOS,), pack="on", sync_every=16)
+    want = generate(model, prompts, cfg)  # the CPU's check after every step
+    monkeypatch.setattr(sampler, "_host_check_every", lambda cfg, dev: cfg.sync_every)
+    assert_same_rollout(generate(model, prompts, cfg), want)  # total_forwards included
+    unpacked = dataclasses.replace(cfg, pack="off")
+    assert generate(model, prompts, unpacked).total_forwards > want.total_forwards  # (the cadence does apply there)
 
 
 def test_pack_sizes():
