@@ -1,8 +1,8 @@
 """ops.threshold_unmask's CUDA kernel (csrc/kernels/unmask.cuh) run on the CPU by the emulator of device code
 (csrc/emu/unmask_emu.cpp over the CUDA-builtins front-end), against the reference op: picks, selection, in-place
 writes and flags exactly (the same Philox stream when sampling), log-probs and confidences within tolerance; the
-split of a row over CTAs, the CTA-shared pruning threshold, misaligned and strided rows, edge cases, the full
-151936 vocabulary. test_unmask.py holds the reference's own tests and the kernel's tests on a GPU."""
+split of a row over CTAs, the CTA-shared pruning threshold, misaligned and strided rows, strided outputs, edge cases,
+the full 151936 vocabulary. test_unmask.py holds the reference's own tests and the kernel's tests on a GPU."""
 
 import ctypes
 
@@ -19,14 +19,15 @@ _EMU_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class Emulated:
-    """`_C.threshold_unmask`'s device code run by the CPU emulator (CPU tensors, [B, S] tensors contiguous)."""
+    """`_C.threshold_unmask`'s device code run by the CPU emulator (CPU tensors; any strides, as the launcher takes
+    them: the [B, S] arrays' two, the [B] / [E] arrays' one)."""
 
     def __init__(self, lib):
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         fn = lib.emu_threshold_unmask
         fn.restype = i32
         fn.argtypes = [i32, p, i64, i64, i32, i32, i32, p, p, p, p, p, p, p, p, i32, p, p, ctypes.c_double,
-                       ctypes.c_double, i32, i32, p, p, i64, i32, ctypes.c_uint64, p]
+                       ctypes.c_double, i32, i32, p, p, i64, i32, ctypes.c_uint64, p, p]
         self.fn = fn
         self.take_draws = lib.emu_take_gumbel_draws
         self.take_draws.restype = ctypes.c_uint64
@@ -36,7 +37,9 @@ class Emulated:
         b, s, vocab = logits.shape
         assert logits.stride(-1) == 1 or vocab == 1
         for t in (tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset):
-            assert t.is_contiguous() and t.device.type == "cpu"
+            assert t.device.type == "cpu"
+        strides = torch.tensor([x for t in (tokens, masked, step_map, logp, conf) for x in t.stride()]
+                               + [t.stride(0) for t in (step, quota, eos_ids)], dtype=torch.int64)
         # poisoned (byte 0xA5, neither False nor True): the kernel must write every sequence's flags
         done, eos_seen = torch.full((b,), 0xA5, dtype=torch.uint8), torch.full((b,), 0xA5, dtype=torch.uint8)
         nsplit = ctypes.c_int(0)
@@ -45,7 +48,7 @@ class Emulated:
                      step.data_ptr(), quota.data_ptr(), eos_ids.data_ptr(), eos_ids.numel(), seed.data_ptr(),
                      offset.data_ptr(), threshold, temperature, int(greedy), int(noise == "two_level"),
                      done.data_ptr(), eos_seen.data_ptr(),
-                     slots, split, order, ctypes.byref(nsplit))
+                     slots, split, order, ctypes.byref(nsplit), strides.data_ptr())
         assert rc == 0, "the kernel left a sequence or row counter non-zero"
         assert bool((done <= 1).all() and (eos_seen <= 1).all()), f"flags left unwritten: {done}, {eos_seen}"
         self.nsplit = nsplit.value
@@ -262,7 +265,9 @@ def test_emulated_unmask_random_config(emu, case):
     dispatches to the kernel); threshold (0, 1, in between, +-inf, > 1), quota per sequence (<= 0 inactive,
     1, k, > S); none / some / all positions masked; -inf, tied, peaked, constant and identical rows; step,
     EOS ids (none, in and out of the vocabulary); row layouts (dense, misaligned start, padded rows, transposed
-    batch / positions, a broadcast batch); Philox seed and offset; the emulator's schedule (launch order,
+    batch / positions, a broadcast batch); the outputs' layout (dense, padded rows, every other position,
+    transposed; nothing outside them written) and the step / quota / EOS arrays' (dense, every other element);
+    Philox seed and offset; the emulator's schedule (launch order,
     random interleavings, warp-greedy). Draws whose expected result hangs on a near-tie the kernel may round
     the other way (ops/unmask.py) are redrawn. Outputs and flags poisoned."""
 

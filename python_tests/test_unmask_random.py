@@ -314,15 +314,49 @@ def draw_unmask_config(case, device="cpu", gpu=False) -> dict:
     conf = torch.where(masked, -9.0, logp.exp())
     state = [logits, tokens, masked.clone(), step_map, logp, conf]
     extra = [step, quota, torch.tensor(eos, dtype=torch.int64, device=device), seed, offset]
+    # drawn last, so the draws above are those of the cases before layouts were drawn
+    out_layout = rng.choice(["dense", "dense", "padded", "every other", "transposed"])
+    in_layout = rng.choice(["dense", "every other"])
     config = (f"case {case}: {dtype} B={b} S={s} V={vocab} mode={mode} greedy={greedy} noise={noise} T={temperature} "
               f"top_k={top_k} top_p={top_p} tau={threshold} frac_masked={frac:.2f} ({int(masked.sum())} masked) "
               f"quota={quota.tolist()} step={step.tolist()} eos={eos} seed={seed.item()} offset={offset.item()} "
               f"{'(emulator only: ' if gpu else ''}slots={slots} split={split} (launcher max {max_split}) "
-              f"order={order:#x}{')' if gpu else ''} layout={layout} "
+              f"order={order:#x}{')' if gpu else ''} layout={layout} outputs={out_layout} step/quota/eos={in_layout} "
               f"logits: {', '.join(feats)}; redrawn {attempt}x" + (f" (still: {why})" if why else ""))
     return dict(state=state, extra=extra, threshold=threshold, temperature=temperature, greedy=greedy, noise=noise,
                 top_k=top_k, top_p=top_p, slots=slots, split=split, order=order, ref_logits=ref_logits, ref_t=ref_t,
-                dense=dense, masked=masked, config=config)
+                dense=dense, masked=masked, config=config, out_layout=out_layout, in_layout=in_layout)
+
+
+def _laid_out(t: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(view, base): a copy of t ([B, S] or [N]) as a view of `kind` into a larger `base` whose other elements hold
+    a sentinel (so that a write outside the view shows): "dense" (base = view), "padded" (rows of S + 3 from column
+    2), "every other" (every other column / element), "transposed" ([S, B] storage: batch stride 1)."""
+    if kind == "dense":
+        view = t.clone()
+        return view, view
+    sentinel = True if t.dtype == torch.bool else -3
+    if t.ndim == 1:
+        base = torch.full((2 * t.shape[0] + 1,), sentinel, dtype=t.dtype, device=t.device)
+        view = base[1::2]
+    elif kind == "padded":
+        base = torch.full((t.shape[0], t.shape[1] + 3), sentinel, dtype=t.dtype, device=t.device)
+        view = base[:, 2 : 2 + t.shape[1]]
+    elif kind == "every other":
+        base = torch.full((t.shape[0], 2 * t.shape[1]), sentinel, dtype=t.dtype, device=t.device)
+        view = base[:, ::2]
+    else:
+        base = torch.full((t.shape[1], t.shape[0]), sentinel, dtype=t.dtype, device=t.device)
+        view = base.t()
+    view.copy_(t)
+    return view, base
+
+
+def _outside(view: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The elements of `base` that `view` does not cover, as a flat tensor."""
+    inside = torch.zeros(base.shape, dtype=torch.bool, device=base.device)
+    inside.as_strided(view.shape, view.stride(), view.storage_offset() - base.storage_offset()).fill_(True)
+    return base[~inside]
 
 
 def check_random_config(case, run, device="cpu", gpu=False):
@@ -336,11 +370,18 @@ def check_random_config(case, run, device="cpu", gpu=False):
     ref[0] = c["ref_logits"]
     want = threshold_unmask_reference(*ref, *c["extra"], c["threshold"], c["ref_t"], c["top_k"], c["top_p"],
                                       c["greedy"], c["noise"])
-    got = clone(c["state"])
-    got[0] = c["state"][0]  # the drawn layout (a clone of a padded view is dense)
+    # the kernel's inputs in the drawn layouts (a clone of a padded view is dense): the logits', the outputs' and
+    # the per-sequence arrays'
+    outs = [_laid_out(t, c["out_layout"]) for t in c["state"][1:]]
+    ins = [_laid_out(t, c["in_layout"]) for t in c["extra"][:3]]
+    got = [c["state"][0]] + [v for v, _ in outs]
+    extra = [v for v, _ in ins] + clone(c["extra"][3:])
+    around = [_outside(v, b).clone() for v, b in outs + ins]
     try:
-        flags = run(got, c["extra"], c)
+        flags = run(got, extra, c)
         _assert_same_step_fp64(got, flags, ref, want, c["masked"], c["dense"], c["temperature"])
+        for (v, b), before in zip(outs + ins, around):
+            assert torch.equal(_outside(v, b), before), f"written outside a {c['out_layout']} output"
     except AssertionError as e:
         raise AssertionError(f"{c['config']}: {e}") from e
 
@@ -406,8 +447,9 @@ def test_gpu_random_config(cuda_kernels, case):
     """The CUDA kernel through the public op on a random configuration of the emulator's space
     (test_unmask_emu.test_emulated_unmask_random_config: dtypes, modes incl. T <= 0, temperatures, thresholds,
     quotas, masks, -inf / tied / peaked / constant / identical rows, EOS ids, row layouts (misaligned, padded,
-    transposed, broadcast), Philox seed and offset) with larger shapes (B to 64, S 32 the most often, vocabulary
-    151936 far more often: draw_unmask_config(gpu=True)), the reference on CUDA; checked as there (near ties
-    redrawn, so picks, selection, writes and flags exactly; logp / conf against float64). The split of a row is the
-    launcher's for this GPU; the forced split, slot count and schedule seed are emulator-only (drawn, not used)."""
+    transposed, broadcast), output layouts (padded, every other position, transposed; nothing outside written),
+    strided step / quota / EOS arrays, Philox seed and offset) with larger shapes (B to 64, S 32 the most often,
+    vocabulary 151936 far more often: draw_unmask_config(gpu=True)), the reference on CUDA; checked as there (near
+    ties redrawn, so picks, selection, writes and flags exactly; logp / conf against float64). The split of a row is
+    the launcher's for this GPU; the forced split, slot count and schedule seed are emulator-only (drawn, not used)."""
     check_random_config(case, op_runner("cuda"), "cuda", gpu=True)

@@ -47,7 +47,9 @@ uint64_t emu_take_gumbel_draws() {
   return n;
 }
 
-// dtype: 0 float32, 1 bfloat16, 2 float16. [B, S] arrays are contiguous; logits strides are in elements.
+// dtype: 0 float32, 1 bfloat16, 2 float16. Strides are in elements: logits' two leading ones, and `strides`
+// (13 values, as the launcher takes them from the tensors): tokens, masked, step_map, logp, conf (each the batch then
+// the position stride), step, quota, eos_ids; strides == nullptr: those arrays contiguous.
 // slots = SMs x resident CTAs per SM used for the split choice; order_seed 0 = blocks in launch order and
 // each block's threads in launch order, else a random permutation of the blocks and seeded random thread
 // interleavings. two_level: the two-level sampler (else per-token noise). Returns 0, or 1 when a counter was
@@ -57,7 +59,7 @@ int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64
                          const int32_t* step, const int32_t* quota, const int64_t* eos_ids, int num_eos,
                          const int64_t* seed, const int64_t* offset, double threshold, double temperature,
                          int greedy, int two_level, bool* block_done, bool* eos_seen, int64_t slots, int force_split,
-                         uint64_t order_seed, int* nsplit_out) {
+                         uint64_t order_seed, int* nsplit_out, const int64_t* strides) {
   using namespace lrf::kernels;
   const int64_t per_vec = dtype == 0 ? 4 : 8;
   const int64_t rows = int64_t(B) * S;
@@ -75,14 +77,16 @@ int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64
   p.logits = logits;
   p.logits_sb = logits_sb;
   p.logits_ss = logits_ss;
-  p.tokens = {tokens, S, 1};
-  p.masked = {masked, S, 1};
-  p.step_map = {step_map, S, 1};
-  p.logp = {logp, S, 1};
-  p.conf = {conf, S, 1};
-  p.step = {step, 1};
-  p.quota = {quota, 1};
-  p.eos_ids = {eos_ids, 1};
+  const int64_t dense[13] = {S, 1, S, 1, S, 1, S, 1, S, 1, 1, 1, 1};
+  const int64_t* st = strides != nullptr ? strides : dense;
+  p.tokens = {tokens, st[0], st[1]};
+  p.masked = {masked, st[2], st[3]};
+  p.step_map = {step_map, st[4], st[5]};
+  p.logp = {logp, st[6], st[7]};
+  p.conf = {conf, st[8], st[9]};
+  p.step = {step, st[10]};
+  p.quota = {quota, st[11]};
+  p.eos_ids = {eos_ids, st[12]};
   p.num_eos = num_eos;
   p.seed = seed;
   p.offset = offset;
