@@ -39,7 +39,9 @@ GEMMs: `--gemm cublas,kernel` times the kernel rows once per implementation of t
 <= 64 tokens per forward); default `cublas`.
 Packed forwards: `--pack auto,on,off` times every row once per `SamplerConfig.pack` mode (column `pack`; "auto"
 packs on the GPU from 256 rows x block tokens, sampler.py). With the forced TPF every row folds its commit on the
-same steps, so a packed working set runs [rows, 2 x block] on those and [rows, block] on the others.
+same steps, so a packed working set runs [rows, 2 x block] on those and [rows, block] on the others; `--ragged`
+spreads the prompt lengths over one block (row i gets (7 i) mod block more tokens, so its first block finishes
+earlier) and the rows fold on different steps, as in real rollouts (their TPF is then a little below K).
 Programmatic dependent launch: `--pdl on,off` times the kernel rows with and without it (column `pdl`; LRF_PDL=0
 for "off": every kernel launched plainly, csrc/launch.h); default `on`.
 
@@ -166,8 +168,11 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
                         cuda_graphs=graphs, seed=0, pack=pack)
     gen = torch.Generator().manual_seed(batch * 1000 + block)
     hi = min(cfg_m.vocab_size, 30000)
-    prompts = torch.randint(0, hi - 1, (batch, args.prompt_len), generator=gen)
+    prompts = torch.randint(0, hi - 1, (batch, args.prompt_len + block), generator=gen)
     prompts = torch.where(prompts == cfg_m.mask_token_id, prompts + 1, prompts).tolist()
+    # --ragged: row i's prompt is (7 i) mod block tokens longer, so its first block has that many fewer positions to
+    # unmask and finishes steps earlier: the rows fold their commits on different steps, as real rollouts do
+    prompts = [p[: args.prompt_len + ((7 * i) % block if args.ragged else 0)] for i, p in enumerate(prompts)]
     label = f"bench b={batch} blk={block} graphs={'on' if graphs else 'off'} impl={impl} pack={pack}"
     row = {"batch": batch, "block": block, "graphs": "on" if graphs else "off", "impl": impl, "pack": pack,
            "engine": "fresh" if args.fresh else "kept"}
@@ -270,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="programmatic dependent launch for the kernel rows, comma-separated: on, off")
     ap.add_argument("--gemm", type=gemm_impls, default=["cublas"],
                     help="decode GEMM implementations for the kernel rows, comma-separated: cublas, kernel")
+    ap.add_argument("--ragged", action="store_true",
+                    help="prompt lengths spread over one block (row i: + (7 i) mod block tokens): rows out of step")
     ap.add_argument("--pack", type=pack_modes, default=["auto"],
                     help="packed decoding forwards (SamplerConfig.pack), comma-separated: auto, on, off")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (tiny config, reference ops)")
@@ -338,12 +345,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"device: {device_name(device)}; copy bandwidth {args.copy_gbs:.0f} GB/s; config {args.config} "
               f"({n_params / 1e9:.3f} B params, "
               f"{wb / 1e9:.3f} GB read per forward as weights, {str(dtype)[6:]}); forced TPF {args.tpf}; prompt "
-              f"{args.prompt_len} + {args.new_tokens} new tokens; decode kernels: {ks['decode_kernels'] or 'none'}")
+              f"{args.prompt_len}{' + (7 i) mod block' if args.ragged else ''} + {args.new_tokens} new tokens; "
+              f"decode kernels: {ks['decode_kernels'] or 'none'}")
         for n in notes:
             print(f"note: {n}")
 
     rows = RowLog("decode", device=device_name(device), config=args.config, dtype=str(dtype)[6:], tpf=args.tpf,
-                  prompt_len=args.prompt_len, new_tokens=args.new_tokens, copy_gbs=round(args.copy_gbs, 1))
+                  prompt_len=args.prompt_len, ragged=args.ragged, new_tokens=args.new_tokens,
+                  copy_gbs=round(args.copy_gbs, 1))
     trace = args.torch_trace
     for impl in local:
         combos = ([(a, m, d) for a in args.attn for m in args.gemm for d in args.pdl] if impl == "kernels"

@@ -15,7 +15,7 @@
 # Stages: build, prebuilt, tests, sass, kernels (unmask, linear, kv_cache, rms_norm, silu_mul, block_attn --quick,
 # grpo_loss), decode1 (sdar-8b batch 1, block 4, graphs on, cuBLAS and the skinny-GEMM kernel), attn_quick,
 # unmask_quick, decode128 (sdar-4b, batch 128, block 4, forced TPF 2, graphs on, cuBLAS), pack (sdar-8b, batch 64,
-# block 32, forced TPF 4, graphs on, SamplerConfig.pack auto vs off), decode (bench_decode.py,
+# block 32, forced TPF 4, ragged prompts, graphs on, SamplerConfig.pack auto vs off), decode (bench_decode.py,
 # sdar-8b batch 1/8/64, block 4/32, graphs on, cuBLAS and the skinny-GEMM kernel, the reference child capped at
 # 240 s), pdl (decode at batch 1 with programmatic dependent launch on and off), optim (bench_optim.py: the optimizer
 # step resident vs offloaded), attn_full (every bench_block_attn shape), rl_step (bench_rl_step.py: the RL training
@@ -202,7 +202,7 @@ for s in "${stages[@]}"; do
       # the unpacked step, where they should pay: a large working set of block-32 rows (compute-bound GEMMs)
       stage bench_decode_pack 200 bench_decode_pack.log python3 profiling/bench_decode.py --config sdar-8b \
         --batches 64 --blocks 32 --tpf 4 --graphs on --impl kernels --gemm cublas --pack auto,off --repeats 1 \
-        --new-tokens 128 ;;
+        --new-tokens 128 --ragged ;;
     optim)
       stage bench_optim.py 150 bench.log python3 profiling/bench_optim.py ;;
     attn_full)

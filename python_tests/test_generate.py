@@ -268,6 +268,24 @@ def test_bench_decode_cpu_tiny_final_json_line():
                          env=_env(), timeout=300, cwd=str(REPO))
     assert bad.returncode == 2 and "PDL modes must be among on, off" in bad.stderr
     assert sum(line.startswith("{") for line in lines) == 1  # ONE JSON line
+    assert result["ragged"] is False and all(r["pack"] == "auto" for r in result["rows"])
+
+
+def test_bench_decode_pack_modes_and_ragged_prompts():
+    """--pack times each mode (a row each, the same forwards); --ragged spreads the prompt lengths over a block, so
+    first blocks finish early (forced TPF 4 at block 8: below 4, and the same for every mode)."""
+    script = REPO / "profiling" / "bench_decode.py"
+    proc = subprocess.run([sys.executable, str(script), "--cpu", "--batches", "3", "--blocks", "8", "--new-tokens",
+                           "16", "--tpf", "4", "--pack", "on,off", "--ragged", "--no-steady"], capture_output=True,
+                          text=True, env=_env(), timeout=300, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ragged"] is True and [r["pack"] for r in result["rows"]] == ["on", "off"]
+    on, off = result["rows"]
+    assert on["fwd"] == off["fwd"] and on["tpf"] == off["tpf"] < 4
+    bad = subprocess.run([sys.executable, str(script), "--cpu", "--pack", "sometimes"], capture_output=True, text=True,
+                         env=_env(), timeout=300, cwd=str(REPO))
+    assert bad.returncode == 2 and "pack modes must be among auto, on, off" in bad.stderr
 
 
 @pytest.mark.gpu
