@@ -305,7 +305,7 @@ class _Packing(NamedTuple):
     """Where the tokens of a cached forward's [1, N] packed layout sit in its [B, C] chunk (rows' valid tokens back
     to back in row order). Slot t is chunk position (rows[t], cols[t]); a slot past the valid tokens (a static
     capacity larger than their count) has rows[t] == B, a spare row of the padded buffers (cols[t] = t mod C, so
-    that padding slots rarely share a target), and reads row 0 at that column."""
+    that padding slots rarely share a target), and reads row B - 1 at that column."""
 
     rows: torch.Tensor  # [N] int64 in [0, B]
     cols: torch.Tensor  # [N] int64 in [0, C)
@@ -334,7 +334,7 @@ class _Packing(NamedTuple):
         return _Packing(rows, cols, (b, c))
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """[B, C, ...] -> [1, N, ...] (padding slots read row 0)."""
+        """[B, C, ...] -> [1, N, ...] (padding slots read row B - 1)."""
         return t[self.rows.clamp_max(self.shape[0] - 1), self.cols][None]
 
     def unpack(self, t: torch.Tensor) -> torch.Tensor:

@@ -434,6 +434,11 @@ def _host_check_every(cfg: SamplerConfig, dev: torch.device) -> int:
     return cfg.sync_every if dev.type == "cuda" else 1
 
 
+def _chunk_blocks(st: _State) -> torch.Tensor:
+    """[n] blocks each row forwards in the next step: 0 finished, 2 folding a commit, else 1."""
+    return torch.where(st.done, 0, 1 + st.pending.long())
+
+
 def _pack_rows(n: int) -> int:
     """Packed step size in block-rows for n rows' worth of chunk tokens: n up to 8, then the next multiple of a
     quarter of n's power of two (10, 12, 14, 16, 20, 24, 28, 32, 40, ...): at most 25% padding, and a working set
@@ -554,6 +559,24 @@ class Decoder:
                  cap: int | None):
         return lambda: _denoise_step(self.model, st, cache, cfg, bs, eos_ids, cap)
 
+    def _graph(self, sig: tuple, n: int, cap: int | None, step_fn, dev: torch.device) -> "_GraphedStep":
+        """The captured step for (step parameters, working-set size, packed size), capturing it (from `step_fn()`)
+        the first time. At `_MAX_GRAPHS` (at least 2) the least recently used one goes: the pool keeps the others, so
+        a capture never meets a pool whose graphs are all gone (see `_drop_graphs`), and the freed graph's blocks
+        serve later captures."""
+        key = (sig, n, cap)
+        if key in self._graphs:
+            self._graphs[key] = self._graphs.pop(key)  # most recently used last
+            return self._graphs[key]
+        while len(self._graphs) >= max(2, _MAX_GRAPHS):
+            del self._graphs[next(iter(self._graphs))]
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        if self._stream is None:  # release() drops it (the device may change)
+            self._stream = _capture_stream(dev)
+        self._graphs[key] = _GraphedStep(step_fn(), self._pool, self._stream)
+        return self._graphs[key]
+
     def _prefill(self, st: _State, cache: KVCache, prompts, full_blocks: torch.Tensor, bs: int, pack: bool) -> None:
         """Write each row's whole prompt blocks (`full_blocks` [n0] positions, host) into the cache; set its length.
 
@@ -575,11 +598,12 @@ class Decoder:
             part = KVCache(cache.k[:, rows], cache.v[:, rows])  # views: each layer's [r, L, Hkv, D] rows
             model.hidden_cached(st.seq[rows, :c], part, st.cache_len[rows], run_dev[rows], bs, check_lengths=False,
                                 token_capacity=int(run[rows].sum()) if pack else None)
-        if copies:
-            dst, srcs = torch.tensor(copies, device=dev), torch.tensor([src[i] for i in copies], device=dev)
-            w = int(full_blocks[copies].max())  # the longest copied prefix
+        for j in range(0, len(copies), 64):  # 64 rows and one layer at a time: a bounded temporary
+            part = copies[j : j + 64]
+            dst, srcs = torch.tensor(part, device=dev), torch.tensor([src[i] for i in part], device=dev)
+            w = int(full_blocks[part].max())  # the longest copied prefix
             for full in (cache.k, cache.v):
-                for layer in range(full.shape[0]):  # one layer at a time: the temporary is one layer's rows
+                for layer in range(full.shape[0]):
                     full[layer, :, :w].index_copy_(0, dst, full[layer, srcs, :w])
         st.cache_len.copy_(lens)
         st.forwards.add_((lens > 0).long())
@@ -648,26 +672,18 @@ class Decoder:
                eos_key)
         sync_every = _host_check_every(cfg, dev)
         max_steps = ltot + 1  # each active row unmasks >= 1 position per step
+        chunk_rows = None  # a packed step's blocks to forward (rows x 1 or 2), read with the previous step's check
         for step_i in range(1, max_steps + 1):
             n = st.seq.shape[0]
             packing = pack and (cfg.pack == "on" or n * bs >= _PACK_MIN_TOKENS)
             cap = None
-            if packing:  # one host read a step: the chunk tokens of the active rows, 1 or 2 blocks each
-                chunk_rows = int(torch.where(st.done, 0, 1 + st.pending.long()).sum())
+            if packing:
+                if chunk_rows is None:  # the first step (no check before it)
+                    chunk_rows = int(_chunk_blocks(st).sum())
                 cap = _pack_rows(chunk_rows) * bs if _pack_rows(chunk_rows) < 2 * n else None
             with nvtx_range("denoise_step"):
                 if use_graphs:
-                    key = (sig, n, cap)
-                    if key not in self._graphs:
-                        if len(self._graphs) >= _MAX_GRAPHS:  # many step parameters seen (a threshold sweep)
-                            self._drop_graphs()  # start over, with a new pool
-                        if self._pool is None:
-                            self._pool = torch.cuda.graph_pool_handle()
-                        if self._stream is None:  # release() drops it (the device may change)
-                            self._stream = _capture_stream(dev)
-                        self._graphs[key] = _GraphedStep(self._step_fn(st, cache, cfg, bs, eos_ids, cap), self._pool,
-                                                         self._stream)
-                    self._graphs[key]()
+                    self._graph(sig, n, cap, lambda: self._step_fn(st, cache, cfg, bs, eos_ids, cap), dev)()
                 else:
                     _denoise_step(model, st, cache, cfg, bs, eos_ids, cap)
             total_forwards += 1
@@ -677,10 +693,13 @@ class Decoder:
                     with nvtx_range("commit"):
                         _commit_step(model, st, cache, bs, n_pending * bs if pack else None)
                     total_forwards += 1
-            if step_i % sync_every and step_i < max_steps and not packing:  # the last step always checks; a
-                continue  # packed step has read the device already, so its check costs nothing more
+            if step_i % sync_every and step_i < max_steps and not packing:  # the last step always checks, a packed
+                continue  # one every step: its one read also gives the next step's size (compaction keeps it)
             active = ~st.done  # [n]
-            n_active = int(active.sum())
+            if packing:
+                n_active, chunk_rows = torch.stack([active.sum(), _chunk_blocks(st).sum()]).tolist()
+            else:
+                n_active = int(active.sum())
             if n_active == 0:
                 break
             m = _bucket(n_active)

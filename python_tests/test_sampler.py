@@ -425,6 +425,39 @@ def test_packed_steps_check_for_the_end_every_step(model, monkeypatch):
     assert generate(model, prompts, unpacked).total_forwards > want.total_forwards  # (the cadence does apply there)
 
 
+def test_decoder_keeps_its_most_recently_used_graphs(model, monkeypatch):
+    """`Decoder._graph` (CUDA graphs, bookkeeping checked on the CPU with a stand-in step): one capture per (step
+    parameters, working-set size, packed size); at the limit the least recently used graph goes (a replayed one
+    counts as used), the pool and stream stay; the limit is never below 2, so the pool always keeps a live graph
+    when a capture needs it."""
+    import lightningrl_fast.sampler as sampler
+
+    made = []
+
+    class Fake:
+        def __init__(self, fn, pool, stream):
+            made.append(fn)
+            self.pool, self.stream = pool, stream
+
+    monkeypatch.setattr(sampler, "_GraphedStep", Fake)
+    monkeypatch.setattr(sampler.torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(sampler, "_capture_stream", lambda dev: "stream")
+    monkeypatch.setattr(sampler, "_MAX_GRAPHS", 3)
+    dec = Decoder(model)
+    dev = torch.device("cpu")
+    g1 = dec._graph("sig", 8, None, lambda: "step 8", dev)
+    g2 = dec._graph("sig", 8, 40, lambda: "step 8 packed", dev)
+    assert dec._graph("sig", 8, None, lambda: "again", dev) is g1 and made == ["step 8", "step 8 packed"]
+    dec._graph("sig", 4, None, lambda: "step 4", dev)
+    dec._graph("other", 8, None, lambda: "other", dev)  # full: (sig, 8, 40) was used least recently
+    assert list(dec._graphs) == [("sig", 8, None), ("sig", 4, None), ("other", 8, None)]
+    assert g2 not in dec._graphs.values()
+    assert all(g.pool == "pool" and g.stream == "stream" for g in dec._graphs.values())
+    monkeypatch.setattr(sampler, "_MAX_GRAPHS", 1)  # taken as 2
+    dec._graph("sig", 2, None, lambda: "step 2", dev)
+    assert list(dec._graphs) == [("other", 8, None), ("sig", 2, None)]
+
+
 def test_pack_sizes():
     assert [_pack_rows(n) for n in range(1, 18)] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 12, 12, 14, 14, 16, 16, 20]
     assert [_pack_rows(n) for n in (31, 33, 100, 256, 257, 300, 513)] == [32, 40, 112, 256, 320, 320, 640]
@@ -746,8 +779,8 @@ def test_gpu_sampling_deterministic_and_compaction_invariant(model):
 def test_gpu_decoder_replays_its_graphs_across_calls(model, monkeypatch):
     """A kept Decoder captures each working-set size once: a repeated call adds no graph and equals an eager
     fresh call; in-place weight updates are read at replay; replaced parameters drop the graphs, and the new
-    ones capture (in a new pool: the old one, its graphs gone, would refuse them); so does a Decoder past its
-    graph limit."""
+    ones capture (in a new pool: the old one, its graphs gone, would refuse them); a Decoder at its graph limit
+    lets the least recently used graph go and captures the new one in the same pool, which keeps a live graph."""
     import lightningrl_fast.sampler as sampler
 
     m = _on_cuda(model, torch.bfloat16)
@@ -771,12 +804,14 @@ def test_gpu_decoder_replays_its_graphs_across_calls(model, monkeypatch):
     assert_same_rollout(dec.generate(prompts, cfg), generate(m, prompts, eager))
     assert not any(dec._graphs.get(k) is g for k, g in graphs.items())  # stale graphs were dropped
     assert dec._graphs and all(g.graph is not None and not g.failed for g in dec._graphs.values())  # recaptured
-    monkeypatch.setattr(sampler, "_MAX_GRAPHS", 2)  # every new step shape now starts over, in a new pool
+    monkeypatch.setattr(sampler, "_MAX_GRAPHS", 2)  # every new step shape now evicts the least recently used
+    pool = dec._pool
     for tau in (0.2, 0.4, 0.5):
         tcfg = dataclasses.replace(cfg, threshold=tau)
         want = generate(m, prompts, dataclasses.replace(tcfg, cuda_graphs=False))
         assert_same_rollout(dec.generate(prompts, tcfg), want)
-        assert dec._graphs and all(g.graph is not None and not g.failed for g in dec._graphs.values())
+        assert 0 < len(dec._graphs) <= 2 and dec._pool is pool
+        assert all(g.graph is not None and not g.failed for g in dec._graphs.values())
     assert dec._stream is sampler._capture_stream(next(m.parameters()).device)  # one per device for every Decoder
 
 
