@@ -470,9 +470,10 @@ class Decoder:
       n rows of the buffers, so a step captured for n rows replays in any later call of n rows.
     * Compaction moves the still-active rows to the front in place (the KV cache one layer at a time, so the
       only extra memory is one layer's rows) and pads to a bucket size with finished rows.
-    * Graphs are keyed by the step's parameters (block size, rule, tau, temperature, top-k/p, noise, EOS ids)
-      and the working-set size; they are dropped when a parameter's storage changes (an assign-load, `.to()`),
-      never when the weights are updated in place (the optimizer): replays read the current weights.
+    * Graphs are keyed by the step's parameters (block size, rule, tau, temperature, top-k/p, noise, EOS ids),
+      the working-set size and the packed size; past `_MAX_GRAPHS` the least recently used one goes. They are all
+      dropped when a parameter's storage changes (an assign-load, `.to()`), never when the weights are updated in
+      place (the optimizer): replays read the current weights.
     * `release()` frees everything (the RL loop releases its rollout decoder before the training pass).
     """
 
