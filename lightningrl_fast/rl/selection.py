@@ -23,7 +23,6 @@ checkpoint; a resumed run keeps the folder only when it holds the step that stat
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .._jsonfile import write_text_atomic
+from ..tasks.data import hash01
 
 BEST_DIR, BEST_META = "best-model", "best-model.json"
 
@@ -42,8 +42,7 @@ def split_by_hash(examples: Sequence[Any], fraction: float, salt: str = "val") -
     kept, carved = [], []
     for i, ex in enumerate(examples):
         key = str(getattr(ex, "id", None) or f"#{i}")
-        h = int.from_bytes(hashlib.sha256(f"{salt}:{key}".encode()).digest()[:8], "little") / 2**64
-        (carved if h < fraction else kept).append(ex)
+        (carved if hash01(f"{salt}:{key}") < fraction else kept).append(ex)
     return kept, carved
 
 

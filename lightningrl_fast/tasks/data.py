@@ -41,6 +41,7 @@ stub, in the same ChatML user turn; `build_prompt` dispatches on ``example.kind`
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 import math
@@ -503,6 +504,12 @@ def load_examples(
 
 
 # ------------------------------------------------------------------------------------------ prompts
+
+
+def hash01(key: str) -> float:
+    """A fixed pseudo-random number in [0, 1) from `key` (the first 8 bytes of its sha256): splits of examples that
+    depend on nothing but the key (tasks/synthetic.py's test / validation split, rl/selection.split_by_hash)."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") / 2**64
 
 
 def chat_user_turn(user_text: str) -> str:

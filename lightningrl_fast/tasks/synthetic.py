@@ -27,12 +27,12 @@ trace into fast junk (measured: `9+9+7?` -> `09 0 0= 18,08++  = 25#25`, 95% "cor
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from dataclasses import dataclass
 
 from ..tokenizer import CharTokenizer
+from .data import hash01
 
 ALPHABET = "0123456789+=,# ?"
 _STEP = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*=\s*(\d+)\s*$")
@@ -162,5 +162,4 @@ def _all_operands(k: int, lo: int, hi: int) -> list[tuple[int, ...]]:
 
 
 def _hash01(t: tuple[int, ...], seed: int) -> float:
-    h = hashlib.sha256(f"{seed}:{t}".encode()).digest()
-    return int.from_bytes(h[:8], "little") / 2**64
+    return hash01(f"{seed}:{t}")
