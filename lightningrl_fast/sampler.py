@@ -315,7 +315,7 @@ def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int
     start = (st.cur_block - st.pending.long()) * bs  # [n] first position of the query chunk
     idx = (start[:, None] + ar).clamp_max(ltot - 1)  # [n, 2B]
     chunk = st.seq.gather(1, idx)  # [n, 2B]
-    chunk_lens = torch.where(st.done, 0, bs + st.pending.int() * bs).int()  # [n]
+    chunk_lens = (_chunk_blocks(st) * bs).int()  # [n] 0, B or 2B (a packed step's size counts the same blocks)
     hidden = model.hidden_cached(chunk, cache, start.int(), chunk_lens, bs, check_lengths=False,
                                  token_capacity=token_capacity)  # [n, 2B, H]
     off = st.pending.long()[:, None] * bs + ar[:bs]  # [n, B] the current block inside the chunk
