@@ -384,34 +384,22 @@ def main(argv: list[str] | None = None) -> None:
               rows=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
 
 
-def attn_variants(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in VARIANTS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"variants must be among {', '.join(VARIANTS)}, got {text!r}")
-    return names
+def comma_choices(allowed, what: str):
+    """An argparse type: a comma-separated, non-empty list of names among `allowed` (the error names `what`)."""
+
+    def parse(text: str) -> list[str]:
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        if not names or any(n not in allowed for n in names):
+            raise argparse.ArgumentTypeError(f"{what} must be among {', '.join(allowed)}, got {text!r}")
+        return names
+
+    return parse
 
 
-def gemm_impls(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in GEMM_IMPLS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"GEMM implementations must be among {', '.join(GEMM_IMPLS)}, got {text!r}")
-    return names
-
-
-def pack_modes(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    if not names or any(n not in PACK_MODES for n in names):
-        raise argparse.ArgumentTypeError(f"pack modes must be among {', '.join(PACK_MODES)}, got {text!r}")
-    return names
-
-
-def pdl_modes(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    if not names or any(n not in ("on", "off") for n in names):
-        raise argparse.ArgumentTypeError(f"PDL modes must be among on, off, got {text!r}")
-    return names
+attn_variants = comma_choices(VARIANTS, "variants")
+gemm_impls = comma_choices(GEMM_IMPLS, "GEMM implementations")
+pdl_modes = comma_choices(("on", "off"), "PDL modes")
+pack_modes = comma_choices(PACK_MODES, "pack modes")
 
 
 @contextlib.contextmanager
