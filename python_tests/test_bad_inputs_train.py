@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from lightningrl_fast import config as C
+from lightningrl_fast import run_setup as S
 from lightningrl_fast import train as T
 from lightningrl_fast.rl import logging as L
 from lightningrl_fast.rl.checkpointing import load_checkpoint, save_checkpoint
@@ -237,21 +238,21 @@ def test_fit_rules_rounding_vocabulary_and_eval_cap():
     exs = [SimpleNamespace(id="a", text="x"), SimpleNamespace(id="b", text="x")]
     said = []
     # 45 + 17 = 62 <= 64, but blocks of 16 end at 64: fits; 45 + 20 = 65: does not
-    assert T.fit_examples(exs, Task(), Tok(45), mc, 17, None, "d", said.append) == exs
+    assert S.fit_examples(exs, Task(), Tok(45), mc, 17, None, "d", said.append) == exs
     with pytest.raises(DataFormatError, match="none is left"):
-        T.fit_examples(exs, Task(), Tok(45), mc, 20, None, "d", said.append)
+        S.fit_examples(exs, Task(), Tok(45), mc, 20, None, "d", said.append)
     # 60 positions, blocks of 16: 40 + 10 = 50 fits the cache, but the last block ends at 64 > 60 (was: kept, then a
     # sampler traceback at the rollout that drew it)
     mc60 = SimpleNamespace(**(vars(mc) | {"max_position_embeddings": 60}))
     with pytest.raises(DataFormatError, match="the last block ends at position 64, past the model's"):
-        T.fit_examples(exs, Task(), Tok(40), mc60, 10, None, "d", said.append)
+        S.fit_examples(exs, Task(), Tok(40), mc60, 10, None, "d", said.append)
     mc32 = SimpleNamespace(**(vars(mc) | {"block_size": 32}))
     # a max_length of 60 caps the cache; the last block may still end at 64 (the model's positions)
-    kept = T.fit_examples(exs[:1] + [SimpleNamespace(id="c", text="x")], Task(), Tok(30), mc32, 30, 60, "d",
+    kept = S.fit_examples(exs[:1] + [SimpleNamespace(id="c", text="x")], Task(), Tok(30), mc32, 30, 60, "d",
                           said.append)
     assert len(kept) == 2
     with pytest.raises(DataFormatError, match=r"example z: the prompt has token id\(s\) \[99\] outside the model's vocabulary \[0, 50\) \(a tokenizer"):
-        T.fit_examples([SimpleNamespace(id="z", text="big")], Task(), Tok(3), mc, 4, None, "d", said.append)
+        S.fit_examples([SimpleNamespace(id="z", text="big")], Task(), Tok(3), mc, 4, None, "d", said.append)
 
 
 def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, math_run, monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lightningrl_fast import config as C
+from lightningrl_fast import run_setup as S
 from lightningrl_fast import train as T
 from lightningrl_fast.checkpoint import load_model
 from lightningrl_fast.rl import logging as L
@@ -77,7 +78,7 @@ def test_synthetic_validation_split_leaves_the_test_split_unchanged():
 def test_sft_cache_key_changes_with_the_validation_carve_only():
     def key(*argv):
         c = C.parse_config(["--preset", "smoke", *argv], check_paths=False)
-        return T.sft_cache_key(c, T.embedded_model_config(c, T.make_synthetic_task(c).tokenizer))
+        return S.sft_cache_key(c, S.embedded_model_config(c, S.make_synthetic_task(c).tokenizer))
 
     assert key("--val-fraction", "0") == key()  # runs without a validation split keep their cached warm-ups
     assert key("--val-fraction", "0.1") != key() and key("--val-fraction", "0.1") != key("--val-fraction", "0.2")
@@ -266,7 +267,7 @@ def test_cli_select_best_keeps_and_evaluates_the_chosen_steps_weights(tmp_path, 
     assert "kept step 2 acc" in printed  # its column in the sweep table
     # the kept step's held-out sweep is the evaluation of checkpoint-2's weights
     cfg = C.parse_config(SMOKE + ["--out", str(tmp_path / "check"), "--val-fraction", "0.1"])
-    ctx = T.build_context(cfg, say=lambda _m: None)
+    ctx = S.build_context(cfg, say=lambda _m: None)
     ctx.model = load_model(out / "checkpoint-2")[0]
     ref = T._eval_sweep(ctx, "check", lambda _m: None)
     keys = ("acc", "tpf", "fwd_per_answer", "finished", "n", "well_formed")

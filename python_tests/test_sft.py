@@ -154,7 +154,7 @@ def test_collate_rounds_up_to_whole_blocks():
 
 
 def test_train_sft_schedule_and_optimizer(monkeypatch):
-    """The warm-up recipe (not in the SFT cache key: a change needs train.SFT_CACHE_VERSION bumped): AdamW, betas
+    """The warm-up recipe (not in the SFT cache key: a change needs run_setup.SFT_CACHE_VERSION bumped): AdamW, betas
     (0.9, 0.98), no weight decay, gradients clipped at norm 1.0, learning rate = lr * min(1, (s + 1) / warmup) *
     (0.1 + 0.9 * (1 + cos(pi * s / steps)) / 2) at step s (linear warm-up from lr / warmup, cosine decay to a
     10% floor). Values for steps 4, warmup 2 worked out by hand."""

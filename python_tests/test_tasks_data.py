@@ -87,12 +87,12 @@ def test_utf8_byte_order_mark_is_read(tmp_path):
 
 def test_train_refuses_data_of_another_task(tmp_path):
     from lightningrl_fast.tasks.data import DataFormatError
-    from lightningrl_fast.train import _load_examples
+    from lightningrl_fast.run_setup import load_task_examples
 
     path = write_jsonl(tmp_path / "mbpp.jsonl", MBPP)
     with pytest.raises(DataFormatError, match="'code' problems, not 'math'"):
-        _load_examples(str(path), None, None, lambda _m: None, "math")
-    assert len(_load_examples(str(path), None, None, lambda _m: None, "code")) == 1
+        load_task_examples(str(path), None, None, lambda _m: None, "math")
+    assert len(load_task_examples(str(path), None, None, lambda _m: None, "code")) == 1
 
 
 def test_math500_json_list_and_data_wrapper(tmp_path):

@@ -17,6 +17,7 @@ import torch
 import lightningrl_fast
 from lightningrl_fast import config as C
 from lightningrl_fast import config_schema
+from lightningrl_fast import run_setup as S
 from lightningrl_fast import train as T
 from lightningrl_fast.checkpoint import load_model
 from lightningrl_fast.rl import logging as L
@@ -153,7 +154,7 @@ def test_presets_hold_the_documented_recipes():
     assert (d.data.val_fraction, d.eval.eval_every, d.eval.select_best, d.eval.select_margin) == (0.1, 10, True, 0.01)
     assert d.baseline.rft_lr == 2e-4 and d.eval.eval_thresholds == [0.5, 0.7, 0.9, 0.95]
     tok = SyntheticArithmetic(num_operands=e.num_operands, max_operand=e.max_operand).tokenizer
-    mcfg = T.embedded_model_config(d, tok)
+    mcfg = S.embedded_model_config(d, tok)
     assert mcfg.tie_word_embeddings and mcfg.block_size == 8
     from lightningrl_fast.model import build_model
 
@@ -248,7 +249,7 @@ def test_a_resumed_run_from_before_an_option_existed_keeps_its_behaviour(tmp_pat
 
 
 def test_resume_takes_the_saved_config_but_not_its_output_folder(tmp_path):
-    """A resumed run writes into the folder --resume names (train.build_context), never into the `out` its saved
+    """A resumed run writes into the folder --resume names (run_setup.build_context), never into the `out` its saved
     config.json recorded (the run folder may have been moved or copied since)."""
     run = tmp_path / "moved-run"
     (run / "checkpoint-2").mkdir(parents=True)
@@ -351,7 +352,7 @@ def no_model_load(monkeypatch):
     import lightningrl_fast.checkpoint as ck
 
     monkeypatch.setattr(ck, "load_model", boom)
-    monkeypatch.setattr(T, "embedded_sft_model", boom)
+    monkeypatch.setattr(S, "embedded_sft_model", boom)
     monkeypatch.setattr(T, "build_context", boom)
 
 
@@ -757,10 +758,10 @@ def test_resolve_dtype_auto_and_names():
     """--dtype auto: the checkpoint's torch_dtype on CUDA, float32 on the CPU (the help text's rule); the names
     map to their torch dtypes."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert T.resolve_dtype("auto", cpu, torch.bfloat16) is torch.float32
-    assert T.resolve_dtype("auto", cuda, torch.bfloat16) is torch.bfloat16
-    assert T.resolve_dtype("auto", cuda, None) is torch.float32
-    assert [T.resolve_dtype(n, cpu, torch.bfloat16) for n in ("float32", "bfloat16", "float16")] == [
+    assert S.resolve_dtype("auto", cpu, torch.bfloat16) is torch.float32
+    assert S.resolve_dtype("auto", cuda, torch.bfloat16) is torch.bfloat16
+    assert S.resolve_dtype("auto", cuda, None) is torch.float32
+    assert [S.resolve_dtype(n, cpu, torch.bfloat16) for n in ("float32", "bfloat16", "float16")] == [
         torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -771,15 +772,15 @@ def test_default_response_cap_and_sft_cache_key():
 
     cfg = C.parse_config(["--preset", "none"], check_paths=False)
     assert cfg.sampler.max_new_tokens is None
-    assert T.default_max_new_tokens(cfg, SimpleNamespace(max_response_tokens=lambda: 13), 4) == 16 + 4
-    assert T.default_max_new_tokens(cfg, SimpleNamespace(max_response_tokens=lambda: 12), 4) == 12 + 4
-    assert T.default_max_new_tokens(cfg, object(), 4) == 256
+    assert S.default_max_new_tokens(cfg, SimpleNamespace(max_response_tokens=lambda: 13), 4) == 16 + 4
+    assert S.default_max_new_tokens(cfg, SimpleNamespace(max_response_tokens=lambda: 12), 4) == 12 + 4
+    assert S.default_max_new_tokens(cfg, object(), 4) == 256
     set_cap = C.parse_config(["--preset", "none", "--max-new-tokens", "40"], check_paths=False)
-    assert T.default_max_new_tokens(set_cap, SimpleNamespace(max_response_tokens=lambda: 13), 4) == 40
+    assert S.default_max_new_tokens(set_cap, SimpleNamespace(max_response_tokens=lambda: 13), 4) == 40
 
     def key(*argv):
         c = C.parse_config(["--preset", "smoke", *argv], check_paths=False)
-        return T.sft_cache_key(c, T.embedded_model_config(c, T.make_synthetic_task(c).tokenizer))
+        return S.sft_cache_key(c, S.embedded_model_config(c, S.make_synthetic_task(c).tokenizer))
 
     base = key()
     assert key() == base and key("--steps", "7", "--lr", "0.5") == base  # RL settings: the same warm-up
@@ -818,10 +819,10 @@ def test_max_length_past_the_positions_is_said():
     mc = SimpleNamespace(max_position_embeddings=64, block_size=4)
     said = []
     cfg = C.parse_config(["--preset", "none", "--max-length", "100"], check_paths=False)
-    assert T._check_positions(cfg, mc, "m", said.append) is mc
+    assert S._check_positions(cfg, mc, "m", said.append) is mc
     assert len(said) == 1 and "--max-length 100 is past the model's max_position_embeddings 64" in said[0]
     said.clear()
-    T._check_positions(C.parse_config(["--preset", "none", "--max-length", "64"], check_paths=False), mc, "m",
+    S._check_positions(C.parse_config(["--preset", "none", "--max-length", "64"], check_paths=False), mc, "m",
                        said.append)
     assert said == []
 
