@@ -34,7 +34,7 @@ from typing import Any, Iterable
 LINE_SHAPES = ("config", "dtype", "vocab", "block", "hidden", "heads", "hq", "hkv", "head_dim", "inner", "tokens",
                "tpf", "prompt_len", "new_tokens", "layers", "samples", "prompt", "response", "budget")
 # top-level fields that are the bound every row's ratio is taken against (beside the device's copy bandwidth)
-LINE_BOUNDS = ("gemm_tflops", "h2d_gbs", "d2h_gbs")
+LINE_BOUNDS = ("gemm_tflops", "h2d_gbs", "d2h_gbs", "duplex_gbs")
 RESULT_SUFFIXES = ("_us", "ms", "GB/s", "TFLOP/s", "fwd/s", "tok/s", "GB/fwd", "peakGB", "GiB", "MiB")
 RESULT_KEYS = ("s", "us", "fwd")
 

@@ -152,10 +152,11 @@ def test_results_rows_turns_json_lines_into_results_md_rows(tmp_path):
                              "peak_GiB": 3.0}]})[0]
     assert rl["ratio"] == "x 2.5" and rl["result"] == "ms 10.0; ktok/s 90.0; peak_GiB 3", rl
     assert rl["shapes"].startswith("samples 64; prompt 64/320; budget 16384; mode trace"), rl
-    optim = cells_of({"bench": "optim", "device": "H100", "layers": 4, "h2d_gbs": 50.5, "d2h_gbs": 48.0, "rows": [
-        {"variant": "offload", "ms": 90.0, "peak_MiB": 320.0, "host_GiB": 12.0, "PCIe_GB/s": 40.0, "%bound": 80.0}]})[0]
-    assert optim["result"] == "ms 90.0; peak_MiB 320.0; host_GiB 12.0; PCIe_GB/s 40.0", optim
-    assert optim["bound"] == "h2d_gbs 50.5; d2h_gbs 48.0" and optim["ratio"] == "%bound 80.0"
+    optim = cells_of({"bench": "optim", "device": "H100", "layers": 4, "h2d_gbs": 50.5, "d2h_gbs": 48.0,
+                      "duplex_gbs": 45.0, "rows": [
+        {"variant": "offload", "ms": 90.0, "peak_MiB": 512.0, "host_GiB": 12.0, "PCIe_GB/s": 40.0, "%bound": 80.0}]})[0]
+    assert optim["result"] == "ms 90.0; peak_MiB 512.0; host_GiB 12.0; PCIe_GB/s 40.0", optim
+    assert optim["bound"] == "h2d_gbs 50.5; d2h_gbs 48.0; duplex_gbs 45.0" and optim["ratio"] == "%bound 80.0"
     assert optim["shapes"] == "layers 4; variant offload", optim
     grpo = cells_of({"bench": "grpo_loss", "device": "H100", "gemm_tflops": 738.0, "rows": [
         {"path": "kernel", "ms": 93.6, "%gemm": 88.6}]})[0]

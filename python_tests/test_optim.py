@@ -1,5 +1,6 @@
 """rl/optim.py: AdamW with fp32 state and master weights for bf16/fp16 parameters."""
 
+import contextlib
 import copy
 
 import pytest
@@ -120,6 +121,94 @@ def test_offloaded_state_is_bit_identical_to_the_resident_one(dtype):
             if k in off.state[y]:
                 assert off.state[y][k].device.type == "cpu" and off.state[y][k].is_contiguous()
                 assert torch.equal(res.state[x][k], off.state[y][k].view(x.shape)), k
+
+
+def test_offload_overlap_protocol_with_stand_in_streams(monkeypatch):
+    """The CUDA overlap's ordering, run on the CPU with stand-in streams and events: a chunk's copies back are
+    queued on the side stream after it waited for the current stream (the chunk's update), inside the side
+    stream's context, and close with an event; a set is filled again only after the current stream waited for
+    the event of that set's last copies back; every step ends with the current stream joining the side stream.
+    The results still equal the resident step bit for bit (the copies run at once here)."""
+    import lightningrl_fast.rl.optim as O
+
+    log: list = []
+
+    class Side:
+        def wait_stream(self, _s):
+            log.append(("side waits current",))
+
+        def record_event(self):
+            log.append(("record", object()))
+            return log[-1][1]
+
+    class Current:
+        def wait_event(self, ev):
+            log.append(("current waits", ev))
+
+        def wait_stream(self, s):
+            log.append(("join", s))
+
+    current, sides = Current(), []
+    monkeypatch.setattr(O.torch.cuda, "current_stream", lambda dev=None: current)
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(("enter", stream))
+        yield
+        log.append(("exit", stream))
+
+    monkeypatch.setattr(O.torch.cuda, "stream", on)
+    init, take, back = O._Staging.__init__, O._Staging.take, O._Staging.copy_back
+
+    def spy_init(self, *a):
+        init(self, *a)
+        self.side = Side()
+        sides.append(self.side)
+
+    def spy_take(self):
+        s, bufs = take(self)
+        log.append(("take", s))
+        return s, bufs
+
+    def spy_back(self, s, pairs):
+        log.append(("back", s))
+        back(self, s, pairs)
+
+    monkeypatch.setattr(O._Staging, "__init__", spy_init)
+    monkeypatch.setattr(O._Staging, "take", spy_take)
+    monkeypatch.setattr(O._Staging, "copy_back", spy_back)
+    a, b = _mixed_params(torch.bfloat16), _mixed_params(torch.bfloat16)
+    res = MasterAdamW(a, lr=3e-3, weight_decay=0.1)
+    off = MasterAdamW(b, lr=3e-3, weight_decay=0.1, offload=True, chunk_elems=10)
+    steps, chunks = 3, sum(-(-p.numel() // 10) if p.is_contiguous() else 1 for p in b)
+    for step in range(steps):
+        _run(a, res, 1, first=step)
+        _run(b, off, 1, first=step)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+        assert torch.equal(res.state[x]["master"], off.state[y]["master"].view(x.shape))
+    assert len(sides) == steps
+    assert [e[0] for e in log].count("take") == [e[0] for e in log].count("back") == steps * chunks
+    joins = [i for i, e in enumerate(log) if e[0] == "join"]
+    assert [log[i][1] for i in joins] == sides
+    start = 0
+    for side, end in zip(sides, joins):  # one step's log
+        last_event: dict[int, object] = {}
+        step_log = log[start:end]
+        for i, e in enumerate(step_log):
+            if e[0] == "take":
+                s = e[1]
+                if s in last_event:  # filled again: after the current stream waited for its copies back
+                    assert step_log[i - 1] == ("current waits", last_event[s])
+                else:
+                    assert step_log[i - 1][0] != "current waits"
+            if e[0] == "back":
+                assert [x[0] for x in step_log[i + 1: i + 5]] == ["side waits current", "enter", "record", "exit"]
+                assert step_log[i + 2][1] is side and step_log[i + 4][1] is side
+                last_event[e[1]] = step_log[i + 3][1]
+        assert [e[1] for e in step_log if e[0] == "take"] == [k % 2 for k in range(chunks)]  # the sets in turn
+        assert log[end - 1][0] == "exit"  # the join follows the last copies back
+        start = end + 1
 
 
 def test_offloaded_state_dict_round_trips_both_ways():
@@ -249,6 +338,44 @@ def test_gpu_offloaded_state_lives_in_pinned_host_memory_and_matches():
             assert all(st[k].device.type == "cpu" and st[k].is_pinned() for k in ("exp_avg", "exp_avg_sq", "master"))
         assert torch.equal(res.state[x]["master"].cpu(), off.state[y]["master"].view(x.shape))
     assert len(sd["state"]) == len(b)
+
+
+@pytest.mark.gpu
+def test_gpu_overlapped_copies_back_never_race_the_next_chunk(monkeypatch):
+    """On a GPU, with the side stream made to lag (a long sleep queued on it before every chunk's copies back):
+    if a set's buffers were filled again before their copies back had run, the host would get a later chunk's
+    values. Overlapped, serial (`overlap=False`) and resident steps agree bit for bit, over several steps and
+    with a parameter whose chunks alternate between the two sets an odd number of times."""
+    import lightningrl_fast.rl.optim as O
+
+    back = O._Staging.copy_back
+
+    def lagging(self, s, pairs):
+        if self.side is not None:
+            with torch.cuda.stream(self.side):
+                torch.cuda._sleep(2_000_000)
+        back(self, s, pairs)
+
+    monkeypatch.setattr(O._Staging, "copy_back", lagging)
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(7)
+    shapes = [(1023, 37), (4099,), (5, 3)]
+    base = [torch.randn(s, generator=g).to(dev, torch.bfloat16) for s in shapes]
+    groups = [[torch.nn.Parameter(t.clone()) for t in base] for _ in range(3)]
+    opts = [MasterAdamW(groups[0], lr=3e-3, weight_decay=0.1),
+            MasterAdamW(groups[1], lr=3e-3, weight_decay=0.1, offload=True, chunk_elems=997),
+            MasterAdamW(groups[2], lr=3e-3, weight_decay=0.1, offload=True, chunk_elems=997, overlap=False)]
+    for step in range(4):
+        for ps, opt in zip(groups, opts):
+            _grads(ps, step)
+            opt.step()
+    torch.cuda.synchronize()
+    for x, y, z in zip(*groups):
+        assert torch.equal(x, y) and torch.equal(x, z)
+        for k in ("exp_avg", "exp_avg_sq", "master"):
+            want = opts[0].state[x][k].cpu()
+            assert torch.equal(want, opts[1].state[y][k].view(x.shape)), k
+            assert torch.equal(want, opts[2].state[z][k].view(x.shape)), k
 
 
 def test_carve_host_packs_state_into_power_of_two_slabs(monkeypatch):

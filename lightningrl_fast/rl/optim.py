@@ -7,20 +7,23 @@ away. `MasterAdamW` keeps, per low-precision parameter, an fp32 master copy and 
 optimizer state (so `state_dict()` checkpoints them and a resume continues exactly), steps in fp32 and
 writes the rounded master back into the parameter. fp32 parameters are updated in place, as AdamW does.
 
-Offload (`offload=True`, RLConfig.optimizer_offload): the fp32 state (12 bytes per bf16 parameter, 8 per fp32
-one) lives in pinned host memory instead of the GPU. A step streams it through the GPU in chunks of
-`chunk_elems` elements: the chunk's master and moments are copied in (asynchronously, on the current stream),
-updated there with the same arithmetic, and copied back, and the parameter gets its rounded master; the GPU holds
-only one chunk's working set at a time (20 bytes x `chunk_elems`: 320 MiB by default). Every copy and update of a step
-is ordered on the current stream, so nothing waits for the host inside a step; an event after the step's copies
-back orders the next step (on whatever stream) and `state_dict()` (the host waits for it). The host tensors are
-views into a few power-of-two slabs (`carve_host`): torch's pinned allocator rounds each allocation up to a power
-of two, a third more host memory for an SDAR model's state if every tensor were its own allocation. The cost is
-PCIe traffic: 2 x 12 bytes per bf16 parameter per step (SDAR-4B: ~106 GB, a few seconds at 25-50 GB/s), small
-next to an RL step's rollouts. The result is bit-identical to the resident MasterAdamW (the same elementwise
-operations, chunk by chunk): to the resident run of a bf16/fp16 model; an fp32 model without offload gets
-torch's AdamW, equal on the CPU, within the last bit on CUDA (its foreach path divides where this one multiplies
-by the reciprocal).
+Offload (`offload=True`, RLConfig.optimizer_offload): the fp32 state (12 bytes per bf16 parameter, 8 per fp32 one)
+lives in pinned host memory instead of the GPU. A step streams it through the GPU in chunks of `chunk_elems`
+elements: the chunk's master and moments are copied in (asynchronously, on the current stream), updated there with
+the same arithmetic, and copied back, and the parameter gets its rounded master. Two sets of chunk buffers are used
+in turn (`_Staging`), and on CUDA the copies back run on a side stream: chunk i's copy back overlaps chunk i+1's
+copy in (PCIe moves both directions at once, so a step that is copy-bound takes about half the time of copying in
+and out one after the other); the copy in to a set waits (on the device) for the copy back that last used it. The
+GPU holds the two sets plus one chunk's gradient and denominator (32 bytes x `chunk_elems`: 512 MiB by default).
+Nothing waits for the host inside a step; at its end the current stream joins the side stream, and an event after
+that orders the next step (on whatever stream) and `state_dict()` (the host waits for it). `overlap=False` keeps
+every copy on the current stream (the bench's comparison). The host tensors are views into a few power-of-two slabs
+(`carve_host`): torch's pinned allocator rounds each allocation up to a power of two, a third more host memory for
+an SDAR model's state if every tensor were its own allocation. The cost is PCIe traffic: 2 x 12 bytes per bf16
+parameter per step (SDAR-4B: ~106 GB, a few seconds at 25-50 GB/s), small next to an RL step's rollouts. The result
+is bit-identical to the resident MasterAdamW (the same elementwise operations, chunk by chunk): to the resident run
+of a bf16/fp16 model; an fp32 model without offload gets torch's AdamW, equal on the CPU, within the last bit on
+CUDA (its foreach path divides where this one multiplies by the reciprocal).
 
 `make_optimizer` picks torch's AdamW when every parameter is fp32 and nothing is offloaded, `MasterAdamW`
 otherwise.
@@ -35,8 +38,9 @@ import torch
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
 DEFAULT_CHUNK = 1 << 24  # elements of one offloaded chunk
-# GPU bytes per element of an offloaded chunk: master, m, v, the fp32 gradient and the update's denominator (fp32)
-STAGING_BYTES_PER_ELEMENT = 20
+# GPU bytes per element of an offloaded chunk: two sets of master, m, v (fp32), the fp32 gradient and the update's
+# denominator (fp32)
+STAGING_BYTES_PER_ELEMENT = 32
 
 
 def _adamw_(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, lr: float, b1: float, b2: float,
@@ -106,13 +110,13 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 offload: bool = False, chunk_elems: int = DEFAULT_CHUNK) -> None:
+                 offload: bool = False, chunk_elems: int = DEFAULT_CHUNK, overlap: bool = True) -> None:
         if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"MasterAdamW: need lr > 0, eps > 0, weight_decay >= 0, betas in [0, 1); got lr {lr}, "
                              f"eps {eps}, weight_decay {weight_decay}, betas {betas}")
         if isinstance(chunk_elems, bool) or not isinstance(chunk_elems, int) or chunk_elems < 1:
             raise ValueError(f"MasterAdamW: chunk_elems must be a positive int, got {chunk_elems!r}")
-        self.offload, self.chunk_elems = bool(offload), chunk_elems
+        self.offload, self.chunk_elems, self.overlap = bool(offload), chunk_elems, bool(overlap)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     def _init_state(self, p: torch.Tensor, st: dict) -> None:
@@ -154,15 +158,33 @@ class MasterAdamW(torch.optim.Optimizer):
             self._update()
             return loss
         self._after_last_copies()
+        staging: dict[torch.device, _Staging] = {}
         try:
             self._init_offloaded()
-            self._update()
+            staging.update(self._staging())
+            self._update(staging)
         finally:  # also after an error mid-step: what was copied back so far is what the next reader waits for
+            for s in staging.values():
+                s.join()
             self._record_copies()
         return loss
 
-    def _update(self) -> None:
-        """One AdamW step of every parameter with a gradient (resident state in place, offloaded state streamed)."""
+    def _staging(self) -> dict[torch.device, "_Staging"]:
+        """Per device, the chunk buffers of this step: as large as a chunk, or the largest parameter with a
+        gradient when all are smaller (a strided parameter goes through in one piece)."""
+        sizes: dict[torch.device, int] = {}
+        master: dict[torch.device, bool] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    n = min(p.numel(), self.chunk_elems) if p.is_contiguous() else p.numel()
+                    sizes[p.device] = max(sizes.get(p.device, 0), n)
+                    master[p.device] = master.get(p.device, False) or p.dtype != torch.float32
+        return {d: _Staging(d, n, master[d], self.overlap) for d, n in sizes.items()}
+
+    def _update(self, staging: dict[torch.device, "_Staging"] | None = None) -> None:
+        """One AdamW step of every parameter with a gradient (resident state in place, offloaded state streamed
+        through `staging`)."""
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -176,18 +198,19 @@ class MasterAdamW(torch.optim.Optimizer):
                 st["step"] += 1
                 t = float(st["step"])
                 if self.offload:
-                    self._offloaded_step(p, st, lr, b1, b2, eps, wd, t)
+                    assert staging is not None
+                    self._offloaded_step(p, st, staging[p.device], lr, b1, b2, eps, wd, t)
                     continue
                 w = st.get("master", p)
                 _adamw_(w, st["exp_avg"], st["exp_avg_sq"], p.grad.float(), lr, b1, b2, eps, wd, t)
                 if w is not p:
                     p.copy_(w)
 
-    def _offloaded_step(self, p: torch.Tensor, st: dict, lr: float, b1: float, b2: float, eps: float, wd: float,
-                        t: float) -> None:
+    def _offloaded_step(self, p: torch.Tensor, st: dict, stage: "_Staging", lr: float, b1: float, b2: float,
+                        eps: float, wd: float, t: float) -> None:
         """The update of one parameter whose state lives in host memory: chunk by chunk through p's device (copies
         also on the CPU, where the same path runs in the tests)."""
-        dev, n = p.device, p.numel()
+        n = p.numel()
         host = {k: st[k].view(-1) for k in STATE_KEYS if k in st}
         if p.is_contiguous():
             flat, grad, chunk = p.view(-1), p.grad.reshape(-1), self.chunk_elems
@@ -196,18 +219,19 @@ class MasterAdamW(torch.optim.Optimizer):
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             shape = (b - a,) if flat is not None else p.shape
-            m = host["exp_avg"][a:b].to(dev, non_blocking=True, copy=True).view(shape)
-            v = host["exp_avg_sq"][a:b].to(dev, non_blocking=True, copy=True).view(shape)
+            s, bufs = stage.take()
+            dev_views = {k: bufs[k][: b - a] for k in host}
+            for k, d in dev_views.items():
+                d.copy_(host[k][a:b], non_blocking=True)
+            m, v = dev_views["exp_avg"].view(shape), dev_views["exp_avg_sq"].view(shape)
             if "master" in host:
-                w = host["master"][a:b].to(dev, non_blocking=True, copy=True).view(shape)
+                w = dev_views["master"].view(shape)
             else:  # fp32 parameter: its own master, updated in place
                 w = flat[a:b] if flat is not None else p
             _adamw_(w, m, v, (grad[a:b] if flat is not None else grad).float(), lr, b1, b2, eps, wd, t)
-            host["exp_avg"][a:b].copy_(m.view(-1), non_blocking=True)
-            host["exp_avg_sq"][a:b].copy_(v.view(-1), non_blocking=True)
             if "master" in host:
-                host["master"][a:b].copy_(w.view(-1), non_blocking=True)
                 (flat[a:b] if flat is not None else p).copy_(w)
+            stage.copy_back(s, [(host[k][a:b], d) for k, d in dev_views.items()])
 
     def _cuda_devices(self) -> set[torch.device]:
         return {p.device for g in self.param_groups for p in g["params"] if p.device.type == "cuda"}
@@ -234,11 +258,13 @@ class MasterAdamW(torch.optim.Optimizer):
         """For deepcopy / pickle: torch's keeps only defaults, state and groups; the offload switch is ours, and
         the host state must not be read while copies back are in flight."""
         self._wait_for_copies()
-        return {**super().__getstate__(), "offload": self.offload, "chunk_elems": self.chunk_elems}
+        return {**super().__getstate__(), "offload": self.offload, "chunk_elems": self.chunk_elems,
+                "overlap": self.overlap}
 
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
         self.offload, self.chunk_elems = bool(state.pop("offload", False)), int(state.pop("chunk_elems", DEFAULT_CHUNK))
+        self.overlap = bool(state.pop("overlap", True))
         super().__setstate__(state)
 
     def state_dict(self) -> dict:
@@ -271,6 +297,46 @@ class MasterAdamW(torch.optim.Optimizer):
                 else:
                     self.state[p][k] = v.to(device=p.device, dtype=torch.float32, copy=True)
         self._place_offloaded(offloaded)
+
+
+class _Staging:
+    """One step's chunk buffers on one device: two sets of fp32 (master,) exp_avg, exp_avg_sq, used in turn. On CUDA
+    (with `overlap`) the copies back to host memory run on a side stream, after the chunk's update; the next copy
+    in to the same set waits for them on the device (`take`), and `join` makes the current stream wait for all of
+    them. Elsewhere (or without overlap) every copy is on the current stream, in order."""
+
+    def __init__(self, dev: torch.device, elems: int, master: bool, overlap: bool) -> None:
+        keys = STATE_KEYS if master else STATE_KEYS[:2]
+        self.dev = dev
+        self.sets = [{k: torch.empty(elems, dtype=torch.float32, device=dev) for k in keys} for _ in range(2)]
+        self.side = torch.cuda.Stream(dev) if overlap and dev.type == "cuda" else None
+        self.freed: list[Any] = [None, None]  # per set: an event after its last copies back (side stream)
+        self.turn = 0
+
+    def take(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The next set (its index and buffers); the current stream waits until its last copies back are done."""
+        s, self.turn = self.turn, self.turn ^ 1
+        if self.freed[s] is not None:
+            torch.cuda.current_stream(self.dev).wait_event(self.freed[s])
+        return s, self.sets[s]
+
+    def copy_back(self, s: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each (host, device) pair's device buffer of set `s` into the host tensor, after the work queued so
+        far on the current stream (the chunk's update)."""
+        if self.side is None:
+            for h, d in pairs:
+                h.copy_(d, non_blocking=True)
+            return
+        self.side.wait_stream(torch.cuda.current_stream(self.dev))
+        with torch.cuda.stream(self.side):
+            for h, d in pairs:
+                h.copy_(d, non_blocking=True)
+            self.freed[s] = self.side.record_event()
+
+    def join(self) -> None:
+        """The current stream waits for every copy back (before the buffers are freed and the step's event)."""
+        if self.side is not None:
+            torch.cuda.current_stream(self.dev).wait_stream(self.side)
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999),
