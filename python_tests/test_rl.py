@@ -3,6 +3,8 @@ hand-written float64 oracle of REFERENCE §4 (the log-prob passes and packing: t
 
 import dataclasses
 
+import math
+
 import pytest
 import torch
 
@@ -550,6 +552,43 @@ def test_update_stage_reports_the_mean_over_its_updates(monkeypatch):
     assert m["loss"] == pytest.approx(sum(losses) / 2, rel=1e-9)
     assert m["kl"] == pytest.approx(sum(kls) / 2, rel=1e-9)
     assert m["clip_frac"] == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_clip_grads_takes_the_norm_in_fp32_whatever_the_gradient_dtype(dtype):
+    """One process clips like several ranks do: the norm of bf16 / fp16 gradients to fp32 accuracy (torch's
+    clip_grad_norm_ returned it in the gradients' dtype, ~3 digits in bf16), the gradients scaled by
+    grad_clip / norm (rounded once to their dtype), left alone below the clip or when the norm is not finite; odd
+    sizes, one empty parameter."""
+    from lightningrl_fast.rl.trainer import clip_grads_, optimizer_stage
+
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in ((97, 13), (123,), (0,), (11, 7))]
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g) * 0.37).to(dtype)
+    exact = [p.grad.double().clone() for p in params]
+    norm = math.sqrt(sum(float((e ** 2).sum()) for e in exact))
+    got = clip_grads_(params, 1.0)
+    assert got == pytest.approx(norm, rel=1e-6)
+    for p, e in zip(params, exact):
+        # one rounding to the gradient's dtype
+        fi = torch.finfo(dtype)
+        torch.testing.assert_close(p.grad.double(), e / (norm + 1e-6), rtol=fi.eps, atol=fi.tiny * fi.eps)
+    before = [p.grad.clone() for p in params]
+    assert clip_grads_(params, 10.0) == pytest.approx(1.0, rel=1e-2)  # below the clip: unchanged
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, params))
+    params[1].grad[3] = float("inf")
+    assert clip_grads_(params, 1.0) == float("inf") and torch.equal(params[0].grad, before[0])
+    assert clip_grads_([], 1.0) == 0.0
+    if dtype == torch.bfloat16:  # the single-process optimizer step reports this norm (a bf16 model)
+        model = tiny_rl_model(dtype=dtype, peaky=1.0)
+        rc = RLConfig(kl_beta=0.0, group_size=2, grad_clip=0.5, lr=1e-3)
+        state = make_state(model, rc)
+        for p in model.parameters():
+            p.grad = (torch.randn(p.shape, generator=g) * 0.37).to(dtype)
+        norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters()))
+        ok, got = optimizer_stage(state, rc)
+        assert ok and got == pytest.approx(norm, rel=1e-6)
 
 
 def test_optimizer_stage_clips_the_global_norm_and_skips_nonfinite_updates(monkeypatch):
