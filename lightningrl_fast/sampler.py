@@ -34,7 +34,10 @@ synchronization; the "all finished?" test reads one flag every `sync_every` step
 step. `fold_commit=False` is an exception: it reads one flag every step (is any row's separate commit forward
 due?). Packed steps are the other. With `cuda_graphs` the step is captured once per working-set size (and packed
 size; on the model's device, current or not) and replayed. The random stream is Philox keyed by `seed` with a
-per-step offset, so the same seed gives the same tokens.
+per-step offset, so the same seed and settings give the same tokens. A row's noise depends on its place in the
+working set, which a compaction changes, and compactions happen at the host checks: every step on the CPU, for
+packed steps and with `fold_commit=False`, else every `sync_every` steps. So on CUDA sampled rows (not greedy
+ones) may decode other tokens under another `sync_every`, `pack` mode or `fold_commit`, as under another seed.
 
 Packed steps (`pack`): the step's query chunk is [n, 2B] (a row folding a commit needs both blocks), but most rows
 need only their current block, and finished rows nothing. On CUDA shapes are static, so the projections and the
@@ -48,7 +51,8 @@ tokens (where the GEMMs start to be compute-bound on an H100; smaller steps stre
 path), and always packs the prefill and the separate commit forwards, whose token counts the host knows.
 `"on"` packs every step on any device (the tests' way to run the packed path on the CPU), `"off"` never. Each
 row computes what the unpacked step computes (on the CPU the tests find the same tokens, greedy and sampled; on
-CUDA the GEMMs run at another size and may round differently).
+CUDA the GEMMs run at another size and may round differently, and sampled rows may draw other noise after a
+compaction, see above).
 
 The mask token is taken out of the distribution (logit -inf) before picks and confidences, so a position is
 never "unmasked" to it; SDAR's reference `block_diffusion_generate` keeps it in the softmax, so where a model
@@ -195,9 +199,11 @@ class _GraphedStep:
     Warm-up, capture and replay run with `stream`'s device (the model's) current: a capture on a stream of
     another device would record none of the step's kernels (they go to the model's device) and run them.
 
-    A capture that fails with programmatic dependent launch on (csrc/launch.h; not yet run under capture on every
-    driver) is retried once with it off for the whole process (LRF_PDL=0, a warning says so); a second failure,
-    or a first one without PDL, leaves the step eager (a warning too)."""
+    A capture that fails while the CUDA kernels run with programmatic dependent launch on (csrc/launch.h; not yet
+    run under capture on every driver) is retried once with it off for the whole process (LRF_PDL=0, a warning
+    says so); when the retry fails too, PDL was not the cause and LRF_PDL gets its old value back. A failure
+    without PDL in play (it is off, or the ops run their references: LRF_DISABLE_KERNELS=1 or `_C` without CUDA
+    kernels), or a second one, leaves the step eager (a warning too)."""
 
     def __init__(self, fn, pool, stream: torch.cuda.Stream) -> None:
         self.fn, self.pool, self.stream, self.graph, self.failed = fn, pool, stream, None, False
@@ -211,7 +217,7 @@ class _GraphedStep:
             self.fn()  # the first call runs eagerly: it warms up kernels and allocator, and does real work
             if self.failed:
                 return
-            pool = self.pool
+            pool, pdl_before = self.pool, None
             for attempt in (0, 1):
                 prev = torch.cuda.current_stream(self.device)
                 graph = None
@@ -225,19 +231,32 @@ class _GraphedStep:
                     # graph.__exit__ leaves the capture stream current when capture_end raises: restore the old one
                     torch.cuda.set_stream(prev)
                     del graph
-                    if attempt == 0 and pdl_allowed():
+                    if attempt == 0 and pdl_allowed() and _kernels_launch():
                         # programmatic dependent launch under capture has not run on every driver yet: once more
                         # without it (for the whole process), in a pool of its own (the failed capture's is unsure)
+                        pdl_before = os.environ.get(PDL_ENV)
                         os.environ[PDL_ENV] = "0"
                         pool = torch.cuda.graph_pool_handle()
                         warnings.warn(f"CUDA graph capture of the denoising step failed ({type(e).__name__}: {e}) "
                                       f"with programmatic dependent launch on; retrying with it off ({PDL_ENV}=0 "
                                       "for this process)", RuntimeWarning, stacklevel=2)
                         continue
+                    if attempt == 1:  # not PDL's doing: its switch as it was
+                        if pdl_before is None:
+                            os.environ.pop(PDL_ENV, None)
+                        else:
+                            os.environ[PDL_ENV] = pdl_before
                     self.failed = True
                     warnings.warn(f"CUDA graph capture of the denoising step failed ({type(e).__name__}: {e}); "
                                   "decoding continues eagerly", RuntimeWarning, stacklevel=2)
                     return
+
+
+def _kernels_launch() -> bool:
+    """Whether the step's ops run the CUDA kernels (the launches PDL applies to), not their references."""
+    from ._ext import has_cuda_kernels
+
+    return os.environ.get("LRF_DISABLE_KERNELS") != "1" and has_cuda_kernels()
 
 
 @functools.cache

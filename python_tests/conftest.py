@@ -40,6 +40,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def kernel_switches_kept():
+    """Each test ends with the kernel switches as it found them: monkeypatch restores only what a test set
+    through it, and the decoder's capture fallback sets LRF_PDL=0 for the process (a GPU test that provoked it
+    would otherwise run every later test without PDL)."""
+    before = {k: os.environ.get(k) for k in KERNEL_SWITCHES}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(autouse=True)
 def seeds():
     """Every test starts from the same seeds (Python, torch CPU and CUDA)."""
     random.seed(0)

@@ -239,6 +239,33 @@ def test_reference_is_vectorized_oracle_for_bad_rows():
     assert torch.equal(a["k_cache"][0, :3], a["k"][0]) and not a["k_cache"][1].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_reference_random_lengths_with_clamped_targets_and_bad_rows(dtype):
+    """The static-shape reference (no host sync: capturable) writes every (row, chunk token) pair somewhere,
+    clamping targets past the cache into it, so several pairs can land on one position: each must carry the
+    value the position ends with. Random small shapes (chunks longer than the cache too), lengths from -2 to
+    past the cache: equal to the element loop, bad rows untouched and flagged, the rest of the cache untouched."""
+    g = torch.Generator().manual_seed(3)
+    rnd = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    for _ in range(300):
+        B, L, C, H, D = rnd(1, 5), rnd(1, 12), rnd(1, 9), rnd(1, 3), rnd(1, 4)
+        k_cache, v_cache = poisoned((B, L, H, D), dtype), poisoned((B, L, H, D), dtype)
+        k = torch.randn(B, C, H, D, generator=g).to(dtype)
+        v = torch.randn(B, C, H, D, generator=g).to(dtype)
+        cache_lens = torch.tensor([rnd(-2, L + 2) for _ in range(B)], dtype=torch.int32)
+        chunk_lens = torch.tensor([rnd(-1, C + 1) for _ in range(B)], dtype=torch.int32)
+        ok = [0 <= s and 0 <= n <= C and s + n <= L for s, n in zip(cache_lens.tolist(), chunk_lens.tolist())]
+        k_want, v_want = k_cache.clone(), v_cache.clone()
+        for b in [b for b in range(B) if ok[b]]:
+            s0, n0 = int(cache_lens[b]), int(chunk_lens[b])
+            k_want[b, s0:s0 + n0], v_want[b, s0:s0 + n0] = k[b, :n0], v[b, :n0]
+        flag = torch.zeros(1, dtype=torch.int32)
+        kv_cache_write_reference(k_cache, v_cache, k, v, cache_lens, chunk_lens, error_flag=flag)
+        assert_bits_equal(k_cache, k_want)
+        assert_bits_equal(v_cache, v_want)
+        assert flag.item() == (not all(ok))
+
+
 @pytest.mark.parametrize("with_flag", [False, True])
 def test_opcheck(with_flag):
     a = _good_args()

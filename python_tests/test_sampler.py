@@ -1,5 +1,6 @@
 """The rollout sampler: cache vs no-cache decoding, folded vs separate commits, rules, EOS, TPF, errors."""
 
+import contextlib
 import dataclasses
 import os
 from typing import NamedTuple
@@ -458,6 +459,57 @@ def test_decoder_keeps_its_most_recently_used_graphs(model, monkeypatch):
     assert list(dec._graphs) == [("other", 8, None), ("sig", 2, None)]
 
 
+@pytest.mark.parametrize("kernels, pdl, outcomes", [
+    (True, None, ["fail", "ok"]),  # PDL was in play and its retry captured: it stays off
+    (True, "1", ["fail", "fail"]),  # the retry failed too: not PDL's doing, its switch as it was
+    (False, None, ["fail"]),  # the references ran (no kernels): no PDL to blame, no retry
+    (True, "0", ["fail"]),  # PDL already off: no retry
+])
+def test_capture_failure_blames_pdl_only_when_it_was_in_play(monkeypatch, kernels, pdl, outcomes):
+    """`_GraphedStep`'s fallback (run on the CPU with stand-ins for the CUDA graph API): a failed capture is
+    retried without programmatic dependent launch only when the step's kernels launched with it; LRF_PDL is
+    set to 0 for the process only when the retry then captures, and gets its old value back otherwise."""
+    import lightningrl_fast.sampler as sampler
+
+    if pdl is None:
+        monkeypatch.delenv("LRF_PDL", raising=False)
+    else:
+        monkeypatch.setenv("LRF_PDL", pdl)
+    monkeypatch.setattr(sampler, "_kernels_launch", lambda: kernels)
+    seen = []
+
+    class Capture:
+        def __init__(self, graph, pool=None, stream=None):
+            seen.append((os.environ.get("LRF_PDL"), pool))
+
+        def __enter__(self):
+            if outcomes[len(seen) - 1] == "fail":
+                raise RuntimeError("simulated capture failure")
+
+        def __exit__(self, *exc):
+            return False
+
+    cuda = sampler.torch.cuda
+    monkeypatch.setattr(cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(cuda, "graph", Capture)
+    monkeypatch.setattr(cuda, "current_stream", lambda d=None: "current")
+    monkeypatch.setattr(cuda, "set_stream", lambda s: None)
+    monkeypatch.setattr(cuda, "graph_pool_handle", lambda: "new pool")
+    ran = []
+    step = sampler._GraphedStep(lambda: ran.append(1), "pool", type("S", (), {"device": "cuda:0"})())
+    with pytest.warns(RuntimeWarning) as warned:
+        step()
+    # the eager first call, and (this stand-in runs what it captures) the body of a capture that succeeded
+    assert len(seen) == len(outcomes) and len(ran) == 1 + (outcomes[-1] == "ok")
+    assert seen[0] == (pdl, "pool") and all(p == ("0", "new pool") for p in seen[1:])  # a retry: PDL off, own pool
+    assert (step.graph == "graph") == (outcomes[-1] == "ok") and step.failed == (outcomes[-1] == "fail")
+    assert os.environ.get("LRF_PDL") == ("0" if outcomes == ["fail", "ok"] else pdl)
+    assert [("retrying" in str(w.message), "eagerly" in str(w.message)) for w in warned] == (
+        [(True, False)] + ([(False, True)] if outcomes[-1] == "fail" else []) if len(outcomes) == 2
+        else [(False, True)])
+
+
 def test_pack_sizes():
     assert [_pack_rows(n) for n in range(1, 18)] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 12, 12, 14, 14, 16, 16, 20]
     assert [_pack_rows(n) for n in (31, 33, 100, 256, 257, 300, 513)] == [32, 40, 112, 256, 320, 320, 640]
@@ -714,9 +766,12 @@ def test_gpu_graphs_equal_eager(model, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("error:CUDA graph capture")  # the reference ops' step must capture too
 def test_gpu_kernels_equal_reference_ops(model, monkeypatch):
     """float32 weights, greedy, quota rule: the CUDA unmask / cache-write kernels and the PyTorch references give
-    the same tokens and steps (block attention has no fp32 kernel, so both runs use its reference)."""
+    the same tokens and steps (block attention has no fp32 kernel, so both runs use its reference). Both steps
+    are captured in CUDA graphs: the references keep static shapes and never read the device on the host (the
+    cache-write reference used to gather its pairs with a `nonzero`, so capture failed and was blamed on PDL)."""
     m = _on_cuda(model, torch.float32)
     prompts = prompts_of([2, 4, 6, 9, 13], seed=12)
     cfg = SamplerConfig(rule="quota", steps_per_block=2, temperature=0, max_new_tokens=20, eos_ids=(EOS,))

@@ -74,8 +74,8 @@ def block_attention_reference(
 ) -> torch.Tensor:
     """Pure-PyTorch block attention (writes the caches, then masked SDPA over them). Shapes as `block_attention`.
 
-    On CUDA the cache write goes through the kv_cache_write op (its kernel needs no host sync), so this
-    reference path can still be captured in a CUDA graph.
+    On CUDA the cache write goes through the kv_cache_write op (its kernel, or without kernels its reference:
+    neither syncs with the host), so this reference path can still be captured in a CUDA graph.
     """
     if q.is_cuda:
         kv_cache_write(k_cache, v_cache, k, v, cache_lens, chunk_lens, check_lengths=False)

@@ -38,18 +38,26 @@ def kv_cache_write_reference(
 ) -> None:
     """Reference of `kv_cache_write` (same arguments; no input validation).
 
-    Vectorized over the batch (no Python loop): the (row, token) pairs to copy are gathered with one
-    `nonzero`, which syncs on CUDA, so this path cannot be captured in a CUDA graph.
+    Vectorized over the batch at static shapes, with no host synchronization (so a decode step on the reference
+    ops can be captured in a CUDA graph): every (row, chunk token) pair writes one cache position, the ones that
+    copy nothing (past the row's chunk length, or a row whose lengths are out of range) included. Each pair writes
+    the value its target position must END with: a chunk token where the target is inside the row's written range
+    [cache_len, cache_len + chunk_len), the cache's own value elsewhere. So writes that land on one position (a
+    pair that copies nothing is clamped into the cache) all carry the same value, and their order does not matter.
     """
-    L, C = k_cache.shape[1], k.shape[1]
+    B, L, C = k_cache.shape[0], k_cache.shape[1], k.shape[1]
     start = cache_lens.to(torch.int64)
     n = chunk_lens.to(torch.int64)
     row_ok = (start >= 0) & (n >= 0) & (n <= C) & (start + n <= L)
-    take = (torch.arange(C, device=k.device) < n[:, None]) & row_ok[:, None]  # [B, C]
-    b_idx, t_idx = take.nonzero(as_tuple=True)
-    pos = start[b_idx] + t_idx
-    k_cache[b_idx, pos] = k[b_idx, t_idx]
-    v_cache[b_idx, pos] = v[b_idx, t_idx]
+    if L > 0 and C > 0 and B > 0:
+        pos = (start[:, None] + torch.arange(C, device=k.device)).clamp(0, L - 1)  # [B, C] target positions
+        rel = pos - start[:, None]  # [B, C] chunk token a target inside the written range takes
+        inside = (rel >= 0) & (rel < n[:, None]) & row_ok[:, None]  # [B, C]
+        rows = torch.arange(B, device=k.device)[:, None].expand(B, C)
+        src = rel.clamp(0, C - 1)
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            keep = inside.view(B, C, *([1] * (cache.dim() - 2)))
+            cache[rows, pos] = torch.where(keep, new[rows, src], cache[rows, pos])
     if error_flag is not None:  # element 0 = index (0, ..., 0), the kernel's data_ptr(), in any layout (view(-1) fails
         # on a non-contiguous flag)
         error_flag.as_strided((1,), (1,)).masked_fill_((~row_ok).any().view(1), 1)
