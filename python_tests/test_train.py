@@ -928,13 +928,18 @@ def test_cli_refuses_data_whose_prompts_all_exceed_the_positions(tmp_path, capsy
 
 @pytest.mark.gpu
 @pytest.mark.timeout(180)  # SFT + RL + eval with first compiles of flex attention (fwd + bwd) in each dtype
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_gpu_cli_smoke_runs_the_whole_loop_on_cuda(tmp_path, cache_env, capsys, dtype):
+@pytest.mark.parametrize("dtype, extra", [
+    ("bfloat16", []), ("float32", []),
+    # the memory options together: recompute under the compiled flex attention, the optimizer state streamed
+    # through two buffer sets with its copies back on a side stream, the KL reference evaluated layer by layer
+    ("bfloat16", ["--gradient-checkpointing", "--optimizer-offload", "--reference-offload", "--kl-beta", "0.05"]),
+], ids=["bf16", "fp32", "bf16-offloads"])
+def test_gpu_cli_smoke_runs_the_whole_loop_on_cuda(tmp_path, cache_env, capsys, dtype, extra):
     """The smoke run on the GPU with a model the kernels take (head_dim 64): SFT, CUDA-graph rollouts through the
     attention / unmask / norm kernels, the fused GRPO loss, MasterAdamW on bf16 weights, eval, checkpoint."""
     out = tmp_path / "run"
     argv = SMOKE + ["--out", str(out), "--device", "cuda", "--dtype", dtype, "--head-dim", "64", "--num-heads", "2",
-                    "--num-kv-heads", "1", "--steps", "2"]
+                    "--num-kv-heads", "1", "--steps", "2"] + extra
     assert T.main(argv) == 0
     metrics = L.read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
