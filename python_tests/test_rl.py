@@ -556,10 +556,10 @@ def test_update_stage_reports_the_mean_over_its_updates(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_clip_grads_takes_the_norm_in_fp32_whatever_the_gradient_dtype(dtype):
-    """One process clips like several ranks do: the norm of bf16 / fp16 gradients to fp32 accuracy (torch's
-    clip_grad_norm_ returned it in the gradients' dtype, ~3 digits in bf16), the gradients scaled by
-    grad_clip / norm (rounded once to their dtype), left alone below the clip or when the norm is not finite; odd
-    sizes, one empty parameter."""
+    """The one-process clip: the norm of bf16 / fp16 gradients to fp32 accuracy (torch's clip_grad_norm_ returned
+    it in the gradients' dtype, ~3 digits in bf16), the gradients scaled by grad_clip / norm (rounded once to their
+    dtype), left alone below the clip; fp32 gradients exactly as torch's clip_grad_norm_ leaves them; odd sizes,
+    one empty parameter."""
     from lightningrl_fast.rl.trainer import clip_grads_, optimizer_stage
 
     g = torch.Generator().manual_seed(5)
@@ -577,8 +577,16 @@ def test_clip_grads_takes_the_norm_in_fp32_whatever_the_gradient_dtype(dtype):
     before = [p.grad.clone() for p in params]
     assert clip_grads_(params, 10.0) == pytest.approx(1.0, rel=1e-2)  # below the clip: unchanged
     assert all(torch.equal(a, p.grad) for a, p in zip(before, params))
+    if dtype == torch.float32:  # torch's own, bit for bit (the embedded default's fp32 runs reproduce)
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=g) * 0.37).to(dtype)
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        for p, q in zip(params, theirs):
+            q.grad = p.grad.clone()
+        got, want = clip_grads_(params, 0.7), torch.nn.utils.clip_grad_norm_(theirs, 0.7)
+        assert got == float(want) and all(torch.equal(p.grad, q.grad) for p, q in zip(params, theirs))
     params[1].grad[3] = float("inf")
-    assert clip_grads_(params, 1.0) == float("inf") and torch.equal(params[0].grad, before[0])
+    assert clip_grads_(params, 1.0) == float("inf")  # the caller skips the update and clears the gradients
     assert clip_grads_([], 1.0) == 0.0
     if dtype == torch.bfloat16:  # the single-process optimizer step reports this norm (a bf16 model)
         model = tiny_rl_model(dtype=dtype, peaky=1.0)
