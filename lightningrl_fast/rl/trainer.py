@@ -370,7 +370,10 @@ def clip_grads_(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:
         return 0.0
     grads = [p.grad for p in params]
     dev = grads[0].device
-    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # [one 0-d fp32 tensor per parameter]
+    low = [g for g in grads if g.dtype in (torch.bfloat16, torch.float16)]
+    high = [g for g in grads if g.dtype not in (torch.bfloat16, torch.float16)]
+    norms = ((list(torch._foreach_norm(low, 2.0, dtype=torch.float32)) if low else [])  # 0-d, fp32 or wider
+             + (list(torch._foreach_norm(high, 2.0)) if high else []))
     total = torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), 2.0)
     torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
     return float(total)
