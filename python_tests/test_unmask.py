@@ -176,6 +176,27 @@ def test_reference_two_level_matches_naive(vocab, temp):
     torch.testing.assert_close(conf.double(), want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("noise", ["two_level", "per_token"])
+@pytest.mark.parametrize("top_k, top_p, greedy", [(0, 1.0, True), (0, 1.0, False), (7, 1.0, False),
+                                                  (0, 0.8, False), (30, 0.9, False)])
+def test_reference_slices_give_the_unsliced_picks(monkeypatch, noise, top_k, top_p, greedy):
+    """pick_tokens_reference works on slices of whole sequences (bounded temporaries for the GPU fallback of
+    truncated sampling): any slice size gives the one-slice picks, confidences and log-probs bit for bit (the
+    noise counters are keyed by the flat row in the whole batch). 7 sequences x 5 positions x vocab 1111 (two
+    buckets); slices of 1, 2, 3 and 7 sequences."""
+    import lightningrl_fast.ops.unmask as U
+
+    g = torch.Generator().manual_seed(17)
+    logits = torch.randn(7, 5, 1111, generator=g) * 2.5
+    logits[2, 1, 100:900] = float("-inf")
+    args = (torch.tensor([2**33 + 5]), torch.tensor([41]), 0.8, top_k, top_p, greedy, noise)
+    whole = pick_tokens_reference(logits, *args)
+    for per in (1, 2, 3, 7):
+        monkeypatch.setattr(U, "PICK_SLICE_ELEMS", per * 5 * 1111 + 3)
+        got = pick_tokens_reference(logits, *args)
+        assert all(torch.equal(a, b) for a, b in zip(got, whole)), per
+
+
 def bucket_chi2(noise, device="cpu", dtype=torch.float32):
     """3 buckets (vocab 3000): 8 heavy tokens across them (two on each side of a bucket edge) plus each
     bucket's bulk as one category; 20000 draws. Returns the chi-square statistic against softmax(logits / T)

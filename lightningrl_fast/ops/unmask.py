@@ -35,7 +35,8 @@ conf / logp match to ~1e-6 relative (to ~2^-24 (|s_pick| + |s_max|) where the sc
 T << 1), so a position at the threshold or tied in conf with another to that precision may select differently.
 Used when `kernel_supported(...)` holds; otherwise (float64 logits, top-k/top-p truncation while sampling,
 more than 1024 positions per row) the op runs the reference on the GPU — correct, but several passes over
-fp32 copies of the logits. Not supported: NaN or +inf logits (the reference's NaN ordering is not
+fp32 copies of the logits, a slice of sequences at a time (PICK_SLICE_ELEMS logits: its temporaries stay a few
+hundred MB whatever the batch). Not supported: NaN or +inf logits (the reference's NaN ordering is not
 reproduced); -inf logits are fine.
 """
 
@@ -99,12 +100,13 @@ def _gumbel(seed, offset, counter: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return -torch.log(-torch.log(philox_uniform(seed, offset, counter).to(dtype)))
 
 
-def _two_level_pick(scaled: torch.Tensor, seed, offset) -> torch.Tensor:
-    """Two-level Gumbel-max over the last dim of `scaled` [B, S, V] (module docstring): token ids [B, S]."""
+def _two_level_pick(scaled: torch.Tensor, seed, offset, row0: int = 0) -> torch.Tensor:
+    """Two-level Gumbel-max over the last dim of `scaled` [B, S, V] (module docstring): token ids [B, S]. `row0`:
+    the flat row index (b * S + s) of scaled[0, 0] in the whole batch, which the noise counters are keyed by."""
     bsz, s, vocab = scaled.shape
     nb = -(-vocab // BUCKET)
     dev = scaled.device
-    rows = torch.arange(bsz * s, device=dev, dtype=torch.int64).view(bsz, s, 1)
+    rows = row0 + torch.arange(bsz * s, device=dev, dtype=torch.int64).view(bsz, s, 1)
     padded = torch.nn.functional.pad(scaled, (0, nb * BUCKET - vocab), value=float("-inf"))
     mass = torch.logsumexp(padded.view(bsz, s, nb, BUCKET), dim=-1)  # [B, S, nb]
     bucket_ctr = BUCKET_TAG + rows * nb + torch.arange(nb, device=dev)  # [B, S, nb]
@@ -119,8 +121,27 @@ def _two_level_pick(scaled: torch.Tensor, seed, offset) -> torch.Tensor:
     return t.gather(-1, score.argmax(-1, keepdim=True)).squeeze(-1)
 
 
+# logits elements per slice of pick_tokens_reference: its temporaries (fp32 copies, a sort with int64 indices for
+# top-p, int64 noise counters for per-token noise) are a few times the slice, not a few times [B, S, V]
+# (rollouts at batch 256 x block 32 x vocab 151936 sampling with top-p would need ~40 GB at once, ~100 GB per-token)
+PICK_SLICE_ELEMS = 1 << 25
+
+
 def pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy, noise="two_level"):
-    """Per position: (token [B, S] int64, conf [B, S] fp32, logp [B, S] fp32) — see the module docstring."""
+    """Per position: (token [B, S] int64, conf [B, S] fp32, logp [B, S] fp32) — see the module docstring. Runs on
+    slices of whole sequences of about PICK_SLICE_ELEMS logits (static sizes: no host sync, capturable)."""
+    bsz, s, vocab = logits.shape
+    per = max(1, PICK_SLICE_ELEMS // max(1, s * vocab))  # sequences per slice
+    if bsz <= per:
+        return _pick_slice(logits, 0, seed, offset, temperature, top_k, top_p, greedy, noise)
+    parts = [_pick_slice(logits[b0:b0 + per], b0 * s, seed, offset, temperature, top_k, top_p, greedy, noise)
+             for b0 in range(0, bsz, per)]
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def _pick_slice(logits, row0, seed, offset, temperature, top_k, top_p, greedy, noise):
+    """`pick_tokens_reference` of the sequences `logits` [b, S, V], whose first row is flat row `row0` of the
+    batch (the noise counters are keyed by flat row)."""
     bsz, s, vocab = logits.shape
     lf = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
     temp = temperature if temperature > 0 else 1.0
@@ -129,9 +150,10 @@ def pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greed
     if greedy or temperature <= 0:
         tok = lf.argmax(-1)  # first maximal index
     elif noise == "two_level":
-        tok = _two_level_pick(_truncate(scaled, top_k, top_p), seed, offset)
+        tok = _two_level_pick(_truncate(scaled, top_k, top_p), seed, offset, row0)
     else:
-        counter = torch.arange(bsz * s * vocab, device=logits.device, dtype=torch.int64).view(bsz, s, vocab)
+        counter = (row0 * vocab + torch.arange(bsz * s * vocab, device=logits.device, dtype=torch.int64)).view(
+            bsz, s, vocab)
         tok = (_truncate(scaled, top_k, top_p) + _gumbel(seed, offset, counter, lf.dtype)).argmax(-1)
     logp = (scaled.gather(-1, tok[..., None]) - logz).squeeze(-1)
     return tok, logp.exp().float(), logp.float()
