@@ -239,12 +239,17 @@ def test_reference_is_vectorized_oracle_for_bad_rows():
     assert torch.equal(a["k_cache"][0, :3], a["k"][0]) and not a["k_cache"][1].any()
 
 
+@pytest.mark.parametrize("static", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_reference_random_lengths_with_clamped_targets_and_bad_rows(dtype):
-    """The static-shape reference (no host sync: capturable) writes every (row, chunk token) pair somewhere,
-    clamping targets past the cache into it, so several pairs can land on one position: each must carry the
-    value the position ends with. Random small shapes (chunks longer than the cache too), lengths from -2 to
-    past the cache: equal to the element loop, bad rows untouched and flagged, the rest of the cache untouched."""
+def test_reference_random_lengths_with_clamped_targets_and_bad_rows(monkeypatch, dtype, static):
+    """Both ways of the reference: the static-shape one (CUDA's: no host sync, capturable) writes every (row, chunk
+    token) pair somewhere, clamping targets past the cache into it, so several pairs can land on one position: each
+    must carry the value the position ends with; the CPU's copies only the pairs that copy. Random small shapes
+    (chunks longer than the cache too), lengths from -2 to past the cache: equal to the element loop, bad rows
+    untouched and flagged, the rest of the cache untouched."""
+    import lightningrl_fast.ops.kv_cache as K
+
+    monkeypatch.setattr(K, "_write_pairs", K._write_static if static else K._write_pairs)
     g = torch.Generator().manual_seed(3)
     rnd = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
     for _ in range(300):

@@ -36,31 +36,45 @@ def kv_cache_write_reference(
     chunk_lens: torch.Tensor,
     error_flag: torch.Tensor | None = None,
 ) -> None:
-    """Reference of `kv_cache_write` (same arguments; no input validation).
-
-    Vectorized over the batch at static shapes, with no host synchronization (so a decode step on the reference
-    ops can be captured in a CUDA graph): every (row, chunk token) pair writes one cache position, the ones that
-    copy nothing (past the row's chunk length, or a row whose lengths are out of range) included. Each pair writes
-    the value its target position must END with: a chunk token where the target is inside the row's written range
-    [cache_len, cache_len + chunk_len), the cache's own value elsewhere. So writes that land on one position (a
-    pair that copies nothing is clamped into the cache) all carry the same value, and their order does not matter.
-    """
-    B, L, C = k_cache.shape[0], k_cache.shape[1], k.shape[1]
+    """Reference of `kv_cache_write` (same arguments; no input validation). Vectorized over the batch, two ways:
+    on CUDA at static shapes with no host synchronization (`_write_static`: a decode step on the reference ops can
+    be captured in a CUDA graph), elsewhere only the pairs that copy (`_write_pairs`: a few times faster on the
+    CPU, where a host read costs nothing)."""
     start = cache_lens.to(torch.int64)
     n = chunk_lens.to(torch.int64)
-    row_ok = (start >= 0) & (n >= 0) & (n <= C) & (start + n <= L)
-    if L > 0 and C > 0 and B > 0:
-        pos = (start[:, None] + torch.arange(C, device=k.device)).clamp(0, L - 1)  # [B, C] target positions
-        rel = pos - start[:, None]  # [B, C] chunk token a target inside the written range takes
-        inside = (rel >= 0) & (rel < n[:, None]) & row_ok[:, None]  # [B, C]
-        rows = torch.arange(B, device=k.device)[:, None].expand(B, C)
-        src = rel.clamp(0, C - 1)
-        for cache, new in ((k_cache, k), (v_cache, v)):
-            keep = inside.view(B, C, *([1] * (cache.dim() - 2)))
-            cache[rows, pos] = torch.where(keep, new[rows, src], cache[rows, pos])
+    row_ok = (start >= 0) & (n >= 0) & (n <= k.shape[1]) & (start + n <= k_cache.shape[1])
+    (_write_static if k_cache.is_cuda else _write_pairs)(k_cache, v_cache, k, v, start, n, row_ok)
     if error_flag is not None:  # element 0 = index (0, ..., 0), the kernel's data_ptr(), in any layout (view(-1) fails
         # on a non-contiguous flag)
         error_flag.as_strided((1,), (1,)).masked_fill_((~row_ok).any().view(1), 1)
+
+
+def _write_pairs(k_cache, v_cache, k, v, start, n, row_ok) -> None:
+    """The (row, token) pairs that copy, gathered with one `nonzero` (a host sync on CUDA)."""
+    take = (torch.arange(k.shape[1], device=k.device) < n[:, None]) & row_ok[:, None]  # [B, C]
+    b_idx, t_idx = take.nonzero(as_tuple=True)
+    pos = start[b_idx] + t_idx
+    k_cache[b_idx, pos] = k[b_idx, t_idx]
+    v_cache[b_idx, pos] = v[b_idx, t_idx]
+
+
+def _write_static(k_cache, v_cache, k, v, start, n, row_ok) -> None:
+    """Every (row, chunk token) pair writes one cache position, the ones that copy nothing (past the row's chunk
+    length, or a row whose lengths are out of range) included, each the value its target must END with: a chunk
+    token where the target is inside the row's written range [cache_len, cache_len + chunk_len), the cache's own
+    value elsewhere. So writes that land on one position (a pair that copies nothing is clamped into the cache) all
+    carry the same value, and their order does not matter. No host read; static shapes."""
+    B, L, C = k_cache.shape[0], k_cache.shape[1], k.shape[1]
+    if L == 0 or C == 0 or B == 0:
+        return
+    pos = (start[:, None] + torch.arange(C, device=k.device)).clamp(0, L - 1)  # [B, C] target positions
+    rel = pos - start[:, None]  # [B, C] the chunk token a target inside the written range takes
+    inside = (rel >= 0) & (rel < n[:, None]) & row_ok[:, None]  # [B, C]
+    rows = torch.arange(B, device=k.device)[:, None].expand(B, C)
+    src = rel.clamp(0, C - 1)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        keep = inside.view(B, C, *([1] * (cache.dim() - 2)))
+        cache[rows, pos] = torch.where(keep, new[rows, src], cache[rows, pos])
 
 
 @torch.library.custom_op("lightningrl_fast::kv_cache_write", mutates_args=("k_cache", "v_cache", "error_flag"))
