@@ -35,9 +35,9 @@ step. `fold_commit=False` is an exception: it reads one flag every step (is any 
 due?). Packed steps are the other. With `cuda_graphs` the step is captured once per working-set size (and packed
 size; on the model's device, current or not) and replayed. The random stream is Philox keyed by `seed` with a
 per-step offset, so the same seed and settings give the same tokens. A row's noise depends on its place in the
-working set, which a compaction changes, and compactions happen at the host checks: every step on the CPU, for
-packed steps and with `fold_commit=False`, else every `sync_every` steps. So on CUDA sampled rows (not greedy
-ones) may decode other tokens under another `sync_every`, `pack` mode or `fold_commit`, as under another seed.
+working set, which a compaction changes, and compactions happen at the host checks: every step on the CPU and
+for packed steps, else every `sync_every` steps. So on CUDA sampled rows (not greedy ones) may decode other
+tokens under another `sync_every` or `pack` mode, as under another seed.
 
 Packed steps (`pack`): the step's query chunk is [n, 2B] (a row folding a commit needs both blocks), but most rows
 need only their current block, and finished rows nothing. On CUDA shapes are static, so the projections and the
