@@ -132,7 +132,7 @@ def pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greed
     slices of whole sequences of about PICK_SLICE_ELEMS logits (static sizes: no host sync, capturable)."""
     bsz, s, vocab = logits.shape
     per = max(1, PICK_SLICE_ELEMS // max(1, s * vocab))  # sequences per slice
-    if bsz <= per:
+    if bsz <= per or torch.compiler.is_compiling():  # compiled: one graph, not one unrolled per slice (and fused)
         return _pick_slice(logits, 0, seed, offset, temperature, top_k, top_p, greedy, noise)
     parts = [_pick_slice(logits[b0:b0 + per], b0 * s, seed, offset, temperature, top_k, top_p, greedy, noise)
              for b0 in range(0, bsz, per)]
