@@ -18,7 +18,9 @@ overstates DRAM bandwidth). Columns (microseconds):
   kernel_us  _C.block_attention (chunk write + attention; split count chosen by the launcher), device time,
              the automatic variant (mma.sync)
   wgmma_us   the same with the wgmma variant (sm_90 GPUs; "-" elsewhere); wg_x = kernel_us / wgmma_us (> 1: the
-             wgmma variant is faster)
+             wgmma variant is faster). Not yet run on hardware: by default (--wgmma probe) a child process first
+             runs it once on every row shape, and a failure there (a fault's sticky CUDA error would end this
+             process) leaves its columns out of the run, said on the console and in the final line's wgmma_note
   call_us    the same, one eager call between CUDA events (what the first lease measured: it includes the
              host's argument checks, output / partial allocation and launches whenever the GPU waits for them)
   ref_us     the op's PyTorch reference (cache write + masked SDPA over the whole cache)
@@ -232,7 +234,7 @@ def fa_baseline(sets, C, bs, device):
     return device_time(make_run, sets, device)
 
 
-def bench_row(kind, B, L, bs, C, dtype, device, kernels, bw, baselines=True, splits=()):
+def bench_row(kind, B, L, bs, C, dtype, device, kernels, bw, baselines=True, splits=(), wgmma=True):
     t = make(B, L, C, dtype, device)
     q, k, v, kc, vc, cl, nl = t
     row = {"kind": kind, "B": B, "cache": L, "block": bs, "C": C}
@@ -251,7 +253,7 @@ def bench_row(kind, B, L, bs, C, dtype, device, kernels, bw, baselines=True, spl
         want = block_attention_reference(*(x[:n] for x in t), bs, scale)
         bad = {}
         for name, code in (("mma", VARIANTS["auto"]), ("wgmma", VARIANTS["wgmma"])):
-            if name == "mma" or has_wgmma(device):
+            if name == "mma" or (wgmma and has_wgmma(device)):
                 bad[name] = check(lambda: kern(q, k, v, kc, vc, cl, nl, bs, scale, 0, code)[:n], want)
         row["check"] = "; ".join(f"{v_} {e}" for v_, e in bad.items() if e) or "ok"
         if bad["mma"] is None:
@@ -307,6 +309,40 @@ def bench_row(kind, B, L, bs, C, dtype, device, kernels, bw, baselines=True, spl
     return row
 
 
+def wgmma_probe(shapes, dtype_name: str, timeout_s: float = 120.0) -> str | None:
+    """Run the wgmma variant once on every row shape `shapes` ([kind, B, L, bs, C]) in a child process (not yet run
+    on hardware: a fault there leaves a sticky CUDA error that would end this process, and with it the mma.sync
+    rows and the split sweep). None when the child ran them all; else why the variant is left out of the run."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--wgmma-probe", json.dumps(shapes), "--dtype", dtype_name]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"the wgmma probe did not finish in {timeout_s:.0f} s"
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1][:160]
+        return f"the wgmma probe failed (exit {r.returncode}: {tail})"
+    return None
+
+
+def wgmma_probe_child(shapes_json: str, dtype) -> None:
+    """--wgmma-probe: one wgmma call per shape, synchronized, no error handling (any failure ends the process with
+    a non-zero status, which is the answer)."""
+    import json
+
+    device = torch.device("cuda")
+    kern = _ext.ext().block_attention
+    for kind, B, L, bs, C in json.loads(shapes_json):
+        q, k, v, kc, vc, cl, nl = make(B, L, C, dtype, device)
+        kern(q, k, v, kc, vc, cl, nl, bs, D**-0.5, 0, VARIANTS["wgmma"])
+        torch.cuda.synchronize(device)
+        del q, k, v, kc, vc
+        torch.cuda.empty_cache()
+    print(f"wgmma probe: {len(json.loads(shapes_json))} shapes ran")
+
+
 def has_wgmma(device) -> bool:
     """The wgmma variant runs on sm_90 GPUs (H100 / H200) only."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
@@ -344,6 +380,10 @@ def main() -> None:
     ap.add_argument("--variant", choices=tuple(VARIANTS), default="auto", help="--ncu: the kernel variant profiled")
     ap.add_argument("--splits", type=ints, default=[], help="decode rows: also time the mma.sync kernel forced to "
                     "each of these KV split counts (1..64), e.g. 1,4,8,16,32,64")
+    ap.add_argument("--wgmma", choices=("probe", "on", "off"), default="probe",
+                    help="the wgmma variant's columns (sm_90): probe = only after it ran every row shape in a child "
+                    "process (default), on = without the probe, off = never")
+    ap.add_argument("--wgmma-probe", metavar="SHAPES_JSON", help=argparse.SUPPRESS)  # the probe's child process
     args = ap.parse_args()
     if any(n > 64 for n in args.splits):
         ap.error(f"--splits: at most 64 KV splits (kernels::kBlockAttnMaxSplits), got {max(args.splits)}")
@@ -352,6 +392,8 @@ def main() -> None:
     on_gpu = device.type == "cuda"
     kernels = on_gpu and _ext.has_cuda_kernels() and hasattr(_ext.ext(), "block_attention")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.wgmma_probe:
+        return wgmma_probe_child(args.wgmma_probe, dtype)
     if args.ncu:
         if not kernels:
             raise SystemExit("--ncu needs a GPU and a CUDA build of lightningrl_fast._C")
@@ -370,12 +412,21 @@ def main() -> None:
     bw = copy_bandwidth_gbs(device)
     print(f"device: {device_name(device)}; copy bandwidth {bw:.0f} GB/s; Hq={HQ} Hkv={HKV} D={D} {str(dtype)[6:]}")
 
+    wgmma, wgmma_note = kernels and has_wgmma(device) and args.wgmma != "off", None
+    if wgmma and args.wgmma == "probe":
+        shapes = [["decode", *d] for d in decode] + [["prefill", B, 0, bs, P] for B, P, bs in prefill]
+        wgmma_note = wgmma_probe(shapes, args.dtype)
+        wgmma = wgmma_note is None
+        print(f"wgmma variant: {wgmma_note}; its columns are left out" if wgmma_note else
+              f"wgmma variant: ran every row shape in a child process ({len(shapes)})")
     rows = RowLog("block_attention", device=device_name(device), copy_gbs=round(bw, 1), dtype=str(dtype)[6:],
-                  hq=HQ, hkv=HKV, head_dim=D)
+                  hq=HQ, hkv=HKV, head_dim=D, wgmma_note=wgmma_note)
     for B, L, bs, C in decode:
-        rows.append(bench_row("decode", B, L, bs, C, dtype, device, kernels, bw, not args.no_baselines, args.splits))
+        rows.append(bench_row("decode", B, L, bs, C, dtype, device, kernels, bw, not args.no_baselines, args.splits,
+                              wgmma))
     for B, P, bs in prefill:
-        rows.append(bench_row("prefill", B, 0, bs, P, dtype, device, kernels, bw, not args.no_baselines))
+        rows.append(bench_row("prefill", B, 0, bs, P, dtype, device, kernels, bw, not args.no_baselines,
+                              wgmma=wgmma))
     cols = ["kind", "B", "cache", "block", "C", "sets", "l2", "check", "kernel_us", "wgmma_us", "wg_x", "call_us",
             "ref_us", "sdpa_us", "sdpa", "flex_us", "fa_us", "best", "GB/s", "%copy", "TFLOP/s", "vs_best", "vs_flex"]
     if args.splits:

@@ -135,15 +135,24 @@ def graph_time_us(fns: Sequence[Callable[[], object]], device: torch.device, min
     return 1e3 * ms / len(calls)
 
 
+SLOW_CALL_MS = 2.0  # device_time: a call at least this long is timed with few repeats (a slow baseline)
+
+
 def device_time(fns: Sequence[Callable[[], object]], device: torch.device, min_calls: int = 8) -> tuple[float, str]:
-    """(microseconds per call, how): `graph_time_us(fns, device, min_calls)` ("graph"), or where the capture fails
-    (or off CUDA) the eager per-call time between CUDA events of calls cycling through `fns` ("eager": host launch
-    overhead included, over the same input rotation as the graph, not one set that stays in L2)."""
-    us = graph_time_us(fns, device, min_calls=min_calls)
+    """(microseconds per call, how): `graph_time_us(fns, device, min_calls)` ("graph"), or where the capture fails (or
+    off CUDA) the eager per-call time between CUDA events of calls cycling through `fns` ("eager": host launch
+    overhead included, over the same input rotation as the graph, not one set that stays in L2). A call that
+    takes >= SLOW_CALL_MS on its own (one call after a warm-up one, first) is timed with one call per replay and
+    3 replays: a baseline at 50 ms a call (FlexAttention on some decode shapes) would otherwise cost ~10 s of a
+    GPU lease per column."""
+    slow = device.type == "cuda" and time_fn(fns[0], device=device, warmup=1, iters=1) >= SLOW_CALL_MS
+    reps = dict(min_calls=1, warmup=1, iters=3) if slow else dict(min_calls=min_calls)
+    us = graph_time_us(fns, device, **reps)
     if us is not None:
         return us, "graph"
     nxt = itertools.cycle(fns)
-    return 1e3 * time_fn(lambda: next(nxt)(), device=device), "eager"
+    return 1e3 * (time_fn(lambda: next(nxt)(), device=device, warmup=1, iters=3) if slow
+                  else time_fn(lambda: next(nxt)(), device=device)), "eager"
 
 
 class ColumnTimes:

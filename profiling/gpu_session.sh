@@ -160,8 +160,8 @@ for s in "${stages[@]}"; do
       [ -n "$so" ] || { echo "sass: lightningrl_fast._C does not import"; exit 1; }
       objdump=$(command -v cuobjdump || echo "$CUDA_HOME/bin/cuobjdump")
       full=$(mktemp)  # the whole SASS once (tens of MB), then one pass per kernel family
-      { "$objdump" --dump-sass "$so" >"$full"
-        "$objdump" --list-elf "$so"
+      { timeout 60 "$objdump" --dump-sass "$so" >"$full"
+        timeout 30 "$objdump" --list-elf "$so"
         for k in block_attn unmask lm_head group_normalize kv_cache linear_kernel rms_norm qk_norm_rope silu_mul; do
           echo "--- $k: instruction mix"
           awk -v k="$k" '/Function :/ {on = index($0, k) > 0} on' "$full" \

@@ -547,3 +547,33 @@ def test_timer_adds_up_its_blocks_and_nvtx_ranges_are_free_without_cuda():
     assert 0.0 <= u.seconds < 1.0
     assert copy_bandwidth_gbs(torch.device("cpu")) is None  # a CUDA-only probe: no figure off CUDA
 
+
+
+def test_bench_block_attn_probes_the_wgmma_variant_in_a_child_process():
+    """The wgmma variant (never run on hardware) runs every row shape in a child process before its columns are
+    timed: a child that ran them all (here: no shape) lets it in, one that fails (here: no GPU for the one shape)
+    keeps it out with the reason, so a fault cannot end the bench's own process and its mma.sync rows."""
+    from lightningrl_fast import _ext
+
+    if _ext.ext() is None or not hasattr(_ext.ext(), "block_attention"):
+        pytest.skip("the extension has no block_attention entry point")
+    ba = profiling_module("bench_block_attn")
+    assert ba.wgmma_probe([], "bf16") is None
+    if not torch.cuda.is_available():
+        note = ba.wgmma_probe([["decode", 1, 64, 4, 4]], "bf16")
+        assert note is not None and note.startswith("the wgmma probe failed (exit "), note
+
+
+def test_device_time_times_a_slow_call_with_few_repeats(monkeypatch):
+    """A call of >= SLOW_CALL_MS (a slow baseline) is timed with one call per replay and 3 replays instead of
+    8 calls x (3 + 20): the first lease's FlexAttention at 57.7 ms a call would have taken ~10 s a column."""
+    common = profiling_module("common")
+    seen = []
+    monkeypatch.setattr(common, "time_fn", lambda fn, *, device, warmup=10, iters=50: (seen.append((warmup, iters)),
+                                                                                        ms)[1])
+    monkeypatch.setattr(common, "graph_time_us", lambda fns, device, **kw: (seen.append(kw), 7.0)[1])
+    cuda = torch.device("cuda")
+    for ms, want in ((5.0, dict(min_calls=1, warmup=1, iters=3)), (0.5, dict(min_calls=8))):
+        seen.clear()
+        assert common.device_time([lambda: None], cuda) == (7.0, "graph")
+        assert seen == [(1, 1), want], seen
