@@ -28,6 +28,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -118,7 +119,8 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
     const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& masked, const at::Tensor& step_map,
     const at::Tensor& logp, const at::Tensor& conf, const at::Tensor& step, const at::Tensor& quota,
     const at::Tensor& eos_ids, const at::Tensor& seed, const at::Tensor& offset, double threshold,
-    double temperature, int64_t top_k, double top_p, bool greedy, bool two_level) {
+    double temperature, int64_t top_k, double top_p, bool greedy, bool two_level,
+    const std::optional<at::Tensor>& noise_rows) {
   CHECK_CUDA(logits);
   CHECK_DIM(logits, 3);
   const int64_t B = logits.size(0), S = logits.size(1), V = logits.size(2);
@@ -154,6 +156,15 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
   CHECK_SAME_DEVICE(logits, eos_ids);
   CHECK_SAME_DEVICE(logits, seed);
   CHECK_SAME_DEVICE(logits, offset);
+  if (noise_rows.has_value()) {
+    const at::Tensor& nr = *noise_rows;
+    LRF_CHECK(nr.dim() == 1 && nr.size(0) == B, "noise_rows must have shape [", B, "] (one per sequence), got ",
+              nr.sizes());
+    LRF_CHECK(nr.scalar_type() == at::kLong, "noise_rows must have dtype Long, got ", nr.scalar_type());
+    LRF_CHECK(nr.device() == logits.device(), "logits is on ", logits.device(), " but noise_rows is on ", nr.device());
+    check_no_overlaps({{"tokens", tokens}, {"masked", masked}, {"step_map", step_map}, {"logp", logp}, {"conf", conf}},
+                      {{"noise_rows", nr}});
+  }
   CHECK_NO_INTERNAL_OVERLAP(tokens);
   CHECK_NO_INTERNAL_OVERLAP(masked);
   CHECK_NO_INTERNAL_OVERLAP(step_map);
@@ -234,6 +245,7 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
   p.num_eos = static_cast<int32_t>(eos_ids.numel());
   p.seed = seed.data_ptr<int64_t>();
   p.offset = offset.data_ptr<int64_t>();
+  p.noise_rows = noise_rows.has_value() ? vec<int64_t>(*noise_rows) : kernels::Vec<const int64_t>{nullptr, 0};
   p.block_done = block_done.data_ptr<bool>();
   p.eos_seen = eos_seen.data_ptr<bool>();
   p.batch = static_cast<int32_t>(B);

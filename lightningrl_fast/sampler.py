@@ -34,10 +34,10 @@ synchronization; the "all finished?" test reads one flag every `sync_every` step
 step. `fold_commit=False` is an exception: it reads one flag every step (is any row's separate commit forward
 due?). Packed steps are the other. With `cuda_graphs` the step is captured once per working-set size (and packed
 size; on the model's device, current or not) and replayed. The random stream is Philox keyed by `seed` with a
-per-step offset, so the same seed and settings give the same tokens. A row's noise depends on its place in the
-working set, which a compaction changes, and compactions happen at the host checks: every step on the CPU and
-for packed steps, else every `sync_every` steps. So on CUDA sampled rows (not greedy ones) may decode other
-tokens under another `sync_every` or `pack` mode, as under another seed.
+per-step offset, and each row draws the noise of its index in the request (`noise_rows`), not of its place in the
+working set, so the same seed gives the same tokens whatever the compaction did: compactions happen at the host
+checks (every step on the CPU and for packed steps, else every `sync_every` steps), and neither `sync_every`,
+`pack` nor `compact` changes sampled tokens (beyond the GEMMs' rounding on CUDA).
 
 Packed steps (`pack`): the step's query chunk is [n, 2B] (a row folding a commit needs both blocks), but most rows
 need only their current block, and finished rows nothing. On CUDA shapes are static, so the projections and the
@@ -51,8 +51,7 @@ tokens (where the GEMMs start to be compute-bound on an H100; smaller steps stre
 path), and always packs the prefill and the separate commit forwards, whose token counts the host knows.
 `"on"` packs every step on any device (the tests' way to run the packed path on the CPU), `"off"` never. Each
 row computes what the unpacked step computes (on the CPU the tests find the same tokens, greedy and sampled; on
-CUDA the GEMMs run at another size and may round differently, and sampled rows may draw other noise after a
-compaction, see above).
+CUDA the GEMMs run at another size and may round differently).
 
 The mask token is taken out of the distribution (logit -inf) before picks and confidences, so a position is
 never "unmasked" to it; SDAR's reference `block_diffusion_generate` keeps it in the softmax, so where a model
@@ -155,7 +154,7 @@ def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int
     block_done, eos_seen = threshold_unmask(
         logits, tok, msk, smap, lp, cf, st.steps, _quota(st, cfg, bs), eos_ids, st.seed, st.offset,
         threshold=cfg.threshold, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, greedy=cfg.greedy,
-        noise=cfg.noise,
+        noise=cfg.noise, noise_rows=st.row_ids,  # a row's noise follows the request's row, wherever it sits
     )
     for full, part in ((st.seq, tok), (st.masked, msk), (st.step_map, smap), (st.logp, lp), (st.conf, cf)):
         full.scatter_(1, bidx, part)

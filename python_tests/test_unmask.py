@@ -377,6 +377,38 @@ def test_determinism_and_opcheck():
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     torch.library.opcheck(torch.ops.lightningrl_fast.threshold_unmask.default,
                           (*[x.clone() for x in state], *extra, 0.9, 1.0, 0, 1.0, False, "two_level"))
+    torch.library.opcheck(torch.ops.lightningrl_fast.threshold_unmask.default,
+                          (*[x.clone() for x in state], *extra, 0.9, 1.0, 0, 1.0, False, "per_token",
+                           torch.tensor([5, 2])))
+
+
+@pytest.mark.parametrize("noise", ["two_level", "per_token"])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (9, 0.85)])
+def test_noise_rows_keep_a_sequences_noise_wherever_it_sits(noise, top_k, top_p):
+    """noise_rows: sequence b draws the noise of sequence noise_rows[b] of the default numbering. A batch
+    reordered (and cut to a subset, as the decoder's compaction does) with noise_rows naming each sequence's
+    original index decodes exactly as the original batch did (tokens, confidences, log-probs, every in-place
+    output and flag); without it, the reordered sequences draw other noise. Vocab 2111 (three buckets)."""
+    state = make_state(5, 4, 2111, seed=31, frac_masked=0.9)
+    step = torch.arange(5, dtype=torch.int32)
+    quota = torch.tensor([1, 2, 1, 3, 1], dtype=torch.int32)
+    extra = (step, quota, torch.tensor([1, 3]), torch.tensor([2**40 + 3]), torch.tensor([17]))
+    kw = dict(threshold=0.6, temperature=1.3, top_k=top_k, top_p=top_p, noise=noise)
+    whole = [x.clone() for x in state]
+    flags = threshold_unmask(*whole, *extra, **kw)
+    keep = torch.tensor([4, 1, 3])  # a subset, reordered
+    sub = [x[keep].clone() for x in state]
+    sub_extra = (step[keep], quota[keep], *extra[2:])
+    got = threshold_unmask(*sub, *sub_extra, **kw, noise_rows=keep.clone())
+    assert all(torch.equal(a, b[keep]) for a, b in zip(sub[1:], whole[1:]))
+    assert all(torch.equal(a, b[keep]) for a, b in zip(got, flags))
+    plain = [x[keep].clone() for x in state]
+    threshold_unmask(*plain, *sub_extra, **kw)
+    assert not torch.equal(plain[1], sub[1])  # the default numbering: other noise, other tokens
+    # the identity numbering is the default
+    ident = [x.clone() for x in state]
+    threshold_unmask(*ident, *extra, **kw, noise_rows=torch.arange(5))
+    assert all(torch.equal(a, b) for a, b in zip(ident, whole))
 
 
 def test_bad_inputs():
@@ -391,6 +423,12 @@ def test_bad_inputs():
         threshold_unmask(*state, *extra, top_p=0.0)
     with pytest.raises(ValueError, match="noise must be one of"):
         threshold_unmask(*state, *extra, noise="per_bucket")
+    with pytest.raises(ValueError, match=r"noise_rows must have shape \[2\]"):
+        threshold_unmask(*state, *extra, noise_rows=torch.arange(3))
+    with pytest.raises(TypeError, match="noise_rows must have dtype"):
+        threshold_unmask(*state, *extra, noise_rows=torch.arange(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="noise_rows"):  # an output sharing its memory
+        threshold_unmask(state[0], state[1], *state[2:], *extra, noise_rows=state[1][:, 0])
     with pytest.raises(ValueError, match=r"top_k must be >= 0 \(0 = off\), got -1"):
         threshold_unmask(*state, *extra, top_k=-1)
     with pytest.raises(ValueError, match="top_p must be in .*got nan"):

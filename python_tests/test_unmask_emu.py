@@ -27,13 +27,14 @@ class Emulated:
         fn = lib.emu_threshold_unmask
         fn.restype = i32
         fn.argtypes = [i32, p, i64, i64, i32, i32, i32, p, p, p, p, p, p, p, p, i32, p, p, ctypes.c_double,
-                       ctypes.c_double, i32, i32, p, p, i64, i32, ctypes.c_uint64, p, p]
+                       ctypes.c_double, i32, i32, p, p, i64, i32, ctypes.c_uint64, p, p, p, i64]
         self.fn = fn
         self.take_draws = lib.emu_take_gumbel_draws
         self.take_draws.restype = ctypes.c_uint64
 
     def __call__(self, logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-                 threshold=0.9, temperature=1.0, greedy=False, noise="two_level", slots=528, split=0, order=1):
+                 threshold=0.9, temperature=1.0, greedy=False, noise="two_level", slots=528, split=0, order=1,
+                 noise_rows=None):
         b, s, vocab = logits.shape
         assert logits.stride(-1) == 1 or vocab == 1
         for t in (tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset):
@@ -48,7 +49,9 @@ class Emulated:
                      step.data_ptr(), quota.data_ptr(), eos_ids.data_ptr(), eos_ids.numel(), seed.data_ptr(),
                      offset.data_ptr(), threshold, temperature, int(greedy), int(noise == "two_level"),
                      done.data_ptr(), eos_seen.data_ptr(),
-                     slots, split, order, ctypes.byref(nsplit), strides.data_ptr())
+                     slots, split, order, ctypes.byref(nsplit), strides.data_ptr(),
+                     None if noise_rows is None else noise_rows.data_ptr(),
+                     0 if noise_rows is None else noise_rows.stride(0))
         assert rc == 0, "the kernel left a sequence or row counter non-zero"
         assert bool((done <= 1).all() and (eos_seen <= 1).all()), f"flags left unwritten: {done}, {eos_seen}"
         self.nsplit = nsplit.value
@@ -61,12 +64,30 @@ def emu(emu_build):
     return Emulated(ctypes.CDLL(str(emu_build("unmask_emu.cpp", shared=True, cuda_headers=True))))
 
 
-def run_both(emu, state, extra, threshold, temperature, greedy, noise="two_level", **emu_kw):
+def run_both(emu, state, extra, threshold, temperature, greedy, noise="two_level", noise_rows=None, **emu_kw):
     ref = clone(state)
-    want = threshold_unmask_reference(*ref, *extra, threshold, temperature, 0, 1.0, greedy, noise)
+    want = threshold_unmask_reference(*ref, *extra, threshold, temperature, 0, 1.0, greedy, noise, noise_rows)
     got = clone(state)
-    flags = emu(*got, *extra, threshold=threshold, temperature=temperature, greedy=greedy, noise=noise, **emu_kw)
+    flags = emu(*got, *extra, threshold=threshold, temperature=temperature, greedy=greedy, noise=noise,
+                noise_rows=noise_rows, **emu_kw)
     return got, flags, ref, want
+
+
+@pytest.mark.parametrize("noise", ["two_level", "per_token"])
+@pytest.mark.parametrize("split", [0, 3])
+def test_emulated_noise_rows(emu, noise, split):
+    """noise_rows (a sequence's noise keyed by another row index; strided, as the launcher takes it): the
+    kernel's counters follow it in both noise modes, the bucket draws included, and with rows split over CTAs
+    (the row's own index still addresses logits, partials and counters); identical to the reference."""
+    b, s, vocab = 4, 3, 3001
+    state, extra = case(b, s, vocab, torch.bfloat16, seed=77, frac_masked=0.9, quota=(1, 2, 1, 3))
+    rows = torch.tensor([9, -1, 6, -1, 0, -1, 2, -1])[::2]  # every other element: stride 2
+    got, flags, ref, want = run_both(emu, state, extra, 0.4, 0.9, False, noise, noise_rows=rows, split=split,
+                                     order=5)
+    assert_same_step(got, flags, ref, want)
+    plain = clone(state)
+    emu(*plain, *extra, threshold=0.4, temperature=0.9, greedy=False, noise=noise, split=split)
+    assert not torch.equal(plain[1], got[1])  # the default numbering draws other noise
 
 
 
@@ -267,13 +288,15 @@ def test_emulated_unmask_random_config(emu, case):
     EOS ids (none, in and out of the vocabulary); row layouts (dense, misaligned start, padded rows, transposed
     batch / positions, a broadcast batch); the outputs' layout (dense, padded rows, every other position,
     transposed; nothing outside them written) and the step / quota / EOS arrays' (dense, every other element);
+    noise_rows (none, a permutation, any indices; dense or every other element);
     Philox seed and offset; the emulator's schedule (launch order,
     random interleavings, warp-greedy). Draws whose expected result hangs on a near-tie the kernel may round
     the other way (ops/unmask.py) are redrawn. Outputs and flags poisoned."""
 
     def run(state, extra, c):
         flags = emu(*state, *extra, threshold=c["threshold"], temperature=c["temperature"], greedy=c["greedy"],
-                    noise=c["noise"], slots=c["slots"], split=c["split"], order=c["order"])
+                    noise=c["noise"], slots=c["slots"], split=c["split"], order=c["order"],
+                    noise_rows=c["noise_rows"])
         assert c["split"] == 0 or emu.nsplit == c["split"], f"the emulator ran split {emu.nsplit}"
         return flags
 

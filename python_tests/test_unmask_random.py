@@ -317,15 +317,26 @@ def draw_unmask_config(case, device="cpu", gpu=False) -> dict:
     # drawn last, so the draws above are those of the cases before layouts were drawn
     out_layout = rng.choice(["dense", "dense", "padded", "every other", "transposed"])
     in_layout = rng.choice(["dense", "every other"])
+    # drawn after the layouts, likewise: none (the default numbering), a permutation, or any non-negative indices
+    # (repeats included), laid out dense or every other element
+    rows_kind = rng.choice(["none", "none", "permutation", "any"])
+    noise_rows = None
+    if rows_kind != "none":
+        cpu_gen = torch.Generator().manual_seed(case)
+        noise_rows = (torch.randperm(b, generator=cpu_gen) if rows_kind == "permutation"
+                      else torch.randint(0, 3 * b + 5, (b,), generator=cpu_gen))
+        noise_rows = _laid_out(noise_rows.to(device), in_layout)[0]
     config = (f"case {case}: {dtype} B={b} S={s} V={vocab} mode={mode} greedy={greedy} noise={noise} T={temperature} "
               f"top_k={top_k} top_p={top_p} tau={threshold} frac_masked={frac:.2f} ({int(masked.sum())} masked) "
               f"quota={quota.tolist()} step={step.tolist()} eos={eos} seed={seed.item()} offset={offset.item()} "
               f"{'(emulator only: ' if gpu else ''}slots={slots} split={split} (launcher max {max_split}) "
               f"order={order:#x}{')' if gpu else ''} layout={layout} outputs={out_layout} step/quota/eos={in_layout} "
+              f"noise_rows={None if noise_rows is None else noise_rows.tolist()} "
               f"logits: {', '.join(feats)}; redrawn {attempt}x" + (f" (still: {why})" if why else ""))
     return dict(state=state, extra=extra, threshold=threshold, temperature=temperature, greedy=greedy, noise=noise,
                 top_k=top_k, top_p=top_p, slots=slots, split=split, order=order, ref_logits=ref_logits, ref_t=ref_t,
-                dense=dense, masked=masked, config=config, out_layout=out_layout, in_layout=in_layout)
+                dense=dense, masked=masked, config=config, out_layout=out_layout, in_layout=in_layout,
+                noise_rows=noise_rows)
 
 
 def _laid_out(t: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,7 +380,7 @@ def check_random_config(case, run, device="cpu", gpu=False):
     ref = clone(c["state"])
     ref[0] = c["ref_logits"]
     want = threshold_unmask_reference(*ref, *c["extra"], c["threshold"], c["ref_t"], c["top_k"], c["top_p"],
-                                      c["greedy"], c["noise"])
+                                      c["greedy"], c["noise"], c["noise_rows"])
     # the kernel's inputs in the drawn layouts (a clone of a padded view is dense): the logits', the outputs' and
     # the per-sequence arrays'
     outs = [_laid_out(t, c["out_layout"]) for t in c["state"][1:]]
@@ -432,7 +443,8 @@ def op_runner(device):
         junk = [torch.full((512,), 0xA5, dtype=torch.uint8, device=device) for _ in range(64)]
         del junk
         flags = threshold_unmask(*state, *extra, threshold=c["threshold"], temperature=c["temperature"],
-                                 top_k=c["top_k"], top_p=c["top_p"], greedy=c["greedy"], noise=c["noise"])
+                                 top_k=c["top_k"], top_p=c["top_p"], greedy=c["greedy"], noise=c["noise"],
+                                 noise_rows=c["noise_rows"])
         for name, f in zip(("block_done", "eos_seen"), flags):
             assert f.device == state[0].device and f.dtype == torch.bool, (name, f.device, f.dtype)
             assert bool((f.view(torch.uint8) <= 1).all()), f"{name} left unwritten: {f.view(torch.uint8).tolist()}"

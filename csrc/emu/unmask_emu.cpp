@@ -59,7 +59,8 @@ int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64
                          const int32_t* step, const int32_t* quota, const int64_t* eos_ids, int num_eos,
                          const int64_t* seed, const int64_t* offset, double threshold, double temperature,
                          int greedy, int two_level, bool* block_done, bool* eos_seen, int64_t slots, int force_split,
-                         uint64_t order_seed, int* nsplit_out, const int64_t* strides) {
+                         uint64_t order_seed, int* nsplit_out, const int64_t* strides, const int64_t* noise_rows,
+                         int64_t noise_rows_stride) {
   using namespace lrf::kernels;
   const int64_t per_vec = dtype == 0 ? 4 : 8;
   const int64_t rows = int64_t(B) * S;
@@ -90,6 +91,7 @@ int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64
   p.num_eos = num_eos;
   p.seed = seed;
   p.offset = offset;
+  p.noise_rows = {noise_rows, noise_rows_stride};  // nullptr: none
   p.block_done = block_done;
   p.eos_seen = eos_seen;
   p.batch = B;

@@ -126,6 +126,15 @@ __device__ __forceinline__ ScanState load_partial(const UnmaskPartial* q) {
   return o;
 }
 
+// The flat row whose noise counters position (b, s) = row (b * S + s) uses: noise_rows[b] * S + s when given (a
+// caller that moves its sequences between launches, the decoder's compaction, keeps each one's noise), else row.
+// Only the counters: `row` still addresses the logits, partials and workspace.
+__device__ __forceinline__ uint64_t unmask_noise_row(const UnmaskParams& p, int64_t row) {
+  if (p.noise_rows.ptr == nullptr) return uint64_t(row);
+  const int64_t b = row / p.positions;
+  return uint64_t(p.noise_rows[b]) * uint64_t(p.positions) + uint64_t(row - b * p.positions);
+}
+
 // Two-level sampling, pass 2, in the CTA that completes row `row` (the last of its nsplit CTAs to arrive):
 // merge the row's partials into (m, sum) and its bucket j*, re-read bucket j*'s <= kBucket logits (streamed
 // moments ago: mostly L2 hits), give each token its own noise (the per-token stream, counter row * V + t) and
@@ -152,7 +161,7 @@ __device__ void finish_row(const UnmaskParams& p, int64_t row, const char* rowp,
   __syncthreads();
   const int t0 = sh.bucket * kBucket;
   const int len = p.vocab - t0 < kBucket ? p.vocab - t0 : kBucket;
-  const uint64_t row_ctr = uint64_t(row) * uint64_t(p.vocab) + uint64_t(t0);
+  const uint64_t row_ctr = unmask_noise_row(p, row) * uint64_t(p.vocab) + uint64_t(t0);
   const NoiseKey key = noise_key(p);
   ScanState st;
   for (int e = tid; e < len; e += kUnmaskThreads) {  // increasing ids per thread
@@ -302,7 +311,7 @@ __global__ void __launch_bounds__(kUnmaskThreads, kMode == kPickToken ? 3 : 4)
       const int per = (nb + p.nsplit - 1) / p.nsplit;
       const int jbeg = chunk * per < nb ? chunk * per : nb;
       const int jend = jbeg + per < nb ? jbeg + per : nb;
-      scan_buckets<Tag>(st, rowp, mis == 0, V, jbeg, jend, kBucketTag + uint64_t(row) * uint64_t(nb),
+      scan_buckets<Tag>(st, rowp, mis == 0, V, jbeg, jend, kBucketTag + unmask_noise_row(p, row) * uint64_t(nb),
                         noise_key(p), inv_t, c2, lane, warp);
     }
     if constexpr (kMode == kPickToken) {
@@ -314,7 +323,7 @@ __global__ void __launch_bounds__(kUnmaskThreads, kMode == kPickToken ? 3 : 4)
       smp.cta_thr = &sh.thr;
       if (tid == 0) sh.thr = ordered_bits(-kInf);
       __syncthreads();  // CTA-uniform branch (one row per CTA)
-      smp.row_ctr = uint64_t(row) * uint64_t(V);
+      smp.row_ctr = unmask_noise_row(p, row) * uint64_t(V);
       smp.key = noise_key(p);
     }
 

@@ -85,6 +85,8 @@ struct UnmaskParams {
   int32_t num_eos;             // E
   const int64_t* seed;         // [1] (sampling only)
   const int64_t* offset;       // [1] (sampling only)
+  Vec<const int64_t> noise_rows;  // [B], ptr nullptr when absent (sampling only): position (b, s) draws the noise
+                                 // of flat row noise_rows[b] * S + s instead of b * S + s (unmask_noise_row)
   bool* block_done;            // [B] out
   bool* eos_seen;              // [B] out
   int32_t* counters;           // [B] workspace, zero on entry, reset to zero on exit

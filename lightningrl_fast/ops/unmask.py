@@ -14,6 +14,8 @@ For every row (one sequence's current block of S positions) and every still-mask
         bucket and per token of one bucket, so the CUDA kernel reads the logits once at the greedy scan's speed;
       - noise="per_token": Gumbel-max over the whole row with one noise value per token (counter row * V +
         token); the kernel prunes tokens that cannot win, but on flat logits it is bound by the RNG;
+    `row` is the flat index b * S + s, or noise_rows[b] * S + s when `noise_rows` names each sequence's index in
+    a numbering of the caller's (the decoder's rows in the request, which compaction moves);
   * conf = probability of the pick under the UNtruncated tempered distribution, logp = log(conf).
 Then per row: unmask the `quota[b]` most confident masked positions (ties to the lowest position) plus
 every masked position with conf >= threshold. "Top-1 + threshold" (LightningRL, Fast-dLLM) is quota 1;
@@ -100,13 +102,13 @@ def _gumbel(seed, offset, counter: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return -torch.log(-torch.log(philox_uniform(seed, offset, counter).to(dtype)))
 
 
-def _two_level_pick(scaled: torch.Tensor, seed, offset, row0: int = 0) -> torch.Tensor:
-    """Two-level Gumbel-max over the last dim of `scaled` [B, S, V] (module docstring): token ids [B, S]. `row0`:
-    the flat row index (b * S + s) of scaled[0, 0] in the whole batch, which the noise counters are keyed by."""
+def _two_level_pick(scaled: torch.Tensor, seed, offset, rows: torch.Tensor) -> torch.Tensor:
+    """Two-level Gumbel-max over the last dim of `scaled` [B, S, V] (module docstring): token ids [B, S]. `rows`
+    [B, S] int64: the flat row whose noise counters each position uses."""
     bsz, s, vocab = scaled.shape
     nb = -(-vocab // BUCKET)
     dev = scaled.device
-    rows = row0 + torch.arange(bsz * s, device=dev, dtype=torch.int64).view(bsz, s, 1)
+    rows = rows[..., None]  # [B, S, 1]
     padded = torch.nn.functional.pad(scaled, (0, nb * BUCKET - vocab), value=float("-inf"))
     mass = torch.logsumexp(padded.view(bsz, s, nb, BUCKET), dim=-1)  # [B, S, nb]
     bucket_ctr = BUCKET_TAG + rows * nb + torch.arange(nb, device=dev)  # [B, S, nb]
@@ -127,22 +129,27 @@ def _two_level_pick(scaled: torch.Tensor, seed, offset, row0: int = 0) -> torch.
 PICK_SLICE_ELEMS = 1 << 25
 
 
-def pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy, noise="two_level"):
-    """Per position: (token [B, S] int64, conf [B, S] fp32, logp [B, S] fp32) — see the module docstring. Runs on
-    slices of whole sequences of about PICK_SLICE_ELEMS logits (static sizes: no host sync, capturable)."""
+def pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy, noise="two_level",
+                          noise_rows=None):
+    """Per position: (token [B, S] int64, conf [B, S] fp32, logp [B, S] fp32) — see the module docstring.
+    `noise_rows` [B] int64 or None: position (b, s) draws the noise of flat row noise_rows[b] * S + s (default
+    b * S + s). Runs on slices of whole sequences of about PICK_SLICE_ELEMS logits (static sizes: no host sync,
+    capturable)."""
     bsz, s, vocab = logits.shape
+    seq = noise_rows if noise_rows is not None else torch.arange(bsz, device=logits.device, dtype=torch.int64)
+    rows = seq.to(torch.int64)[:, None] * s + torch.arange(s, device=logits.device)  # [B, S] noise rows
     per = max(1, PICK_SLICE_ELEMS // max(1, s * vocab))  # sequences per slice
     if bsz <= per or torch.compiler.is_compiling():  # compiled: one graph, not one unrolled per slice (and fused)
-        return _pick_slice(logits, 0, seed, offset, temperature, top_k, top_p, greedy, noise)
-    parts = [_pick_slice(logits[b0:b0 + per], b0 * s, seed, offset, temperature, top_k, top_p, greedy, noise)
-             for b0 in range(0, bsz, per)]
+        return _pick_slice(logits, rows, seed, offset, temperature, top_k, top_p, greedy, noise)
+    parts = [_pick_slice(logits[b0:b0 + per], rows[b0:b0 + per], seed, offset, temperature, top_k, top_p, greedy,
+                         noise) for b0 in range(0, bsz, per)]
     return tuple(torch.cat(p) for p in zip(*parts))
 
 
-def _pick_slice(logits, row0, seed, offset, temperature, top_k, top_p, greedy, noise):
-    """`pick_tokens_reference` of the sequences `logits` [b, S, V], whose first row is flat row `row0` of the
-    batch (the noise counters are keyed by flat row)."""
-    bsz, s, vocab = logits.shape
+def _pick_slice(logits, rows, seed, offset, temperature, top_k, top_p, greedy, noise):
+    """`pick_tokens_reference` of the sequences `logits` [b, S, V], position (i, s) drawing the noise of flat row
+    rows[i, s]."""
+    vocab = logits.shape[-1]
     lf = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
     temp = temperature if temperature > 0 else 1.0
     scaled = lf / temp
@@ -150,10 +157,9 @@ def _pick_slice(logits, row0, seed, offset, temperature, top_k, top_p, greedy, n
     if greedy or temperature <= 0:
         tok = lf.argmax(-1)  # first maximal index
     elif noise == "two_level":
-        tok = _two_level_pick(_truncate(scaled, top_k, top_p), seed, offset, row0)
+        tok = _two_level_pick(_truncate(scaled, top_k, top_p), seed, offset, rows)
     else:
-        counter = (row0 * vocab + torch.arange(bsz * s * vocab, device=logits.device, dtype=torch.int64)).view(
-            bsz, s, vocab)
+        counter = rows[..., None] * vocab + torch.arange(vocab, device=logits.device, dtype=torch.int64)
         tok = (_truncate(scaled, top_k, top_p) + _gumbel(seed, offset, counter, lf.dtype)).argmax(-1)
     logp = (scaled.gather(-1, tok[..., None]) - logz).squeeze(-1)
     return tok, logp.exp().float(), logp.float()
@@ -169,9 +175,9 @@ def select_unmask_reference(conf, masked, quota, threshold):
 
 
 def threshold_unmask_reference(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-                               threshold, temperature, top_k, top_p, greedy, noise="two_level"):
+                               threshold, temperature, top_k, top_p, greedy, noise="two_level", noise_rows=None):
     """Pure-PyTorch threshold_unmask (in place). Returns (block_done [B] bool, eos_seen [B] bool)."""
-    tok, c, lp = pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy, noise)
+    tok, c, lp = pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy, noise, noise_rows)
     sel = select_unmask_reference(c, masked, quota, threshold)  # [B, S]
     tokens.copy_(torch.where(sel, tok, tokens))
     step_map.copy_(torch.where(sel, step.to(step_map.dtype)[:, None], step_map))
@@ -226,21 +232,21 @@ def _threshold_unmask_op(
     logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, step_map: torch.Tensor, logp: torch.Tensor,
     conf: torch.Tensor, step: torch.Tensor, quota: torch.Tensor, eos_ids: torch.Tensor, seed: torch.Tensor,
     offset: torch.Tensor, threshold: float, temperature: float, top_k: int, top_p: float, greedy: bool,
-    noise: str,
+    noise: str, noise_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kernel = cuda_kernel("threshold_unmask", logits)
     if kernel is not None and kernel_supported(logits, temperature, top_k, top_p, greedy):
         if logits.shape[-1] > 1 and logits.stride(-1) != 1:
             logits = logits.contiguous()  # the kernel reads rows as dense vectors
         return kernel(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-                      threshold, temperature, top_k, top_p, greedy, noise == "two_level")
+                      threshold, temperature, top_k, top_p, greedy, noise == "two_level", noise_rows)
     return threshold_unmask_reference(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed,
-                                      offset, threshold, temperature, top_k, top_p, greedy, noise)
+                                      offset, threshold, temperature, top_k, top_p, greedy, noise, noise_rows)
 
 
 @_threshold_unmask_op.register_fake
 def _(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-      threshold, temperature, top_k, top_p, greedy, noise):
+      threshold, temperature, top_k, top_p, greedy, noise, noise_rows=None):
     b = logits.shape[0]
     return logits.new_empty((b,), dtype=torch.bool), logits.new_empty((b,), dtype=torch.bool)
 
@@ -263,15 +269,19 @@ def threshold_unmask(
     top_p: float = 1.0,
     greedy: bool = False,
     noise: str = "two_level",
+    noise_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One unmasking step for B blocks of S positions over a vocabulary of V (in place; see module docstring).
 
     logits [B, S, V] float16/bfloat16/float32/float64; tokens [B, S] int64; masked [B, S] bool;
     step_map [B, S] int32; logp, conf [B, S] float32; step, quota [B] int32; eos_ids [E] int64;
     seed, offset [1] int64. temperature <= 0 means greedy. noise: "two_level" or "per_token" (how sampling
-    spends its Gumbel noise; both exact). top_k >= V is the same as 0 (off). Returns (block_done [B], eos_seen [B])
-    bool. The five outputs must not share memory with one another or with an input (ValueError); the scalars
-    follow `check_sampling_args`.
+    spends its Gumbel noise; both exact). top_k >= V is the same as 0 (off). noise_rows [B] int64 or None: sequence
+    b draws the noise of sequence noise_rows[b] of the default numbering (its positions' flat rows noise_rows[b] * S
+    + s instead of b * S + s), so a caller that moves a sequence to another row between steps (the decoder's
+    compaction) can keep its noise; values >= 0 (not checked: a read of device values), distinct unless the same
+    noise is wanted. Returns (block_done [B], eos_seen [B]) bool. The five outputs must not share memory with one
+    another or with an input (ValueError); the scalars follow `check_sampling_args`.
     """
     check_tensor("logits", logits, ndim=3, dtypes=FLOAT_DTYPES)
     b, s, vocab = logits.shape
@@ -286,13 +296,15 @@ def threshold_unmask(
     check_tensor("eos_ids", eos_ids, ndim=1, dtypes=(torch.int64,), device=dev)
     check_tensor("seed", seed, shape=(1,), dtypes=(torch.int64,), device=dev)
     check_tensor("offset", offset, shape=(1,), dtypes=(torch.int64,), device=dev)
+    if noise_rows is not None:
+        check_tensor("noise_rows", noise_rows, shape=(b,), dtypes=(torch.int64,), device=dev)
     if vocab < 1 or s < 1:
         raise ValueError(f"logits must have at least one position and one token, got shape {list(logits.shape)}")
     threshold, temperature, top_k, top_p, noise = check_sampling_args(threshold, temperature, top_k, top_p, noise)
     check_no_overlap([("tokens", tokens), ("masked", masked), ("step_map", step_map), ("logp", logp), ("conf", conf)],
                      [("logits", logits), ("step", step), ("quota", quota), ("eos_ids", eos_ids), ("seed", seed),
-                      ("offset", offset)])
+                      ("offset", offset)] + ([("noise_rows", noise_rows)] if noise_rows is not None else []))
     # quota < 0 acts as 0 (inactive row) and eos_ids outside the vocabulary never match: checking either would read
     # device values on the host (a sync in the captured decode step), so neither is an error
     return _threshold_unmask_op(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-                                threshold, temperature, min(top_k, vocab), top_p, bool(greedy), noise)
+                                threshold, temperature, min(top_k, vocab), top_p, bool(greedy), noise, noise_rows)
