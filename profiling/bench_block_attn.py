@@ -309,10 +309,11 @@ def bench_row(kind, B, L, bs, C, dtype, device, kernels, bw, baselines=True, spl
     return row
 
 
-def wgmma_probe(shapes, dtype_name: str, timeout_s: float = 120.0) -> str | None:
+def wgmma_probe(shapes, dtype_name: str, timeout_s: float = 40.0) -> str | None:
     """Run the wgmma variant once on every row shape `shapes` ([kind, B, L, bs, C]) in a child process (not yet run
     on hardware: a fault there leaves a sticky CUDA error that would end this process, and with it the mma.sync
-    rows and the split sweep). None when the child ran them all; else why the variant is left out of the run."""
+    rows and the split sweep). None when the child ran them all; else why the variant is left out of the run.
+    `timeout_s` is short beside the stages' limits (150 s for attn_quick): a hang must leave time for the rest."""
     import json
     import subprocess
 

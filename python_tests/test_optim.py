@@ -127,8 +127,9 @@ def test_offload_overlap_protocol_with_stand_in_streams(monkeypatch):
     """The CUDA overlap's ordering, run on the CPU with stand-in streams and events: a chunk's copies back are
     queued on the side stream after it waited for the current stream (the chunk's update), inside the side
     stream's context, and close with an event; a set is filled again only after the current stream waited for
-    the event of that set's last copies back; every step ends with the current stream joining the side stream.
-    The results still equal the resident step bit for bit (the copies run at once here)."""
+    the event of that set's last copies back; every step ends with the current stream joining the side stream,
+    and only then records the step's event. The results still equal the resident step bit for bit (the copies run
+    at once here)."""
     import lightningrl_fast.rl.optim as O
 
     log: list = []
@@ -177,6 +178,8 @@ def test_offload_overlap_protocol_with_stand_in_streams(monkeypatch):
     monkeypatch.setattr(O._Staging, "__init__", spy_init)
     monkeypatch.setattr(O._Staging, "take", spy_take)
     monkeypatch.setattr(O._Staging, "copy_back", spy_back)
+    record = O.MasterAdamW._record_copies
+    monkeypatch.setattr(O.MasterAdamW, "_record_copies", lambda self: (log.append(("step event",)), record(self)))
     a, b = _mixed_params(torch.bfloat16), _mixed_params(torch.bfloat16)
     res = MasterAdamW(a, lr=3e-3, weight_decay=0.1)
     off = MasterAdamW(b, lr=3e-3, weight_decay=0.1, offload=True, chunk_elems=10)
@@ -191,6 +194,8 @@ def test_offload_overlap_protocol_with_stand_in_streams(monkeypatch):
     assert [e[0] for e in log].count("take") == [e[0] for e in log].count("back") == steps * chunks
     joins = [i for i, e in enumerate(log) if e[0] == "join"]
     assert [log[i][1] for i in joins] == sides
+    # the step's event (what state_dict() and the next step wait for) after the join, so it covers the copies back
+    assert all(log[i + 1] == ("step event",) for i in joins)
     start = 0
     for side, end in zip(sides, joins):  # one step's log
         last_event: dict[int, object] = {}
@@ -208,7 +213,37 @@ def test_offload_overlap_protocol_with_stand_in_streams(monkeypatch):
                 last_event[e[1]] = step_log[i + 3][1]
         assert [e[1] for e in step_log if e[0] == "take"] == [k % 2 for k in range(chunks)]  # the sets in turn
         assert log[end - 1][0] == "exit"  # the join follows the last copies back
-        start = end + 1
+        start = end + 2  # past the join and the step's event
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_load_state_dict_keeps_the_offload_switches(dtype):
+    """torch's load_state_dict ends with a __setstate__ of the state and groups alone, which used to reset offload,
+    chunk_elems and overlap to their defaults: a resumed --optimizer-offload run then held its whole state on the
+    GPU. They stay as the optimizer was made, the loaded state is placed as offloaded state, and the next step
+    streams it (and equals the resident one)."""
+    import lightningrl_fast.rl.optim as O
+
+    a, b = _mixed_params(dtype), _mixed_params(dtype)
+    res = MasterAdamW(a, lr=3e-3, weight_decay=0.1)
+    off = MasterAdamW(b, lr=3e-3, weight_decay=0.1, offload=True, chunk_elems=16, overlap=False)
+    _run(a, res, 2)
+    _run(b, off, 2)
+    c = [torch.nn.Parameter(p.detach().clone()) for p in b]
+    again = MasterAdamW(c, lr=3e-3, weight_decay=0.1, offload=True, chunk_elems=16, overlap=False)
+    placed = []
+    real = O.MasterAdamW._place_offloaded
+    again._place_offloaded = lambda entries: (placed.append(len(entries)), real(again, entries))[1]
+    again.load_state_dict(copy.deepcopy(off.state_dict()))
+    assert (again.offload, again.chunk_elems, again.overlap) == (True, 16, False)
+    assert placed and placed[0] == sum(len(O.state_keys(p)) for p in c)
+    streamed = []
+    again._offloaded_step = (lambda f: lambda *args: (streamed.append(1), f(*args))[1])(again._offloaded_step)
+    _run(a, res, 1, first=2)
+    _run(c, again, 1, first=2)
+    assert len(streamed) == len(c)
+    for x, y in zip(a, c):
+        assert torch.equal(x, y)
 
 
 def test_offloaded_state_dict_round_trips_both_ways():

@@ -262,9 +262,13 @@ class MasterAdamW(torch.optim.Optimizer):
                 "overlap": self.overlap}
 
     def __setstate__(self, state: dict) -> None:
+        """Unpickling (the keys present), and torch's load_state_dict, which ends with a __setstate__ of the state
+        and groups alone: the switches absent from `state` keep this optimizer's values (they used to fall back
+        to the defaults, so a resumed --optimizer-offload run went resident: the whole state on the GPU)."""
         state = dict(state)
-        self.offload, self.chunk_elems = bool(state.pop("offload", False)), int(state.pop("chunk_elems", DEFAULT_CHUNK))
-        self.overlap = bool(state.pop("overlap", True))
+        self.offload = bool(state.pop("offload", getattr(self, "offload", False)))
+        self.chunk_elems = int(state.pop("chunk_elems", getattr(self, "chunk_elems", DEFAULT_CHUNK)))
+        self.overlap = bool(state.pop("overlap", getattr(self, "overlap", True)))
         super().__setstate__(state)
 
     def state_dict(self) -> dict:

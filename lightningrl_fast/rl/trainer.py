@@ -375,7 +375,12 @@ def clip_grads_(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:
     norms = ((list(torch._foreach_norm(low, 2.0, dtype=torch.float32)) if low else [])  # 0-d, fp32 or wider
              + (list(torch._foreach_norm(high, 2.0)) if high else []))
     total = torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), 2.0)
-    torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for d, gs in by_device.items():  # as torch's: the coefficient on each gradient's device
+        torch._foreach_mul_(gs, coef.to(d))
     return float(total)
 
 
