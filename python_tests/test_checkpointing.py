@@ -346,7 +346,7 @@ def test_write_text_atomic_keeps_the_earlier_file_on_failure(tmp_path, monkeypat
 def test_optimizer_offload_steps_and_resumes_like_the_resident_optimizer(tmp_path):
     """RL steps with the optimizer state offloaded (RLConfig.optimizer_offload) equal the resident optimizer's bit
     for bit (bf16 weights: fp32 master + moments either way), and an offloaded run's checkpoint resumes into a
-    resident one exactly (the state dict is the same)."""
+    resident one exactly (the state dict is the same), and into an offloaded one that stays offloaded."""
     cfg, cfg_off = rl_cfg(), rl_cfg(optimizer_offload=True)
     a = make_state(tiny_model().to(torch.bfloat16), cfg)
     b = make_state(tiny_model().to(torch.bfloat16), cfg_off)
@@ -359,9 +359,13 @@ def test_optimizer_offload_steps_and_resumes_like_the_resident_optimizer(tmp_pat
     c = fresh_state_from(tmp_path / "checkpoint-2", cfg)  # resumed without the offload
     load_checkpoint(tmp_path, c, config=cfg)
     assert not c.optimizer.offload
-    m3, m3c = step(a, cfg), step(c, cfg)
+    d = fresh_state_from(tmp_path / "checkpoint-2", cfg_off)  # and with it: still offloaded after the load
+    load_checkpoint(tmp_path, d, config=cfg_off)
+    assert d.optimizer.offload  # (the load used to switch it off: a resumed offloaded run went resident)
+    m3, m3c, m3d = step(a, cfg), step(c, cfg), step(d, cfg_off)
     assert_same(params(c.model), params(a.model))
-    assert m3c["loss"] == m3["loss"] and m3c["grad_norm"] == m3["grad_norm"]
+    assert_same(params(d.model), params(a.model))
+    assert m3c["loss"] == m3["loss"] and m3c["grad_norm"] == m3["grad_norm"] == m3d["grad_norm"]
 
 
 # ------------------------------------------------------------------------------------------------------------
