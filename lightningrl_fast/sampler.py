@@ -230,7 +230,7 @@ class _GraphedStep:
                     # graph.__exit__ leaves the capture stream current when capture_end raises: restore the old one
                     torch.cuda.set_stream(prev)
                     del graph
-                    if attempt == 0 and pdl_allowed() and _kernels_launch():
+                    if attempt == 0 and pdl_allowed() and _kernels_launch(self.device):
                         # programmatic dependent launch under capture has not run on every driver yet: once more
                         # without it (for the whole process), in a pool of its own (the failed capture's is unsure)
                         pdl_before = os.environ.get(PDL_ENV)
@@ -251,11 +251,12 @@ class _GraphedStep:
                     return
 
 
-def _kernels_launch() -> bool:
-    """Whether the step's ops run the CUDA kernels (the launches PDL applies to), not their references."""
-    from ._ext import has_cuda_kernels
+def _kernels_launch(device: torch.device) -> bool:
+    """Whether the step's ops run the CUDA kernels on `device` (the launches PDL applies to), not their references:
+    the ops' own dispatch rule (`ops._common.cuda_kernel`: a CUDA build of `_C`, LRF_DISABLE_KERNELS unset)."""
+    from .ops._common import cuda_kernel
 
-    return os.environ.get("LRF_DISABLE_KERNELS") != "1" and has_cuda_kernels()
+    return cuda_kernel("threshold_unmask", torch.empty(0, device=device)) is not None
 
 
 @functools.cache

@@ -335,13 +335,14 @@ def wgmma_probe_child(shapes_json: str, dtype) -> None:
 
     device = torch.device("cuda")
     kern = _ext.ext().block_attention
-    for kind, B, L, bs, C in json.loads(shapes_json):
+    shapes = json.loads(shapes_json)
+    for kind, B, L, bs, C in shapes:
         q, k, v, kc, vc, cl, nl = make(B, L, C, dtype, device)
         kern(q, k, v, kc, vc, cl, nl, bs, D**-0.5, 0, VARIANTS["wgmma"])
         torch.cuda.synchronize(device)
         del q, k, v, kc, vc
         torch.cuda.empty_cache()
-    print(f"wgmma probe: {len(json.loads(shapes_json))} shapes ran")
+    print(f"wgmma probe: {len(shapes)} shapes ran")
 
 
 def has_wgmma(device) -> bool:

@@ -146,13 +146,12 @@ def device_time(fns: Sequence[Callable[[], object]], device: torch.device, min_c
     3 replays: a baseline at 50 ms a call (FlexAttention on some decode shapes) would otherwise cost ~10 s of a
     GPU lease per column."""
     slow = device.type == "cuda" and time_fn(fns[0], device=device, warmup=1, iters=1) >= SLOW_CALL_MS
-    reps = dict(min_calls=1, warmup=1, iters=3) if slow else dict(min_calls=min_calls)
-    us = graph_time_us(fns, device, **reps)
+    few = dict(warmup=1, iters=3) if slow else {}  # the repeats of a slow call (else each timer's defaults)
+    us = graph_time_us(fns, device, min_calls=1 if slow else min_calls, **few)
     if us is not None:
         return us, "graph"
     nxt = itertools.cycle(fns)
-    return 1e3 * (time_fn(lambda: next(nxt)(), device=device, warmup=1, iters=3) if slow
-                  else time_fn(lambda: next(nxt)(), device=device)), "eager"
+    return 1e3 * time_fn(lambda: next(nxt)(), device=device, **few), "eager"
 
 
 class ColumnTimes:

@@ -500,7 +500,7 @@ def test_capture_failure_blames_pdl_only_when_it_was_in_play(monkeypatch, kernel
         monkeypatch.delenv("LRF_PDL", raising=False)
     else:
         monkeypatch.setenv("LRF_PDL", pdl)
-    monkeypatch.setattr(sampler, "_kernels_launch", lambda: kernels)
+    monkeypatch.setattr(sampler, "_kernels_launch", lambda device: kernels)
     seen = []
 
     class Capture:
