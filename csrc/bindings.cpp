@@ -53,7 +53,7 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
     const at::Tensor& logp, const at::Tensor& conf, const at::Tensor& step, const at::Tensor& quota,
     const at::Tensor& eos_ids, const at::Tensor& seed, const at::Tensor& offset, double threshold,
     double temperature, int64_t top_k, double top_p, bool greedy, bool two_level,
-    const std::optional<at::Tensor>& noise_rows);
+    const std::optional<at::Tensor>& noise_rows, const std::optional<at::Tensor>& logit_rows);
 #endif
 
 }  // namespace lrf
@@ -128,6 +128,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("tokens"), py::arg("masked"), py::arg("step_map"), py::arg("logp"),
         py::arg("conf"), py::arg("step"), py::arg("quota"), py::arg("eos_ids"), py::arg("seed"),
         py::arg("offset"), py::arg("threshold"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
-        py::arg("greedy"), py::arg("two_level"), py::arg("noise_rows") = py::none());
+        py::arg("greedy"), py::arg("two_level"), py::arg("noise_rows") = py::none(),
+        py::arg("logit_rows") = py::none());
 #endif
 }

@@ -120,12 +120,26 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
     const at::Tensor& logp, const at::Tensor& conf, const at::Tensor& step, const at::Tensor& quota,
     const at::Tensor& eos_ids, const at::Tensor& seed, const at::Tensor& offset, double threshold,
     double temperature, int64_t top_k, double top_p, bool greedy, bool two_level,
-    const std::optional<at::Tensor>& noise_rows) {
+    const std::optional<at::Tensor>& noise_rows, const std::optional<at::Tensor>& logit_rows) {
   CHECK_CUDA(logits);
-  CHECK_DIM(logits, 3);
-  const int64_t B = logits.size(0), S = logits.size(1), V = logits.size(2);
+  // logits [B, S, V]; or, with logit_rows [B, S], a compact [M, V] holding the scanned positions' rows only
+  const bool compact = logit_rows.has_value();
+  CHECK_DIM(logits, compact ? 2 : 3);
+  CHECK_DIM(tokens, 2);
+  const int64_t B = compact ? tokens.size(0) : logits.size(0), S = compact ? tokens.size(1) : logits.size(1);
+  const int64_t V = logits.size(logits.dim() - 1);
   CHECK_DTYPE_IN(logits, at::kBFloat16, at::kHalf, at::kFloat);
   CHECK_LAST_DIM_CONTIGUOUS(logits);
+  if (compact) {
+    const at::Tensor& lr = *logit_rows;
+    LRF_CHECK(lr.dim() == 2 && lr.size(0) == B && lr.size(1) == S, "logit_rows must have shape [", B, ", ", S,
+              "] (one logits row per position), got ", lr.sizes());
+    LRF_CHECK(lr.scalar_type() == at::kLong, "logit_rows must have dtype Long, got ", lr.scalar_type());
+    LRF_CHECK(lr.device() == logits.device(), "logits is on ", logits.device(), " but logit_rows is on ", lr.device());
+    LRF_CHECK(logits.size(0) >= 1, "logits with logit_rows must have at least one row, got shape ", logits.sizes());
+    check_no_overlaps({{"tokens", tokens}, {"masked", masked}, {"step_map", step_map}, {"logp", logp}, {"conf", conf}},
+                      {{"logit_rows", lr}});
+  }
   CHECK_SHAPE(tokens, B, S);
   CHECK_SHAPE(masked, B, S);
   CHECK_SHAPE(step_map, B, S);
@@ -175,9 +189,10 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
   check_no_overlaps({{"tokens", tokens}, {"masked", masked}, {"step_map", step_map}, {"logp", logp}, {"conf", conf}},
                     {{"logits", logits}, {"step", step}, {"quota", quota}, {"eos_ids", eos_ids}, {"seed", seed},
                      {"offset", offset}});
-  LRF_CHECK(S >= 1 && V >= 1, "logits must have at least one position and one token, got shape ", logits.sizes());
+  LRF_CHECK(S >= 1 && V >= 1, "logits must have at least one position and one token, got ", S, " positions and ",
+            V, " tokens");
   LRF_CHECK(S <= kernels::kUnmaskMaxPositions, "threshold_unmask kernel: at most ",
-              kernels::kUnmaskMaxPositions, " positions per row (logits.size(1)), got ", S,
+              kernels::kUnmaskMaxPositions, " positions per row (tokens.size(1)), got ", S,
               "; ops.threshold_unmask uses the PyTorch reference for larger blocks");
   LRF_CHECK(V <= (int64_t(1) << 31) - (int64_t(1) << 16), "threshold_unmask kernel: vocabulary too large: ", V);
   LRF_CHECK(eos_ids.numel() <= (int64_t(1) << 20), "eos_ids has too many entries: ", eos_ids.numel());
@@ -233,7 +248,11 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
 
   p.logits = logits.data_ptr();
   p.logits_sb = logits.stride(0);
-  p.logits_ss = logits.stride(1);
+  p.logits_ss = compact ? 0 : logits.stride(1);
+  p.logit_rows = compact ? kernels::Mat<const int64_t>{logit_rows->data_ptr<int64_t>(), logit_rows->stride(0),
+                                                       logit_rows->stride(1)}
+                         : kernels::Mat<const int64_t>{nullptr, 0, 0};
+  p.num_logit_rows = compact ? logits.size(0) : 0;
   p.tokens = mat<int64_t>(tokens);
   p.masked = mat<bool>(masked);
   p.step_map = mat<int32_t>(step_map);

@@ -49,7 +49,14 @@ each packed size is a graph of its own. The read costs a launch gap per step, wh
 forward is long: `pack="auto"` packs on CUDA when the working set holds >= `_PACK_MIN_TOKENS` (256) rows x block
 tokens (where the GEMMs start to be compute-bound on an H100; smaller steps stream weights and keep the sync-free
 path), and always packs the prefill and the separate commit forwards, whose token counts the host knows.
-`"on"` packs every step on any device (the tests' way to run the packed path on the CPU), `"off"` never. Each
+`"on"` packs every step on any device (the tests' way to run the packed path on the CPU), `"off"` never. The same
+read gives the number of positions the step unmasks from (the current blocks' masked positions of the rows still
+decoding), and a packed step runs the LM head on those alone: `ops.threshold_unmask` reads their logits through its
+`logit_rows` map, since it never reads another position's. Over a block's steps about half of its positions are
+still masked, so the LM head's GEMM and its logits (write and read) halve: the head is ~8% of an SDAR-8B forward's
+FLOPs, ~18% of SDAR-1.7B's. The forward stays captured (one graph per working-set size and packed size, writing the
+block's hidden states into a buffer of the decoder's); the LM head and the unmask run eagerly at that exact row count
+(their ~20 launches are issued while the GPU runs the forward, and the step ends in the host read anyway). Each
 row computes what the unpacked step computes (on the CPU the tests find the same tokens, greedy and sampled; on
 CUDA the GEMMs run at another size and may round differently).
 
@@ -132,9 +139,15 @@ def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int
                   token_capacity: int | None = None) -> None:
     """One forward + unmask for every row of the working set; all updates in place, no host sync.
     `token_capacity`: the forward's packed token slots (>= the rows' chunk tokens; None: not packed)."""
+    _unmask_step(model, st, cfg, bs, eos_ids, _forward_step(model, st, cache, bs, token_capacity))
+
+
+def _forward_step(model, st: _State, cache: KVCache, bs: int, token_capacity: int | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The step's forward: every row's query chunk against its cache (a pending block's commit folded in);
+    returns the current block's last hidden states [n, B, H] (into `out` when given). No host sync."""
     n, ltot = st.seq.shape
-    dev = st.seq.device
-    ar = torch.arange(2 * bs, device=dev)
+    ar = torch.arange(2 * bs, device=st.seq.device)
     start = (st.cur_block - st.pending.long()) * bs  # [n] first position of the query chunk
     idx = (start[:, None] + ar).clamp_max(ltot - 1)  # [n, 2B]
     chunk = st.seq.gather(1, idx)  # [n, 2B]
@@ -142,19 +155,47 @@ def _denoise_step(model, st: _State, cache: KVCache, cfg: SamplerConfig, bs: int
     hidden = model.hidden_cached(chunk, cache, start.int(), chunk_lens, bs, check_lengths=False,
                                  token_capacity=token_capacity)  # [n, 2B, H]
     off = st.pending.long()[:, None] * bs + ar[:bs]  # [n, B] the current block inside the chunk
-    h = hidden.gather(1, off[..., None].expand(-1, -1, hidden.shape[-1]))  # [n, B, H]
-    logits = model.decode_logits(h)  # [n, B, V] (ops.linear: the skinny-GEMM kernel when enabled)
-    logits[..., model.config.mask_token_id] = float("-inf")  # never "unmask" to the mask token
+    h = torch.gather(hidden, 1, off[..., None].expand(-1, -1, hidden.shape[-1]), out=out)  # [n, B, H]
     st.cache_len.copy_((st.cur_block * bs).int())  # a pending block is committed by this forward
     st.pending.zero_()
+    return h
 
-    bidx = st.cur_block[:, None] * bs + ar[:bs]  # [n, B] absolute positions of the current block
+
+def _scanned(st: _State, bs: int) -> torch.Tensor:
+    """[n, B] bool: the current block's masked positions of the rows still decoding (a superset of what the next
+    unmask scans: a quota-rule row may have quota 0 on a step)."""
+    bidx = st.cur_block[:, None] * bs + torch.arange(bs, device=st.seq.device)  # [n, B]
+    return st.masked.gather(1, bidx) & ~st.done[:, None]
+
+
+def _unmask_step(model, st: _State, cfg: SamplerConfig, bs: int, eos_ids: torch.Tensor, h: torch.Tensor,
+                 lm_rows: int | None = None) -> None:
+    """The LM head on the current block's hidden states `h` [n, B, H], the unmask, the rows' state. No host sync.
+
+    lm_rows None: the LM head on all n x B positions. lm_rows m (a packed step's host read: `_scanned`'s count, exact
+    for this step): on those m positions only, [m, H] -> [m, V], and `threshold_unmask` reads them through its
+    `logit_rows` map (the unmask never reads a position it does not scan); a block's masked positions are about
+    half of its n x B over its steps, so this halves the LM head's GEMM and the logits' memory traffic."""
+    n = h.shape[0]
+    ar = torch.arange(bs, device=st.seq.device)
+    logit_rows = None
+    if lm_rows is None:
+        logits = model.decode_logits(h)  # [n, B, V] (ops.linear: the skinny-GEMM kernel when enabled)
+    else:
+        flat = _scanned(st, bs).reshape(-1)  # [nB]
+        order = torch.argsort((~flat).to(torch.uint8), stable=True)[: max(lm_rows, 1)]  # [m] scanned positions first
+        logit_rows = (flat.cumsum(0) - 1).clamp_min(0).view(n, bs)  # [n, B] a scanned position's row in `order`
+        logits = model.decode_logits(h.reshape(n * bs, -1)[order])  # [m, V]
+    logits[..., model.config.mask_token_id] = float("-inf")  # never "unmask" to the mask token
+
+    bidx = st.cur_block[:, None] * bs + ar  # [n, B] absolute positions of the current block
     tok, msk = st.seq.gather(1, bidx), st.masked.gather(1, bidx)
     smap, lp, cf = st.step_map.gather(1, bidx), st.logp.gather(1, bidx), st.conf.gather(1, bidx)
     block_done, eos_seen = threshold_unmask(
         logits, tok, msk, smap, lp, cf, st.steps, _quota(st, cfg, bs), eos_ids, st.seed, st.offset,
         threshold=cfg.threshold, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, greedy=cfg.greedy,
         noise=cfg.noise, noise_rows=st.row_ids,  # a row's noise follows the request's row, wherever it sits
+        logit_rows=logit_rows,
     )
     for full, part in ((st.seq, tok), (st.masked, msk), (st.step_map, smap), (st.logp, lp), (st.conf, cf)):
         full.scatter_(1, bidx, part)
@@ -186,7 +227,8 @@ def _commit_step(model, st: _State, cache: KVCache, bs: int, token_capacity: int
 
 
 class _GraphedStep:
-    """The denoising step captured in a CUDA graph for one working-set size (falls back to eager on failure).
+    """The denoising step (a packed step: its forward) captured in a CUDA graph for one working-set size (falls back
+    to eager on failure).
 
     The first call runs eagerly (warm-up and real work); capture then records the step without running it,
     so the decoding state is never advanced twice. Every graph of one `Decoder` draws on one memory pool (a new
@@ -321,6 +363,7 @@ class Decoder:
         self._bufs: _State | None = None  # capacity-sized state; the working set is a prefix of rows
         self._cache: KVCache | None = None
         self._layout: tuple | None = None  # (device, dtype, block size) the buffers were made for
+        self._hidden: torch.Tensor | None = None  # [rows, B, H] the captured packed forwards' output
         self._graphs: dict[tuple, _GraphedStep] = {}
         self._eos: dict[tuple, torch.Tensor] = {}  # EOS id tensors the graphs read
         self._weights: tuple = ()
@@ -328,7 +371,7 @@ class Decoder:
 
     def release(self) -> None:
         """Free the buffers, the KV cache and the graphs (the next call allocates and captures again)."""
-        self._bufs = self._cache = self._layout = self._pool = self._stream = None
+        self._bufs = self._cache = self._layout = self._pool = self._stream = self._hidden = None
         self._graphs, self._eos, self._weights = {}, {}, ()
 
     def _drop_graphs(self) -> None:
@@ -398,6 +441,22 @@ class Decoder:
     def _step_fn(self, st: _State, cache: KVCache, cfg: "SamplerConfig", bs: int, eos_ids: torch.Tensor,
                  cap: int | None):
         return lambda: _denoise_step(self.model, st, cache, cfg, bs, eos_ids, cap)
+
+    def _packed_forward(self, st: _State, cache: KVCache, sig: tuple, bs: int, cap: int | None, dev: torch.device,
+                        use_graphs: bool) -> torch.Tensor:
+        """A packed step's forward (`_forward_step`) -> the current block's hidden states [n, B, H]: with graphs,
+        captured per (working-set size, packed size) and written into a buffer of the decoder's that every replay
+        reuses (read by the eager LM head right after, before any other replay)."""
+        if not use_graphs:
+            return _forward_step(self.model, st, cache, bs, cap)
+        n = st.seq.shape[0]
+        if self._hidden is None:  # one per buffer layout (release() drops it with the graphs that write it)
+            self._hidden = torch.empty(self.capacity[0], bs, self.model.config.hidden_size, dtype=self._layout[1],
+                                       device=dev)
+        out = self._hidden[:n]
+        self._graph(sig + ("forward",), n, cap, lambda: lambda: _forward_step(self.model, st, cache, bs, cap, out),
+                    dev)()
+        return out
 
     def _graph(self, sig: tuple, n: int, cap: int | None, step_fn, dev: torch.device) -> "_GraphedStep":
         """The captured step for (step parameters, working-set size, packed size), capturing it (from `step_fn()`)
@@ -512,17 +571,21 @@ class Decoder:
                eos_key)
         sync_every = _host_check_every(cfg, dev)
         max_steps = ltot + 1  # each active row unmasks >= 1 position per step
-        chunk_rows = None  # a packed step's blocks to forward (rows x 1 or 2), read with the previous step's check
+        # a packed step's blocks to forward (rows x 1 or 2) and positions to unmask, read with the previous step's check
+        chunk_rows = lm_rows = None
         for step_i in range(1, max_steps + 1):
             n = st.seq.shape[0]
             packing = pack and (cfg.pack == "on" or n * bs >= _PACK_MIN_TOKENS)
             cap = None
             if packing:
                 if chunk_rows is None:  # the first step (no check before it)
-                    chunk_rows = int(_chunk_blocks(st).sum())
+                    chunk_rows, lm_rows = torch.stack([_chunk_blocks(st).sum(), _scanned(st, bs).sum()]).tolist()
                 cap = _pack_rows(chunk_rows) * bs if _pack_rows(chunk_rows) < 2 * n else None
             with nvtx_range("denoise_step"):
-                if use_graphs:
+                if packing:  # the forward captured, the LM head (on lm_rows positions) and the unmask eager
+                    h = self._packed_forward(st, cache, sig, bs, cap, dev, use_graphs)
+                    _unmask_step(model, st, cfg, bs, eos_ids, h, lm_rows)
+                elif use_graphs:
                     self._graph(sig, n, cap, lambda: self._step_fn(st, cache, cfg, bs, eos_ids, cap), dev)()
                 else:
                     _denoise_step(model, st, cache, cfg, bs, eos_ids, cap)
@@ -537,7 +600,8 @@ class Decoder:
                 continue  # one every step: its one read also gives the next step's size (compaction keeps it)
             active = ~st.done  # [n]
             if packing:
-                n_active, chunk_rows = torch.stack([active.sum(), _chunk_blocks(st).sum()]).tolist()
+                n_active, chunk_rows, lm_rows = torch.stack(
+                    [active.sum(), _chunk_blocks(st).sum(), _scanned(st, bs).sum()]).tolist()
             else:
                 n_active = int(active.sum())
             if n_active == 0:

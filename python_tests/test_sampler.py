@@ -437,6 +437,37 @@ def test_packed_steps_equal_unpacked_steps(model, monkeypatch, kw):
         assert any(valid == cap for valid, cap, _ in seen)  # the commit forwards: exactly the pending rows
 
 
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0, threshold=0.3),
+    dict(temperature=0.8, threshold=0.4, seed=3, fold_commit=False),
+    dict(temperature=0, rule="quota", steps_per_block=6, block_size=4),  # quota 0 on some steps of a block
+])
+def test_packed_steps_run_the_lm_head_on_masked_positions_only(model, monkeypatch, kw):
+    """A packed step runs the LM head on the current blocks' masked positions of the rows still decoding, a count
+    the host read at the previous step's check (exact: the spy recounts it when the step starts), not on all
+    rows x B positions; the unmask reads them through logit_rows; the rollout is the unpacked one."""
+    import lightningrl_fast.sampler as sampler
+
+    real_step, real_head, steps, heads = sampler._unmask_step, model.decode_logits, [], []
+
+    def spy(model_, st, cfg, bs, eos_ids, h, lm_rows=None):
+        steps.append((lm_rows, int(sampler._scanned(st, bs).sum()), h.shape[0] * bs))
+        return real_step(model_, st, cfg, bs, eos_ids, h, lm_rows)
+
+    monkeypatch.setattr(sampler, "_unmask_step", spy)
+    monkeypatch.setattr(model, "decode_logits", lambda h: heads.append(h.shape[:-1].numel()) or real_head(h))
+    prompts = prompts_of([1, 3, 4, 5, 9, 13, 2, 8, 11], seed=5)
+    cfg = SamplerConfig(max_new_tokens=21, eos_ids=(EOS,), **kw)
+    a = generate(model, prompts, dataclasses.replace(cfg, pack="off"))
+    assert all(lm is None for lm, _, _ in steps) and heads == [full for _, _, full in steps]
+    steps.clear(), heads.clear()
+    b = generate(model, prompts, dataclasses.replace(cfg, pack="on"))
+    assert_same_rollout(a, b)
+    assert steps and all(lm == exact for lm, exact, _ in steps), steps
+    assert heads == [lm for lm, _, _ in steps]  # the LM head's rows
+    assert sum(heads) < 0.8 * sum(full for _, _, full in steps)
+
+
 def test_packed_steps_check_for_the_end_every_step(model, monkeypatch):
     """A packed step reads the device before it anyway, so the "all finished?" check runs after every packed step
     whatever the CUDA cadence (`sync_every`): no step runs after the last row finished (forced cadence on the CPU)."""
@@ -817,24 +848,28 @@ def test_gpu_denoise_step_never_syncs_with_the_host(model, monkeypatch, dtype, p
     step too: its one host read (the token count) happens before it, outside."""
     import lightningrl_fast.sampler as sampler
 
-    real = sampler._denoise_step
     calls = []
 
-    def strict(*args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return real(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            calls.append(1)
+    def strict(real):
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return real(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                calls.append(real.__name__)
 
-    monkeypatch.setattr(sampler, "_denoise_step", strict)
+        return run
+
+    # the two halves of every step (a packed step runs them apart, the LM head on the masked positions)
+    monkeypatch.setattr(sampler, "_forward_step", strict(sampler._forward_step))
+    monkeypatch.setattr(sampler, "_unmask_step", strict(sampler._unmask_step))
     m = _on_cuda(model, dtype)
     for temperature in (0.0, 1.0):
         cfg = SamplerConfig(threshold=0.5, temperature=temperature, max_new_tokens=12, eos_ids=(EOS,),
                             cuda_graphs=False, pack=pack)
         generate(m, prompts_of([3, 6, 9], seed=13), cfg)
-    assert len(calls) > 4
+    assert calls.count("_forward_step") > 4 and calls.count("_unmask_step") == calls.count("_forward_step")
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ test_unmask_emu.py, which shares this file's case builders; random configuration
 test_unmask_random.py."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -411,6 +412,65 @@ def test_noise_rows_keep_a_sequences_noise_wherever_it_sits(noise, top_k, top_p)
     assert all(torch.equal(a, b) for a, b in zip(ident, whole))
 
 
+@pytest.mark.parametrize("mode, top_k, top_p", [("greedy", 0, 1.0), ("two_level", 0, 1.0), ("per_token", 0, 1.0),
+                                                ("two_level", 9, 0.85)])
+def test_logit_rows_compact_logits_decode_as_the_full_ones(mode, top_k, top_p):
+    """logit_rows: a compact [M, V] logits holding the scanned positions' rows only (shuffled among junk rows, at a
+    padded row stride; the map junk, out of range too, at the other positions) gives exactly the step the full
+    [B, S, V] logits give: every in-place output and flag (a quota-0 sequence and fully unmasked rows included)."""
+    greedy, noise = MODES[mode]
+    state, extra = case(6, 5, 2111, torch.float32, seed=41, frac_masked=0.6, quota=(1, 2, 0, 3, 1, 1))
+    state[2][4] = False  # a sequence with nothing masked: none of its positions is scanned
+    kw = dict(threshold=0.6, temperature=1.3, top_k=top_k, top_p=top_p, greedy=greedy, noise=noise)
+    whole = clone(state)
+    want = threshold_unmask(*whole, *extra, **kw)
+    compact, rows = compact_logits(state[0], state[2], extra[1], random.Random(5), torch.Generator().manual_seed(5))
+    assert compact.shape[0] < 6 * 5 and compact.stride(0) > compact.shape[1]  # fewer rows, padded stride
+    got = [compact] + clone(state[1:])
+    flags = threshold_unmask(*got, *extra, **kw, logit_rows=rows)
+    assert_same_step(got, flags, whole, want, rtol=0, atol=0)
+    # a wrong map shows: two scanned positions' rows swapped
+    scanned = (state[2] & (extra[1] > 0)[:, None]).nonzero()
+    (b0, s0), (b1, s1) = scanned[0].tolist(), scanned[-1].tolist()
+    swapped = rows.clone()
+    swapped[b0, s0], swapped[b1, s1] = rows[b1, s1], rows[b0, s0]
+    other = [compact] + clone(state[1:])
+    threshold_unmask(*other, *extra, **kw, logit_rows=swapped)
+    assert not all(torch.equal(a, b) for a, b in zip(other[1:], got[1:]))
+
+
+def test_logit_rows_out_of_range_are_clamped():
+    """A map value outside [0, M) reads row 0 (below) or M - 1 (above), never outside the tensor."""
+    state, extra = case(2, 3, 97, torch.float32, seed=3, frac_masked=1.0, quota=(1, 1))
+    compact = torch.randn(4, 97, generator=torch.Generator().manual_seed(4)) * 3
+    wild = torch.tensor([[-5, 1, 2**40], [3, -(2**62), 7]])
+    clamped = wild.clamp(0, 3)
+    a, b = [compact] + clone(state[1:]), [compact] + clone(state[1:])
+    fa = threshold_unmask(*a, *extra, greedy=True, threshold=0.0, logit_rows=wild)
+    fb = threshold_unmask(*b, *extra, greedy=True, threshold=0.0, logit_rows=clamped)
+    assert_same_step(a, fa, b, fb, rtol=0, atol=0)
+    assert a[1].tolist() == compact[clamped].argmax(-1).tolist()  # tau 0: every position unmasked to its argmax
+
+
+def test_logit_rows_bad_inputs():
+    state, extra = case(2, 4, 33, torch.float32, seed=9)
+    compact, rows = state[0].reshape(8, 33).clone(), torch.arange(8).view(2, 4)
+    with pytest.raises(ValueError, match=r"logits must have 2 dimensions"):
+        threshold_unmask(*state, *extra, logit_rows=rows)  # [B, S, V] with a map
+    with pytest.raises(ValueError, match=r"logits must have 3 dimensions"):
+        threshold_unmask(compact, *state[1:], *extra)  # compact without one
+    with pytest.raises(ValueError, match=r"logit_rows must have shape \[2, 4\]"):
+        threshold_unmask(compact, *state[1:], *extra, logit_rows=rows[:, :3])
+    with pytest.raises(TypeError, match="logit_rows must have dtype"):
+        threshold_unmask(compact, *state[1:], *extra, logit_rows=rows.int())
+    with pytest.raises(ValueError, match="at least one row"):
+        threshold_unmask(compact[:0], *state[1:], *extra, logit_rows=rows)
+    with pytest.raises(ValueError, match="logit_rows"):  # an output sharing its memory
+        threshold_unmask(compact, state[1], *state[2:], *extra, logit_rows=state[1])
+    torch.library.opcheck(torch.ops.lightningrl_fast.threshold_unmask.default,
+                          (compact, *clone(state[1:]), *extra, 0.9, 1.0, 0, 1.0, False, "two_level", None, rows))
+
+
 def test_bad_inputs():
     state = make_state(2, 4, 33, seed=9)
     step = torch.ones(2, dtype=torch.int32)
@@ -440,7 +500,7 @@ def test_bad_inputs():
         (9, torch.cat([one, one]), ValueError, r"seed must have shape \[1\], got \[2\]"),
         (5, state[5].double(), TypeError, r"conf must have dtype in \(float32\), got float64"),
         (0, state[0][..., :0], ValueError,
-         r"logits must have at least one position and one token, got shape \[2, 4, 0\]"),
+         r"logits must have at least one position and one token, got 4 positions and 0 tokens"),
     ]
     for i, new, error, match in cases:
         args = [x.clone() for x in state] + list(extra)
@@ -488,6 +548,28 @@ def assert_same_step(got_state, got_flags, want_state, want_flags, rtol=1e-5, at
         torch.testing.assert_close(g.cpu(), w.cpu(), rtol=rtol, atol=atol, equal_nan=True, msg=name)
     assert torch.equal(got_flags[0].cpu(), want_flags[0].cpu()), "block_done"
     assert torch.equal(got_flags[1].cpu(), want_flags[1].cpu()), "eos_seen"
+
+
+def compact_logits(dense: torch.Tensor, masked: torch.Tensor, quota: torch.Tensor, rng: random.Random,
+                   g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [M, V], logit_rows [B, S] int64): threshold_unmask's compact layout of `dense` [B, S, V]. The rows of
+    the positions the kernel scans (masked, quota > 0) in a random order among 1-4 junk rows (other random logits:
+    a position reading a wrong row picks otherwise), rows at a stride of V + 0..8 (misaligned ones included); the
+    map's entries at the other positions are junk, out of range too (they must not be read)."""
+    b, s, vocab = dense.shape
+    dev = dense.device
+    scanned = (masked & (quota > 0)[:, None]).flatten().nonzero().squeeze(1)  # [n] flat positions
+    n = scanned.numel()
+    m = n + rng.randint(1, 4)
+    cpu_gen = torch.Generator().manual_seed(rng.getrandbits(63))
+    slot = torch.randperm(m, generator=cpu_gen).to(dev)  # [m] rows of the scanned positions first, then the junk's
+    pad = rng.choice([0, 0, 1, 3, 8])
+    base = (torch.randn(m, vocab + pad, generator=g, device=dev) * 4).to(dense.dtype)
+    logits = base[:, :vocab]
+    logits[slot[:n]] = dense.reshape(b * s, vocab)[scanned]
+    rows = torch.randint(-3 * m, 3 * m + 1, (b * s,), generator=cpu_gen).to(dev)
+    rows[scanned] = slot[:n]
+    return logits, rows.view(b, s)
 
 
 # the kernel's three pick modes: (greedy, noise)
@@ -783,6 +865,24 @@ def test_gpu_launcher_checks_inputs(cuda_kernels):
         call(4, state[5])
     with pytest.raises(RuntimeError, match="tokens is written in place and must not share memory with logits"):
         call(1, state[0].view(-1)[:16].view(torch.int64).view(2, 4))
+    # compact logits [M, V] with a logit_rows map [B, S]
+    compact, rows = state[0].reshape(8, 33).clone(), torch.arange(8, device="cuda").view(2, 4)
+
+    def call_compact(logits, logit_rows):
+        return kernel(logits, *args[1:], *opts, None, logit_rows)
+
+    with pytest.raises(RuntimeError, match="logits must have 2 dimensions"):
+        call_compact(state[0], rows)
+    with pytest.raises(RuntimeError, match=r"logit_rows must have shape \[2, 4\]"):
+        call_compact(compact, rows[:, :3])
+    with pytest.raises(RuntimeError, match="logit_rows must have dtype Long"):
+        call_compact(compact, rows.int())
+    with pytest.raises(RuntimeError, match="logit_rows is on"):
+        call_compact(compact, rows.cpu())
+    with pytest.raises(RuntimeError, match="at least one row"):
+        call_compact(compact[:0], rows)
+    with pytest.raises(RuntimeError, match="must not share memory with logit_rows"):
+        kernel(compact, args[1], *args[2:], *opts, None, args[1])
 
 
 @pytest.mark.gpu
@@ -815,3 +915,6 @@ def test_gpu_opcheck(cuda_kernels):
     for noise in ("two_level", "per_token"):
         torch.library.opcheck(torch.ops.lightningrl_fast.threshold_unmask.default,
                               (*clone(state), *extra, 0.9, 1.0, 0, 1.0, False, noise))
+    compact, rows = compact_logits(state[0], state[2], extra[1], random.Random(1), torch.Generator("cuda"))
+    torch.library.opcheck(torch.ops.lightningrl_fast.threshold_unmask.default,
+                          (compact, *clone(state[1:]), *extra, 0.9, 1.0, 0, 1.0, False, "two_level", None, rows))

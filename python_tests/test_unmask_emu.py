@@ -5,11 +5,12 @@ split of a row over CTAs, the CTA-shared pruning threshold, misaligned and strid
 the full 151936 vocabulary. test_unmask.py holds the reference's own tests and the kernel's tests on a GPU."""
 
 import ctypes
+import random
 
 import pytest
 import torch
 from conftest import EMU_GREEDY, fuzz_cases
-from test_unmask import MODES, assert_same_step, case, clone
+from test_unmask import MODES, assert_same_step, case, clone, compact_logits
 from test_unmask_random import check_random_config, near_tie
 
 from lightningrl_fast.ops.unmask import threshold_unmask_reference
@@ -27,16 +28,19 @@ class Emulated:
         fn = lib.emu_threshold_unmask
         fn.restype = i32
         fn.argtypes = [i32, p, i64, i64, i32, i32, i32, p, p, p, p, p, p, p, p, i32, p, p, ctypes.c_double,
-                       ctypes.c_double, i32, i32, p, p, i64, i32, ctypes.c_uint64, p, p, p, i64]
+                       ctypes.c_double, i32, i32, p, p, i64, i32, ctypes.c_uint64, p, p, p, i64, p, i64, i64, i64]
         self.fn = fn
         self.take_draws = lib.emu_take_gumbel_draws
         self.take_draws.restype = ctypes.c_uint64
 
     def __call__(self, logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
                  threshold=0.9, temperature=1.0, greedy=False, noise="two_level", slots=528, split=0, order=1,
-                 noise_rows=None):
-        b, s, vocab = logits.shape
+                 noise_rows=None, logit_rows=None):
+        b, s = tokens.shape
+        vocab = logits.shape[-1]
+        assert logits.dim() == (2 if logit_rows is not None else 3)
         assert logits.stride(-1) == 1 or vocab == 1
+        ss = 0 if logit_rows is not None else logits.stride(1)  # compact logits: rows at stride(0) via the map
         for t in (tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset):
             assert t.device.type == "cpu"
         strides = torch.tensor([x for t in (tokens, masked, step_map, logp, conf) for x in t.stride()]
@@ -44,14 +48,16 @@ class Emulated:
         # poisoned (byte 0xA5, neither False nor True): the kernel must write every sequence's flags
         done, eos_seen = torch.full((b,), 0xA5, dtype=torch.uint8), torch.full((b,), 0xA5, dtype=torch.uint8)
         nsplit = ctypes.c_int(0)
-        rc = self.fn(_EMU_DTYPES[logits.dtype], logits.data_ptr(), logits.stride(0), logits.stride(1), b, s, vocab,
+        rc = self.fn(_EMU_DTYPES[logits.dtype], logits.data_ptr(), logits.stride(0), ss, b, s, vocab,
                      tokens.data_ptr(), masked.data_ptr(), step_map.data_ptr(), logp.data_ptr(), conf.data_ptr(),
                      step.data_ptr(), quota.data_ptr(), eos_ids.data_ptr(), eos_ids.numel(), seed.data_ptr(),
                      offset.data_ptr(), threshold, temperature, int(greedy), int(noise == "two_level"),
                      done.data_ptr(), eos_seen.data_ptr(),
                      slots, split, order, ctypes.byref(nsplit), strides.data_ptr(),
                      None if noise_rows is None else noise_rows.data_ptr(),
-                     0 if noise_rows is None else noise_rows.stride(0))
+                     0 if noise_rows is None else noise_rows.stride(0),
+                     None if logit_rows is None else logit_rows.data_ptr(),
+                     *((0, 0, 0) if logit_rows is None else (*logit_rows.stride(), logits.shape[0])))
         assert rc == 0, "the kernel left a sequence or row counter non-zero"
         assert bool((done <= 1).all() and (eos_seen <= 1).all()), f"flags left unwritten: {done}, {eos_seen}"
         self.nsplit = nsplit.value
@@ -88,6 +94,35 @@ def test_emulated_noise_rows(emu, noise, split):
     plain = clone(state)
     emu(*plain, *extra, threshold=0.4, temperature=0.9, greedy=False, noise=noise, split=split)
     assert not torch.equal(plain[1], got[1])  # the default numbering draws other noise
+
+
+@pytest.mark.parametrize("mode", ["greedy", "two_level", "per_token"])
+@pytest.mark.parametrize("split", [0, 4])
+def test_emulated_logit_rows(emu, mode, split):
+    """Compact logits (logit_rows): the kernel reads each scanned position's row through the map (rows shuffled
+    among junk rows, at an odd row stride, so most rows are misaligned; junk map entries elsewhere, out of range
+    too), a row split over CTAs included, and gives the full layout's reference step exactly."""
+    greedy, noise = MODES[mode]
+    b, s, vocab = 5, 4, 3001
+    state, extra = case(b, s, vocab, torch.bfloat16, seed=78, frac_masked=0.7, quota=(1, 0, 2, 1, 3))
+    compact, rows = compact_logits(state[0], state[2], extra[1], random.Random(split + 7),
+                                   torch.Generator().manual_seed(3))
+    assert compact.stride(0) % 8 or compact.shape[1] % 8  # misaligned rows
+    ref = clone(state)
+    want = threshold_unmask_reference(*ref, *extra, 0.5, 0.9, 0, 1.0, greedy, noise)
+    got = [compact] + clone(state[1:])
+    flags = emu(*got, *extra, threshold=0.5, temperature=0.9, greedy=greedy, noise=noise, split=split, order=9,
+                logit_rows=rows)
+    assert_same_step(got, flags, ref, want)
+    # out-of-range entries at scanned positions read the first / last row (clamped), as with the map clamped
+    scanned = (state[2] & (extra[1] > 0)[:, None]).nonzero().tolist()
+    wild = rows.clone()
+    wild[tuple(scanned[0])], wild[tuple(scanned[-1])] = -3, 2**40
+    a, b_ = [compact] + clone(state[1:]), [compact] + clone(state[1:])
+    fa = emu(*a, *extra, threshold=0.5, temperature=0.9, greedy=greedy, noise=noise, split=split, logit_rows=wild)
+    fb = emu(*b_, *extra, threshold=0.5, temperature=0.9, greedy=greedy, noise=noise, split=split,
+             logit_rows=wild.clamp(0, compact.shape[0] - 1))
+    assert_same_step(a, fa, b_, fb, rtol=0, atol=0)
 
 
 
@@ -288,7 +323,8 @@ def test_emulated_unmask_random_config(emu, case):
     EOS ids (none, in and out of the vocabulary); row layouts (dense, misaligned start, padded rows, transposed
     batch / positions, a broadcast batch); the outputs' layout (dense, padded rows, every other position,
     transposed; nothing outside them written) and the step / quota / EOS arrays' (dense, every other element);
-    noise_rows (none, a permutation, any indices; dense or every other element);
+    noise_rows (none, a permutation, any indices; dense or every other element); the logits full or compact
+    (logit_rows: the scanned positions' rows shuffled among junk rows, at a padded row stride);
     Philox seed and offset; the emulator's schedule (launch order,
     random interleavings, warp-greedy). Draws whose expected result hangs on a near-tie the kernel may round
     the other way (ops/unmask.py) are redrawn. Outputs and flags poisoned."""
@@ -296,7 +332,7 @@ def test_emulated_unmask_random_config(emu, case):
     def run(state, extra, c):
         flags = emu(*state, *extra, threshold=c["threshold"], temperature=c["temperature"], greedy=c["greedy"],
                     noise=c["noise"], slots=c["slots"], split=c["split"], order=c["order"],
-                    noise_rows=c["noise_rows"])
+                    noise_rows=c["noise_rows"], logit_rows=c["logit_rows"])
         assert c["split"] == 0 or emu.nsplit == c["split"], f"the emulator ran split {emu.nsplit}"
         return flags
 

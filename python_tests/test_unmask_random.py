@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from conftest import EMU_GREEDY, fuzz_cases
-from test_unmask import MODES, clone
+from test_unmask import MODES, clone, compact_logits
 
 from lightningrl_fast.ops.unmask import (
     BUCKET,
@@ -326,17 +326,22 @@ def draw_unmask_config(case, device="cpu", gpu=False) -> dict:
         noise_rows = (torch.randperm(b, generator=cpu_gen) if rows_kind == "permutation"
                       else torch.randint(0, 3 * b + 5, (b,), generator=cpu_gen))
         noise_rows = _laid_out(noise_rows.to(device), in_layout)[0]
+    # drawn after noise_rows, likewise: the logits as drawn ([B, S, V]) or compact ([M, V] + logit_rows)
+    logit_rows = None
+    if rng.random() < 0.25:
+        state[0], logit_rows = compact_logits(dense, masked, quota, rng, g)
     config = (f"case {case}: {dtype} B={b} S={s} V={vocab} mode={mode} greedy={greedy} noise={noise} T={temperature} "
               f"top_k={top_k} top_p={top_p} tau={threshold} frac_masked={frac:.2f} ({int(masked.sum())} masked) "
               f"quota={quota.tolist()} step={step.tolist()} eos={eos} seed={seed.item()} offset={offset.item()} "
               f"{'(emulator only: ' if gpu else ''}slots={slots} split={split} (launcher max {max_split}) "
               f"order={order:#x}{')' if gpu else ''} layout={layout} outputs={out_layout} step/quota/eos={in_layout} "
               f"noise_rows={None if noise_rows is None else noise_rows.tolist()} "
+              f"logits={'compact ' + str(list(state[0].shape)) if logit_rows is not None else 'full'} "
               f"logits: {', '.join(feats)}; redrawn {attempt}x" + (f" (still: {why})" if why else ""))
     return dict(state=state, extra=extra, threshold=threshold, temperature=temperature, greedy=greedy, noise=noise,
                 top_k=top_k, top_p=top_p, slots=slots, split=split, order=order, ref_logits=ref_logits, ref_t=ref_t,
                 dense=dense, masked=masked, config=config, out_layout=out_layout, in_layout=in_layout,
-                noise_rows=noise_rows)
+                noise_rows=noise_rows, logit_rows=logit_rows)
 
 
 def _laid_out(t: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,7 +385,7 @@ def check_random_config(case, run, device="cpu", gpu=False):
     ref = clone(c["state"])
     ref[0] = c["ref_logits"]
     want = threshold_unmask_reference(*ref, *c["extra"], c["threshold"], c["ref_t"], c["top_k"], c["top_p"],
-                                      c["greedy"], c["noise"], c["noise_rows"])
+                                      c["greedy"], c["noise"], c["noise_rows"])  # the full logits, no map
     # the kernel's inputs in the drawn layouts (a clone of a padded view is dense): the logits', the outputs' and
     # the per-sequence arrays'
     outs = [_laid_out(t, c["out_layout"]) for t in c["state"][1:]]
@@ -444,7 +449,7 @@ def op_runner(device):
         del junk
         flags = threshold_unmask(*state, *extra, threshold=c["threshold"], temperature=c["temperature"],
                                  top_k=c["top_k"], top_p=c["top_p"], greedy=c["greedy"], noise=c["noise"],
-                                 noise_rows=c["noise_rows"])
+                                 noise_rows=c["noise_rows"], logit_rows=c["logit_rows"])
         for name, f in zip(("block_done", "eos_seen"), flags):
             assert f.device == state[0].device and f.dtype == torch.bool, (name, f.device, f.dtype)
             assert bool((f.view(torch.uint8) <= 1).all()), f"{name} left unwritten: {f.view(torch.uint8).tolist()}"

@@ -49,7 +49,8 @@ uint64_t emu_take_gumbel_draws() {
 
 // dtype: 0 float32, 1 bfloat16, 2 float16. Strides are in elements: logits' two leading ones, and `strides`
 // (13 values, as the launcher takes them from the tensors): tokens, masked, step_map, logp, conf (each the batch then
-// the position stride), step, quota, eos_ids; strides == nullptr: those arrays contiguous.
+// the position stride), step, quota, eos_ids; strides == nullptr: those arrays contiguous. logit_rows (strides in
+// elements; nullptr: none): compact logits of num_logit_rows rows at row stride logits_sb (logits_ss unused).
 // slots = SMs x resident CTAs per SM used for the split choice; order_seed 0 = blocks in launch order and
 // each block's threads in launch order, else a random permutation of the blocks and seeded random thread
 // interleavings. two_level: the two-level sampler (else per-token noise). Returns 0, or 1 when a counter was
@@ -60,7 +61,8 @@ int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64
                          const int64_t* seed, const int64_t* offset, double threshold, double temperature,
                          int greedy, int two_level, bool* block_done, bool* eos_seen, int64_t slots, int force_split,
                          uint64_t order_seed, int* nsplit_out, const int64_t* strides, const int64_t* noise_rows,
-                         int64_t noise_rows_stride) {
+                         int64_t noise_rows_stride, const int64_t* logit_rows, int64_t logit_rows_sb,
+                         int64_t logit_rows_ss, int64_t num_logit_rows) {
   using namespace lrf::kernels;
   const int64_t per_vec = dtype == 0 ? 4 : 8;
   const int64_t rows = int64_t(B) * S;
@@ -92,6 +94,8 @@ int emu_threshold_unmask(int dtype, const void* logits, int64_t logits_sb, int64
   p.seed = seed;
   p.offset = offset;
   p.noise_rows = {noise_rows, noise_rows_stride};  // nullptr: none
+  p.logit_rows = {logit_rows, logit_rows_sb, logit_rows_ss};  // nullptr: none (logits [B, S, V])
+  p.num_logit_rows = num_logit_rows;
   p.block_done = block_done;
   p.eos_seen = eos_seen;
   p.batch = B;

@@ -49,7 +49,9 @@
 //
 // Workspace (persistent, owned by the launcher): int32 counters[B] and row counters[B * S] (zero between
 // launches) and, in a separate buffer, UnmaskPartial partials[B * S * nsplit]. Positions that are not masked, and sequences with quota <= 0,
-// are not scanned at all (their logits are never read).
+// are not scanned at all (their logits are never read). So a caller may compute logits for the scanned positions
+// only: a compact [M, V] logits and a map logit_rows [B, S] (the decoder's packed steps run the LM head on the
+// still-masked positions of active rows, about half of a block's positions on average).
 #pragma once
 
 #include <cstdint>
@@ -133,6 +135,16 @@ __device__ __forceinline__ uint64_t unmask_noise_row(const UnmaskParams& p, int6
   if (p.noise_rows.ptr == nullptr) return uint64_t(row);
   const int64_t b = row / p.positions;
   return uint64_t(p.noise_rows[b]) * uint64_t(p.positions) + uint64_t(row - b * p.positions);
+}
+
+// The logits row of position (b, s), in elements from p.logits: b * sb + s * ss, or, with a compact [M, V] logits
+// (a caller that computed logits for the positions it needs scanned only), row logit_rows(b, s) clamped into
+// [0, M): never a read outside the tensor, whatever the map holds (the launcher cannot check device values).
+__device__ __forceinline__ int64_t unmask_logits_offset(const UnmaskParams& p, int b, int s) {
+  if (p.logit_rows.ptr == nullptr) return b * p.logits_sb + s * p.logits_ss;
+  int64_t r = p.logit_rows(b, s);
+  r = r < 0 ? 0 : (r < p.num_logit_rows ? r : p.num_logit_rows - 1);
+  return r * p.logits_sb;
 }
 
 // Two-level sampling, pass 2, in the CTA that completes row `row` (the last of its nsplit CTAs to arrive):
@@ -289,8 +301,9 @@ __global__ void __launch_bounds__(kUnmaskThreads, kMode == kPickToken ? 3 : 4)
   const int b = int(row / S);
   const int s = int(row - int64_t(b) * S);
   const int V = p.vocab;
-  const char* rowp = static_cast<const char*>(p.logits) + (b * p.logits_sb + s * p.logits_ss) * kElemBytes;
   const bool scanned = p.quota[b] > 0 && p.masked(b, s);
+  // the map is read only where a row is scanned (a compact logits holds no row for the other positions)
+  const char* rowp = static_cast<const char*>(p.logits) + (scanned ? unmask_logits_offset(p, b, s) : 0) * kElemBytes;
 
   if (scanned) {
     // row = [head scalars | nvec 16-byte vectors | tail scalars]

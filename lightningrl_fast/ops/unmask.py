@@ -130,18 +130,28 @@ PICK_SLICE_ELEMS = 1 << 25
 
 
 def pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy, noise="two_level",
-                          noise_rows=None):
+                          noise_rows=None, logit_rows=None):
     """Per position: (token [B, S] int64, conf [B, S] fp32, logp [B, S] fp32) — see the module docstring.
     `noise_rows` [B] int64 or None: position (b, s) draws the noise of flat row noise_rows[b] * S + s (default
-    b * S + s). Runs on slices of whole sequences of about PICK_SLICE_ELEMS logits (static sizes: no host sync,
-    capturable)."""
-    bsz, s, vocab = logits.shape
+    b * S + s). `logit_rows` [B, S] int64 or None: `logits` is a compact [M, V] and position (b, s) reads its row
+    logit_rows[b, s] clamped into [0, M) (as the kernel does; the picks of positions the caller will not select
+    are meaningless then). Runs on slices of whole sequences of about PICK_SLICE_ELEMS logits (static sizes: no
+    host sync, capturable)."""
+    if logit_rows is not None:
+        (bsz, s), vocab = logit_rows.shape, logits.shape[-1]
+        logit_rows = logit_rows.clamp(0, logits.shape[0] - 1)
+    else:
+        bsz, s, vocab = logits.shape
     seq = noise_rows if noise_rows is not None else torch.arange(bsz, device=logits.device, dtype=torch.int64)
     rows = seq.to(torch.int64)[:, None] * s + torch.arange(s, device=logits.device)  # [B, S] noise rows
+
+    def part(b0: int, b1: int) -> torch.Tensor:  # [b1 - b0, S, V] the slice's logits
+        return logits[b0:b1] if logit_rows is None else logits[logit_rows[b0:b1]]
+
     per = max(1, PICK_SLICE_ELEMS // max(1, s * vocab))  # sequences per slice
     if bsz <= per or torch.compiler.is_compiling():  # compiled: one graph, not one unrolled per slice (and fused)
-        return _pick_slice(logits, rows, seed, offset, temperature, top_k, top_p, greedy, noise)
-    parts = [_pick_slice(logits[b0:b0 + per], rows[b0:b0 + per], seed, offset, temperature, top_k, top_p, greedy,
+        return _pick_slice(part(0, bsz), rows, seed, offset, temperature, top_k, top_p, greedy, noise)
+    parts = [_pick_slice(part(b0, b0 + per), rows[b0:b0 + per], seed, offset, temperature, top_k, top_p, greedy,
                          noise) for b0 in range(0, bsz, per)]
     return tuple(torch.cat(p) for p in zip(*parts))
 
@@ -175,9 +185,11 @@ def select_unmask_reference(conf, masked, quota, threshold):
 
 
 def threshold_unmask_reference(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-                               threshold, temperature, top_k, top_p, greedy, noise="two_level", noise_rows=None):
+                               threshold, temperature, top_k, top_p, greedy, noise="two_level", noise_rows=None,
+                               logit_rows=None):
     """Pure-PyTorch threshold_unmask (in place). Returns (block_done [B] bool, eos_seen [B] bool)."""
-    tok, c, lp = pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy, noise, noise_rows)
+    tok, c, lp = pick_tokens_reference(logits, seed, offset, temperature, top_k, top_p, greedy, noise, noise_rows,
+                                       logit_rows)
     sel = select_unmask_reference(c, masked, quota, threshold)  # [B, S]
     tokens.copy_(torch.where(sel, tok, tokens))
     step_map.copy_(torch.where(sel, step.to(step_map.dtype)[:, None], step_map))
@@ -193,12 +205,15 @@ NOISE_MODES = ("two_level", "per_token")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def kernel_supported(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool) -> bool:
-    """True when `_C.threshold_unmask` handles these arguments (shape and dtype of `logits`, sampling options)."""
+def kernel_supported(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
+                     positions: int | None = None) -> bool:
+    """True when `_C.threshold_unmask` handles these arguments (dtype and vocabulary of `logits`, positions per
+    sequence: `positions`, default logits.shape[1] (compact logits: pass it), sampling options)."""
     vocab = logits.shape[-1]
+    s = logits.shape[1] if positions is None else positions
     sampling = not greedy and temperature > 0
     truncated = (0 < top_k < vocab) or top_p < 1.0
-    return logits.dtype in KERNEL_DTYPES and logits.shape[1] <= KERNEL_MAX_POSITIONS and not (sampling and truncated)
+    return logits.dtype in KERNEL_DTYPES and s <= KERNEL_MAX_POSITIONS and not (sampling and truncated)
 
 
 def check_sampling_args(threshold: float, temperature: float, top_k: int, top_p: float,
@@ -232,22 +247,23 @@ def _threshold_unmask_op(
     logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, step_map: torch.Tensor, logp: torch.Tensor,
     conf: torch.Tensor, step: torch.Tensor, quota: torch.Tensor, eos_ids: torch.Tensor, seed: torch.Tensor,
     offset: torch.Tensor, threshold: float, temperature: float, top_k: int, top_p: float, greedy: bool,
-    noise: str, noise_rows: torch.Tensor | None = None,
+    noise: str, noise_rows: torch.Tensor | None = None, logit_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kernel = cuda_kernel("threshold_unmask", logits)
-    if kernel is not None and kernel_supported(logits, temperature, top_k, top_p, greedy):
+    if kernel is not None and kernel_supported(logits, temperature, top_k, top_p, greedy, tokens.shape[1]):
         if logits.shape[-1] > 1 and logits.stride(-1) != 1:
             logits = logits.contiguous()  # the kernel reads rows as dense vectors
         return kernel(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-                      threshold, temperature, top_k, top_p, greedy, noise == "two_level", noise_rows)
+                      threshold, temperature, top_k, top_p, greedy, noise == "two_level", noise_rows, logit_rows)
     return threshold_unmask_reference(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed,
-                                      offset, threshold, temperature, top_k, top_p, greedy, noise, noise_rows)
+                                      offset, threshold, temperature, top_k, top_p, greedy, noise, noise_rows,
+                                      logit_rows)
 
 
 @_threshold_unmask_op.register_fake
 def _(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-      threshold, temperature, top_k, top_p, greedy, noise, noise_rows=None):
-    b = logits.shape[0]
+      threshold, temperature, top_k, top_p, greedy, noise, noise_rows=None, logit_rows=None):
+    b = tokens.shape[0]
     return logits.new_empty((b,), dtype=torch.bool), logits.new_empty((b,), dtype=torch.bool)
 
 
@@ -270,6 +286,7 @@ def threshold_unmask(
     greedy: bool = False,
     noise: str = "two_level",
     noise_rows: torch.Tensor | None = None,
+    logit_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One unmasking step for B blocks of S positions over a vocabulary of V (in place; see module docstring).
 
@@ -280,11 +297,22 @@ def threshold_unmask(
     b draws the noise of sequence noise_rows[b] of the default numbering (its positions' flat rows noise_rows[b] * S
     + s instead of b * S + s), so a caller that moves a sequence to another row between steps (the decoder's
     compaction) can keep its noise; values >= 0 (not checked: a read of device values), distinct unless the same
-    noise is wanted. Returns (block_done [B], eos_seen [B]) bool. The five outputs must not share memory with one
-    another or with an input (ValueError); the scalars follow `check_sampling_args`.
+    noise is wanted. logit_rows [B, S] int64 or None: `logits` is then a compact [M, V] (M >= 1) holding rows for
+    the positions that are scanned only (masked, in a sequence with quota > 0; the decoder's packed steps compute
+    the LM head there alone), position (b, s) reading row logit_rows[b, s]; other positions' entries are never read;
+    a value outside [0, M) reads row 0 or M - 1 (clamped, not checked: a read of device values). Returns
+    (block_done [B], eos_seen [B]) bool. The five outputs must not share memory with one another or with an input
+    (ValueError); the scalars follow `check_sampling_args`.
     """
-    check_tensor("logits", logits, ndim=3, dtypes=FLOAT_DTYPES)
-    b, s, vocab = logits.shape
+    check_tensor("logits", logits, ndim=3 if logit_rows is None else 2, dtypes=FLOAT_DTYPES)
+    if logit_rows is None:
+        b, s, vocab = logits.shape
+    else:
+        check_tensor("tokens", tokens, ndim=2, dtypes=(torch.int64,), device=logits.device)
+        (b, s), vocab = tokens.shape, logits.shape[-1]
+        check_tensor("logit_rows", logit_rows, shape=(b, s), dtypes=(torch.int64,), device=logits.device)
+        if logits.shape[0] < 1:
+            raise ValueError(f"logits with logit_rows must have at least one row, got shape {list(logits.shape)}")
     dev = logits.device
     check_tensor("tokens", tokens, shape=(b, s), dtypes=(torch.int64,), device=dev)
     check_tensor("masked", masked, shape=(b, s), dtypes=(torch.bool,), device=dev)
@@ -299,12 +327,14 @@ def threshold_unmask(
     if noise_rows is not None:
         check_tensor("noise_rows", noise_rows, shape=(b,), dtypes=(torch.int64,), device=dev)
     if vocab < 1 or s < 1:
-        raise ValueError(f"logits must have at least one position and one token, got shape {list(logits.shape)}")
+        raise ValueError(f"logits must have at least one position and one token, got {s} positions and {vocab} tokens")
     threshold, temperature, top_k, top_p, noise = check_sampling_args(threshold, temperature, top_k, top_p, noise)
     check_no_overlap([("tokens", tokens), ("masked", masked), ("step_map", step_map), ("logp", logp), ("conf", conf)],
                      [("logits", logits), ("step", step), ("quota", quota), ("eos_ids", eos_ids), ("seed", seed),
-                      ("offset", offset)] + ([("noise_rows", noise_rows)] if noise_rows is not None else []))
+                      ("offset", offset)] + [(n, t) for n, t in (("noise_rows", noise_rows), ("logit_rows", logit_rows))
+                                             if t is not None])
     # quota < 0 acts as 0 (inactive row) and eos_ids outside the vocabulary never match: checking either would read
     # device values on the host (a sync in the captured decode step), so neither is an error
     return _threshold_unmask_op(logits, tokens, masked, step_map, logp, conf, step, quota, eos_ids, seed, offset,
-                                threshold, temperature, min(top_k, vocab), top_p, bool(greedy), noise, noise_rows)
+                                threshold, temperature, min(top_k, vocab), top_p, bool(greedy), noise, noise_rows,
+                                logit_rows)
