@@ -39,7 +39,8 @@ GEMMs: `--gemm cublas,kernel` times the kernel rows once per implementation of t
 <= 64 tokens per forward); default `cublas`.
 Packed forwards: `--pack auto,on,off` times every row once per `SamplerConfig.pack` mode (column `pack`; "auto"
 packs on the GPU from 256 rows x block tokens, sampler.py). With the forced TPF every row folds its commit on the
-same steps, so a packed working set runs [rows, 2 x block] on those and [rows, block] on the others; `--ragged`
+same steps, so a packed working set runs [rows, 2 x block] on those and [rows, block] on the others, and its LM head
+on the still-masked positions only (block 32 at TPF 4: 32, 28, ..., 4 of a row's 32, ~56% over a block); `--ragged`
 spreads the prompt lengths over one block (row i gets (7 i) mod block more tokens, so its first block finishes
 earlier) and the rows fold on different steps, as in real rollouts (their TPF is then a little below K).
 Programmatic dependent launch: `--pdl on,off` times the kernel rows with and without it (column `pdl`; LRF_PDL=0
