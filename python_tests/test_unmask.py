@@ -522,6 +522,10 @@ def test_kernel_supported_routing():
     assert not kernel_supported(x.double(), 1.0, 0, 1.0, True)
     assert not kernel_supported(torch.zeros(1, 1025, 3), 1.0, 0, 1.0, True)
     assert kernel_supported(torch.zeros(1, 1024, 3), 1.0, 0, 1.0, True)  # KERNEL_MAX_POSITIONS itself
+    huge = torch.empty(0, 1, 2**31 - 2**16 + 1)  # no storage: only the shape is read
+    assert not kernel_supported(huge, 1.0, 0, 1.0, True) and kernel_supported(huge[..., 1:], 1.0, 0, 1.0, True)
+    assert kernel_supported(torch.zeros(5, 3), 1.0, 0, 1.0, True, positions=1024)  # compact logits: positions given
+    assert not kernel_supported(torch.zeros(5, 3), 1.0, 0, 1.0, True, positions=1025)
 
 
 # ------------------------------------------------------------------ shared helpers of the kernel tests

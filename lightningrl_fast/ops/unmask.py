@@ -36,7 +36,7 @@ buckets' perturbed scores are within the fp32 error of a bucket's logsumexp (sum
 conf / logp match to ~1e-6 relative (to ~2^-24 (|s_pick| + |s_max|) where the scaled logits s = x / T are large,
 T << 1), so a position at the threshold or tied in conf with another to that precision may select differently.
 Used when `kernel_supported(...)` holds; otherwise (float64 logits, top-k/top-p truncation while sampling,
-more than 1024 positions per row) the op runs the reference on the GPU — correct, but several passes over
+more than 1024 positions per row, a vocabulary past 2^31 - 2^16) the op runs the reference on the GPU — correct, but several passes over
 fp32 copies of the logits, a slice of sequences at a time (PICK_SLICE_ELEMS logits: its temporaries stay a few
 hundred MB whatever the batch). Not supported: NaN or +inf logits (the reference's NaN ordering is not
 reproduced); -inf logits are fine.
@@ -201,6 +201,7 @@ def threshold_unmask_reference(logits, tokens, masked, step_map, logp, conf, ste
 
 
 KERNEL_MAX_POSITIONS = 1024  # csrc/kernels/unmask_scan.cuh kUnmaskMaxPositions
+KERNEL_MAX_VOCAB = 2**31 - 2**16  # csrc/unmask.cu: token ids and in-row offsets are int32
 NOISE_MODES = ("two_level", "per_token")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -213,7 +214,8 @@ def kernel_supported(logits: torch.Tensor, temperature: float, top_k: int, top_p
     s = logits.shape[1] if positions is None else positions
     sampling = not greedy and temperature > 0
     truncated = (0 < top_k < vocab) or top_p < 1.0
-    return logits.dtype in KERNEL_DTYPES and s <= KERNEL_MAX_POSITIONS and not (sampling and truncated)
+    return (logits.dtype in KERNEL_DTYPES and s <= KERNEL_MAX_POSITIONS and vocab <= KERNEL_MAX_VOCAB
+            and not (sampling and truncated))
 
 
 def check_sampling_args(threshold: float, temperature: float, top_k: int, top_p: float,
