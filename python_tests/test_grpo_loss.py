@@ -583,6 +583,23 @@ def test_group_normalize_kernel_matches_reference(mode, s, gsize, nr):
 
 
 @pytest.mark.gpu
+def test_group_normalize_past_the_kernel_limit_takes_the_reference(monkeypatch):
+    """More samples than the kernel's int32 table holds (2^29; the limit lowered to 100 here) run the reference
+    on the device instead of reaching the launcher's check: equal results, no error."""
+    _kernels_or_skip("group_normalize")
+    monkeypatch.setattr(_gl, "GROUP_NORMALIZE_KERNEL_MAX_SAMPLES", 100)
+    rewards, groups, weights = _gn_inputs(123, 8, 2, seed=3)
+    want = _gl.group_normalize_reference(rewards, groups, weights, "decoupled")
+    real, ran = _gl.group_normalize_reference, []
+    monkeypatch.setattr(_gl, "group_normalize_reference", lambda *a: ran.append(a[0].shape[0]) or real(*a))
+    got = group_normalize(rewards.cuda(), groups.cuda(), weights.cuda())
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-12)
+    assert ran == [123]  # the reference ran, on the device
+    group_normalize(rewards[:100].cuda(), groups[:100].cuda(), weights.cuda())
+    assert ran == [123] and got.is_cuda  # 100 samples: the kernel
+
+
+@pytest.mark.gpu
 def test_group_normalize_kernel_deterministic_and_graph_capturable():
     _kernels_or_skip("group_normalize")
     rewards, groups, weights = _gn_inputs(6000, 48, 2, seed=1)

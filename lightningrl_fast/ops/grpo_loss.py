@@ -99,10 +99,14 @@ def group_normalize_reference(rewards: torch.Tensor, group_ids: torch.Tensor, we
     return ((total - mean) / std.clamp_min(1e-8)).to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
 
 
+# csrc/grpo_loss.cu: the kernel's int32 hash table (2 x S slots); more samples take the reference
+GROUP_NORMALIZE_KERNEL_MAX_SAMPLES = 2**29
+
+
 @torch.library.custom_op("lightningrl_fast::group_normalize", mutates_args=())
 def _group_normalize_op(rewards: torch.Tensor, group_ids: torch.Tensor, weights: torch.Tensor, mode: str) -> torch.Tensor:
     kernel = cuda_kernel("group_normalize", rewards)
-    if kernel is not None:
+    if kernel is not None and rewards.shape[0] < GROUP_NORMALIZE_KERNEL_MAX_SAMPLES:
         return kernel(rewards, group_ids, weights, mode == "decoupled")
     return group_normalize_reference(rewards, group_ids, weights, mode)
 
