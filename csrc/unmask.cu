@@ -137,8 +137,6 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
     LRF_CHECK(lr.scalar_type() == at::kLong, "logit_rows must have dtype Long, got ", lr.scalar_type());
     LRF_CHECK(lr.device() == logits.device(), "logits is on ", logits.device(), " but logit_rows is on ", lr.device());
     LRF_CHECK(logits.size(0) >= 1, "logits with logit_rows must have at least one row, got shape ", logits.sizes());
-    check_no_overlaps({{"tokens", tokens}, {"masked", masked}, {"step_map", step_map}, {"logp", logp}, {"conf", conf}},
-                      {{"logit_rows", lr}});
   }
   CHECK_SHAPE(tokens, B, S);
   CHECK_SHAPE(masked, B, S);
@@ -178,6 +176,10 @@ std::tuple<at::Tensor, at::Tensor> threshold_unmask(
     LRF_CHECK(nr.device() == logits.device(), "logits is on ", logits.device(), " but noise_rows is on ", nr.device());
     check_no_overlaps({{"tokens", tokens}, {"masked", masked}, {"step_map", step_map}, {"logp", logp}, {"conf", conf}},
                       {{"noise_rows", nr}});
+  }
+  if (compact) {  // after the outputs' own checks, as noise_rows
+    check_no_overlaps({{"tokens", tokens}, {"masked", masked}, {"step_map", step_map}, {"logp", logp}, {"conf", conf}},
+                      {{"logit_rows", *logit_rows}});
   }
   CHECK_NO_INTERNAL_OVERLAP(tokens);
   CHECK_NO_INTERNAL_OVERLAP(masked);

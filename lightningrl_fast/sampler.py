@@ -162,8 +162,9 @@ def _forward_step(model, st: _State, cache: KVCache, bs: int, token_capacity: in
 
 
 def _scanned(st: _State, bs: int) -> torch.Tensor:
-    """[n, B] bool: the current block's masked positions of the rows still decoding (a superset of what the next
-    unmask scans: a quota-rule row may have quota 0 on a step)."""
+    """[n, B] bool: the current block's masked positions of the rows still decoding: exactly what the next unmask
+    scans (masked, quota > 0: a row still decoding gets quota >= 1 while its block has a masked position; the quota
+    rule's 0 for steps_per_block > B falls on steps past the block's B, when one position a step has finished it)."""
     bidx = st.cur_block[:, None] * bs + torch.arange(bs, device=st.seq.device)  # [n, B]
     return st.masked.gather(1, bidx) & ~st.done[:, None]
 
@@ -442,7 +443,7 @@ class Decoder:
                  cap: int | None):
         return lambda: _denoise_step(self.model, st, cache, cfg, bs, eos_ids, cap)
 
-    def _packed_forward(self, st: _State, cache: KVCache, sig: tuple, bs: int, cap: int | None, dev: torch.device,
+    def _packed_forward(self, st: _State, cache: KVCache, bs: int, cap: int | None, dev: torch.device,
                         use_graphs: bool) -> torch.Tensor:
         """A packed step's forward (`_forward_step`) -> the current block's hidden states [n, B, H]: with graphs,
         captured per (working-set size, packed size) and written into a buffer of the decoder's that every replay
@@ -454,8 +455,8 @@ class Decoder:
             self._hidden = torch.empty(self.capacity[0], bs, self.model.config.hidden_size, dtype=self._layout[1],
                                        device=dev)
         out = self._hidden[:n]
-        self._graph(sig + ("forward",), n, cap, lambda: lambda: _forward_step(self.model, st, cache, bs, cap, out),
-                    dev)()
+        # keyed by what the forward depends on (not the sampling parameters of sig): one capture serves every config
+        self._graph(("forward", bs), n, cap, lambda: lambda: _forward_step(self.model, st, cache, bs, cap, out), dev)()
         return out
 
     def _graph(self, sig: tuple, n: int, cap: int | None, step_fn, dev: torch.device) -> "_GraphedStep":
@@ -583,7 +584,7 @@ class Decoder:
                 cap = _pack_rows(chunk_rows) * bs if _pack_rows(chunk_rows) < 2 * n else None
             with nvtx_range("denoise_step"):
                 if packing:  # the forward captured, the LM head (on lm_rows positions) and the unmask eager
-                    h = self._packed_forward(st, cache, sig, bs, cap, dev, use_graphs)
+                    h = self._packed_forward(st, cache, bs, cap, dev, use_graphs)
                     _unmask_step(model, st, cfg, bs, eos_ids, h, lm_rows)
                 elif use_graphs:
                     self._graph(sig, n, cap, lambda: self._step_fn(st, cache, cfg, bs, eos_ids, cap), dev)()
@@ -630,6 +631,7 @@ def _check_memory(mcfg, rows: int, width: int, bs: int, dtype: torch.dtype, dev:
     elt = torch.empty((), dtype=dtype).element_size()
     cache = 2 * mcfg.num_hidden_layers * rows * width * mcfg.num_key_value_heads * mcfg.head_dim * elt
     logits = 2 * rows * bs * mcfg.vocab_size * elt  # the eager step's and the captured step's
+    logits += rows * bs * mcfg.hidden_size * elt  # the packed steps' hidden-state buffer (Decoder._hidden)
     free, _ = torch.cuda.mem_get_info(dev)
     free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # cached by torch's allocator
     if cache + logits > free:

@@ -440,31 +440,43 @@ def test_packed_steps_equal_unpacked_steps(model, monkeypatch, kw):
 @pytest.mark.parametrize("kw", [
     dict(temperature=0, threshold=0.3),
     dict(temperature=0.8, threshold=0.4, seed=3, fold_commit=False),
-    dict(temperature=0, rule="quota", steps_per_block=6, block_size=4),  # quota 0 on some steps of a block
+    dict(temperature=0, rule="quota", steps_per_block=2, block_size=8),  # 4 positions a step, all rows alike
 ])
 def test_packed_steps_run_the_lm_head_on_masked_positions_only(model, monkeypatch, kw):
     """A packed step runs the LM head on the current blocks' masked positions of the rows still decoding, a count
-    the host read at the previous step's check (exact: the spy recounts it when the step starts), not on all
-    rows x B positions; the unmask reads them through logit_rows; the rollout is the unpacked one."""
+    the host read at the previous step's check, not on all rows x B positions: exactly the positions the unmask
+    scans (counted at its call as masked & quota > 0, each mapped by logit_rows to a distinct row of the compact
+    logits); the rollout is the unpacked one."""
     import lightningrl_fast.sampler as sampler
 
-    real_step, real_head, steps, heads = sampler._unmask_step, model.decode_logits, [], []
+    real_step, real_head, real_unmask = sampler._unmask_step, model.decode_logits, sampler.threshold_unmask
+    steps, heads, unmasks = [], [], []
 
     def spy(model_, st, cfg, bs, eos_ids, h, lm_rows=None):
         steps.append((lm_rows, int(sampler._scanned(st, bs).sum()), h.shape[0] * bs))
         return real_step(model_, st, cfg, bs, eos_ids, h, lm_rows)
 
+    def spy_unmask(logits, tokens, masked, *args, logit_rows=None, **kw):
+        quota = args[4]
+        scanned = masked & (quota > 0)[:, None]
+        if logit_rows is not None:
+            rows = logit_rows[scanned]  # each scanned position's row: distinct, all of the compact logits
+            assert sorted(rows.tolist()) == list(range(logits.shape[0])), (rows, logits.shape)
+        unmasks.append(int(scanned.sum()))
+        return real_unmask(logits, tokens, masked, *args, logit_rows=logit_rows, **kw)
+
     monkeypatch.setattr(sampler, "_unmask_step", spy)
+    monkeypatch.setattr(sampler, "threshold_unmask", spy_unmask)
     monkeypatch.setattr(model, "decode_logits", lambda h: heads.append(h.shape[:-1].numel()) or real_head(h))
     prompts = prompts_of([1, 3, 4, 5, 9, 13, 2, 8, 11], seed=5)
     cfg = SamplerConfig(max_new_tokens=21, eos_ids=(EOS,), **kw)
     a = generate(model, prompts, dataclasses.replace(cfg, pack="off"))
     assert all(lm is None for lm, _, _ in steps) and heads == [full for _, _, full in steps]
-    steps.clear(), heads.clear()
+    steps.clear(), heads.clear(), unmasks.clear()
     b = generate(model, prompts, dataclasses.replace(cfg, pack="on"))
     assert_same_rollout(a, b)
     assert steps and all(lm == exact for lm, exact, _ in steps), steps
-    assert heads == [lm for lm, _, _ in steps]  # the LM head's rows
+    assert heads == [lm for lm, _, _ in steps] == unmasks  # the LM head's rows: the positions the unmask scans
     assert sum(heads) < 0.8 * sum(full for _, _, full in steps)
 
 

@@ -192,10 +192,15 @@ def test_reference_slices_give_the_unsliced_picks(monkeypatch, noise, top_k, top
     logits[2, 1, 100:900] = float("-inf")
     args = (torch.tensor([2**33 + 5]), torch.tensor([41]), 0.8, top_k, top_p, greedy, noise)
     whole = pick_tokens_reference(logits, *args)
+    # the same logits compact: rows in another order, every position's row through the map (logit_rows)
+    perm = torch.randperm(35, generator=g)
+    compact, rows = logits.reshape(35, 1111)[perm], torch.argsort(perm).view(7, 5)
     for per in (1, 2, 3, 7):
         monkeypatch.setattr(U, "PICK_SLICE_ELEMS", per * 5 * 1111 + 3)
         got = pick_tokens_reference(logits, *args)
         assert all(torch.equal(a, b) for a, b in zip(got, whole)), per
+        got = pick_tokens_reference(compact, *args, logit_rows=rows)
+        assert all(torch.equal(a, b) for a, b in zip(got, whole)), ("compact", per)
 
 
 def bucket_chi2(noise, device="cpu", dtype=torch.float32):
@@ -526,6 +531,7 @@ def test_kernel_supported_routing():
     assert not kernel_supported(huge, 1.0, 0, 1.0, True) and kernel_supported(huge[..., 1:], 1.0, 0, 1.0, True)
     assert kernel_supported(torch.zeros(5, 3), 1.0, 0, 1.0, True, positions=1024)  # compact logits: positions given
     assert not kernel_supported(torch.zeros(5, 3), 1.0, 0, 1.0, True, positions=1025)
+    assert kernel_supported(torch.zeros(8, 2000), 1.0, 0, 1.0, True, positions=4)  # not logits.shape[1]
 
 
 # ------------------------------------------------------------------ shared helpers of the kernel tests
@@ -555,11 +561,13 @@ def assert_same_step(got_state, got_flags, want_state, want_flags, rtol=1e-5, at
 
 
 def compact_logits(dense: torch.Tensor, masked: torch.Tensor, quota: torch.Tensor, rng: random.Random,
-                   g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                   g: torch.Generator, same_alignment: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [M, V], logit_rows [B, S] int64): threshold_unmask's compact layout of `dense` [B, S, V]. The rows of
     the positions the kernel scans (masked, quota > 0) in a random order among 1-4 junk rows (other random logits:
     a position reading a wrong row picks otherwise), rows at a stride of V + 0..8 (misaligned ones included); the
-    map's entries at the other positions are junk, out of range too (they must not be read)."""
+    map's entries at the other positions are junk, out of range too (they must not be read). `same_alignment`:
+    the stride rounded up to whole 16 bytes, so every row starts at one alignment (identical rows then sum in the
+    same order and tie exactly, as the random draws of identical rows expect)."""
     b, s, vocab = dense.shape
     dev = dense.device
     scanned = (masked & (quota > 0)[:, None]).flatten().nonzero().squeeze(1)  # [n] flat positions
@@ -568,6 +576,9 @@ def compact_logits(dense: torch.Tensor, masked: torch.Tensor, quota: torch.Tenso
     cpu_gen = torch.Generator().manual_seed(rng.getrandbits(63))
     slot = torch.randperm(m, generator=cpu_gen).to(dev)  # [m] rows of the scanned positions first, then the junk's
     pad = rng.choice([0, 0, 1, 3, 8])
+    if same_alignment:
+        per_vec = 16 // dense.element_size()
+        pad += -(vocab + pad) % per_vec
     base = (torch.randn(m, vocab + pad, generator=g, device=dev) * 4).to(dense.dtype)
     logits = base[:, :vocab]
     logits[slot[:n]] = dense.reshape(b * s, vocab)[scanned]
@@ -922,3 +933,23 @@ def test_gpu_opcheck(cuda_kernels):
     compact, rows = compact_logits(state[0], state[2], extra[1], random.Random(1), torch.Generator("cuda"))
     torch.library.opcheck(torch.ops.lightningrl_fast.threshold_unmask.default,
                           (compact, *clone(state[1:]), *extra, 0.9, 1.0, 0, 1.0, False, "two_level", None, rows))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["greedy", "two_level"])
+def test_gpu_compact_logits_run_the_kernel(cuda_kernels, monkeypatch, mode):
+    """Compact logits at the real vocabulary (V 151936 > 1024: kernel_supported must be given the positions, not
+    logits.shape[1]) run the kernel, not the reference (made to raise here), and give the full layout's step."""
+    import lightningrl_fast.ops.unmask as U
+
+    greedy, noise = MODES[mode]
+    state, extra = case(8, 32, 151936, torch.bfloat16, seed=12, frac_masked=0.6, device="cuda")
+    want_state = clone(state)
+    want = threshold_unmask(*want_state, *extra, threshold=0.5, greedy=greedy, noise=noise)
+    # rows at whole 16 bytes, as the full layout's: the same head / vector / tail split, the same sums, bit-equal
+    compact, rows = compact_logits(state[0], state[2], extra[1], random.Random(2), torch.Generator("cuda"),
+                                   same_alignment=True)
+    monkeypatch.setattr(U, "threshold_unmask_reference", lambda *a: pytest.fail("the reference ran"))
+    got = [compact] + clone(state[1:])
+    flags = threshold_unmask(*got, *extra, threshold=0.5, greedy=greedy, noise=noise, logit_rows=rows)
+    assert_same_step(got, flags, want_state, want, rtol=0, atol=0)  # the same kernel arithmetic on the same rows

@@ -329,7 +329,7 @@ def draw_unmask_config(case, device="cpu", gpu=False) -> dict:
     # drawn after noise_rows, likewise: the logits as drawn ([B, S, V]) or compact ([M, V] + logit_rows)
     logit_rows = None
     if rng.random() < 0.25:
-        state[0], logit_rows = compact_logits(dense, masked, quota, rng, g)
+        state[0], logit_rows = compact_logits(dense, masked, quota, rng, g, same)
     config = (f"case {case}: {dtype} B={b} S={s} V={vocab} mode={mode} greedy={greedy} noise={noise} T={temperature} "
               f"top_k={top_k} top_p={top_p} tau={threshold} frac_masked={frac:.2f} ({int(masked.sum())} masked) "
               f"quota={quota.tolist()} step={step.tolist()} eos={eos} seed={seed.item()} offset={offset.item()} "

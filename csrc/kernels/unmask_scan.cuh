@@ -75,7 +75,7 @@ struct UnmaskParams {
   const void* logits;          // [B, S, V], last dim dense; or [num_logit_rows, V] with logit_rows
   int64_t logits_sb, logits_ss;  // element strides of dims 0 and 1 (with logit_rows: the row stride, unused)
   Mat<const int64_t> logit_rows;  // [B, S], ptr nullptr when absent: position (b, s) reads logits row
-                                  // logit_rows(b, s), clamped into [0, num_logit_rows) (unmask_logits_row)
+                                  // logit_rows(b, s), clamped into [0, num_logit_rows) (unmask_logits_offset)
   int64_t num_logit_rows;      // rows of the compact logits (>= 1 when logit_rows is given)
   Mat<int64_t> tokens;         // [B, S] written at unmasked positions
   Mat<bool> masked;            // [B, S] cleared at unmasked positions
