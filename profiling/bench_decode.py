@@ -28,7 +28,14 @@ compute-bound, so the ratio falls there by design), `steady fwd/s` the steady-st
 also timed with half the new tokens, and (forwards difference) / (time difference) leaves out the prefill, the
 first (eager) step and the graph captures, which both calls pay alike (`--no-steady` skips it); `steady bound`
 the bound at the mean context of the differenced forwards (prompt + 3/4 of the new tokens: they decode the second
-half) and `steady %bw` against it; `peakGB` peak allocated device memory. `graphs=failed`: the step could not be
+half) and `steady %bw` against it; `peakGB` peak allocated device memory.
+The compute side (large batches): `TFLOP/s` the FLOPs the call's schedule needs at least (`decode_flops`: the
+prefill, each step's current block and each folded commit through projections, MLP and attention against the keys
+up to the block's end, and the LM head only on the positions still masked at each step), over its time; `roof
+bound` the forwards/s of a roofline that needs both the call's bytes at the copy bandwidth and its FLOPs at the
+measured dense GEMM rate (`gemm_tflops` of the JSON line, common.gemm_tflops: bf16 [8192, 4096] x [4096, 8192] on
+the GPU), and `%roof` the measured rate against it, for the whole call and (`steady ...`) for the differenced
+forwards: where `%bw` falls at large batches by design, `%roof` says how far the engine is from the hardware. `graphs=failed`: the step could not be
 captured and ran eagerly; `pdl=off (capture retry)`: it was captured only after the sampler turned programmatic
 dependent launch off (its retry after a failed capture with PDL on), so the row is a graph without PDL.
 
@@ -75,8 +82,8 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (RowLog, copy_bandwidth_gbs, device_name, emit_json, ints, kernels_dispatched,  # noqa: E402
-                    print_table)
+from common import (RowLog, copy_bandwidth_gbs, device_name, emit_json, gemm_tflops, ints,  # noqa: E402
+                    kernels_dispatched, print_table)
 
 from lightningrl_fast import _ext  # noqa: E402
 from lightningrl_fast.model import SDARConfig, SDARForCausalLM, build_model  # noqa: E402
@@ -133,6 +140,35 @@ def mean_context(prompt_len: int, first_new: float, last_new: float) -> float:
     """Mean cached context of the forwards that decode new tokens first_new .. last_new (KV bytes grow linearly):
     the whole call is (0, new), the steady-state difference of a full and a half-length call (half, new)."""
     return prompt_len + (first_new + last_new) / 2
+
+
+def decode_flops(cfg: SDARConfig, ro, block: int) -> float:
+    """The FLOPs a generate call's schedule needs at least, from its Rollout: the prefill (each prompt's whole blocks,
+    block-causal), every denoising step's current block (B tokens against the keys up to the block's end), each
+    finished block's commit folded into the next forward (B tokens), and the LM head on the positions still masked
+    at each step (the 2 x H x V of a position once per step it waits). Projections and MLP 2 x their weights per
+    token, attention 4 x Hq x D per query and key; norms, RoPE and the unmask are left out. Rows sharing a prompt
+    prefix are counted as separate prefills (the bench's random prompts share none)."""
+    h, inner, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    body = 2.0 * layers * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * inner)  # per token
+    attn = 4.0 * layers * hq * d  # per query token and key
+    head = 2.0 * h * cfg.vocab_size  # per masked position and step
+    n, width = ro.seq_step_map.shape
+    sm = ro.seq_step_map.long().view(n, width // block, block)  # [N, blocks, B] -1 prompt, -2 never decoded
+    dec = sm >= 0
+    has = dec.any(-1)  # [N, blocks] decoded blocks
+    lo = torch.where(dec, sm, 2**62).amin(-1)  # each block's first step
+    steps = torch.where(has, torch.where(dec, sm, -1).amax(-1) - lo + 1, 0)  # [N, blocks] steps it was current
+    waits = torch.where(dec, sm - lo[..., None] + 1, 0).sum()  # LM-head positions over all steps
+    idx = torch.arange(width // block)
+    last = torch.where(has, idx, -1).amax(-1, keepdim=True)
+    folds = (has & (idx < last)).long()  # committed by folding into the next block's first forward
+    keys = ((idx + 1) * block).double()  # a block's queries see the keys up to its end
+    full = (ro.prompt_lens // block).double()  # [N] whole prompt blocks, prefilled
+    prefill = body * block * full.sum() + attn * block * block * (full * (full + 1) / 2).sum()
+    chunks = (steps + folds).double()  # B-token query chunks per block
+    return float(prefill + body * block * chunks.sum() + attn * block * (chunks * keys).sum() + head * waits)
 
 
 def capture_outcome(messages: list[str]) -> tuple[bool, bool]:
@@ -224,8 +260,13 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
                                                   elt)) / 1e9
     bound = args.copy_gbs / gb
     fwd_s = ro.total_forwards / s
+    flops = decode_flops(cfg_m, ro, block)
+    # roofline: the call needs at least its bytes at the copy bandwidth and its FLOPs at the measured GEMM rate
+    roof_s = max(ro.total_forwards * gb / args.copy_gbs, flops / (args.gemm_tflops * 1e12))
     row.update({"tpf": round(float(ro.tpf.mean()), 3), "fwd": ro.total_forwards, "s": s, "tok/s": toks / s,
-                "fwd/s": fwd_s, "GB/fwd": gb, "bound": bound, "%bw": 100 * fwd_s / bound})
+                "fwd/s": fwd_s, "GB/fwd": gb, "bound": bound, "%bw": 100 * fwd_s / bound,
+                "TFLOP/s": flops / s / 1e12, "roof bound": ro.total_forwards / roof_s,
+                "%roof": 100 * roof_s / s})
     if ro_half is not None:
         ds = s - statistics.median(half_secs)
         dfwd = ro.total_forwards - ro_half.total_forwards
@@ -234,6 +275,11 @@ def run_combo(model, device, batch: int, block: int, graphs: bool, impl: str, ar
         ctx = mean_context(args.prompt_len, half_cfg.max_new_tokens, args.new_tokens)
         steady_bound = args.copy_gbs / ((model.forward_weight_bytes() + kv_bytes(cfg_m, batch, ctx, elt)) / 1e9)
         row.update({"steady fwd/s": steady, "steady bound": steady_bound, "steady %bw": 100 * steady / steady_bound})
+        dflops = flops - decode_flops(cfg_m, ro_half, block)
+        if ds > 0 and dfwd > 0:
+            droof = max(dfwd / steady_bound, dflops / (args.gemm_tflops * 1e12))  # seconds, as roof_s above
+            row.update({"steady TFLOP/s": dflops / ds / 1e12, "steady roof bound": dfwd / droof,
+                        "steady %roof": 100 * droof / ds})
     if device.type == "cuda":
         row["peakGB"] = torch.cuda.max_memory_allocated(device) / 1e9
     if graphs and capture_failed:
@@ -336,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     graphs = [False] if not on_gpu else {"both": [True, False], "on": [True], "off": [False]}[args.graphs]
 
     args.copy_gbs = copy_bandwidth_gbs(device)
+    args.gemm_tflops = gemm_tflops(device, dtype)
     with torch.device("meta"):  # sizes only; the real model is built when this process times something
         shape_model = SDARForCausalLM(SDARConfig(**CONFIGS[args.config])).to(dtype)
     wb = shape_model.forward_weight_bytes()
@@ -343,7 +390,8 @@ def main(argv: list[str] | None = None) -> None:
     del shape_model
     model = make_model(args.config, device, dtype) if local else None
     if not args.child:
-        print(f"device: {device_name(device)}; copy bandwidth {args.copy_gbs:.0f} GB/s; config {args.config} "
+        print(f"device: {device_name(device)}; copy bandwidth {args.copy_gbs:.0f} GB/s; {str(dtype)[6:]} GEMM "
+              f"{args.gemm_tflops:.1f} TFLOP/s; config {args.config} "
               f"({n_params / 1e9:.3f} B params, "
               f"{wb / 1e9:.3f} GB read per forward as weights, {str(dtype)[6:]}); forced TPF {args.tpf}; prompt "
               f"{args.prompt_len}{' + (7 i) mod block' if args.ragged else ''} + {args.new_tokens} new tokens; "
@@ -353,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = RowLog("decode", device=device_name(device), config=args.config, dtype=str(dtype)[6:], tpf=args.tpf,
                   prompt_len=args.prompt_len, ragged=args.ragged, new_tokens=args.new_tokens,
-                  copy_gbs=round(args.copy_gbs, 1))
+                  copy_gbs=round(args.copy_gbs, 1), gemm_tflops=round(args.gemm_tflops, 1))
     trace = args.torch_trace
     for impl in local:
         combos = ([(a, m, d) for a in args.attn for m in args.gemm for d in args.pdl] if impl == "kernels"

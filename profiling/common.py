@@ -239,6 +239,18 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def gemm_tflops(device: torch.device, dtype: torch.dtype, m: int = 8192, k: int = 4096, n: int = 8192) -> float:
+    """Measured dense GEMM rate in TFLOP/s ([m, k] x [k, n] in `dtype`): the compute side of a roofline, as the
+    copy bandwidth is its memory side (on the CPU a 256-cube GEMM, so that it stays quick)."""
+    if device.type != "cuda":
+        m = k = n = 256
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(m, k, generator=g, device=device).to(dtype)
+    b = torch.randn(k, n, generator=g, device=device).to(dtype)
+    ms = time_fn(lambda: a @ b, device=device, warmup=3, iters=10)
+    return 2.0 * m * k * n / (ms * 1e-3) / 1e12
+
+
 def print_table(rows: Sequence[dict], file=sys.stdout) -> None:
     """Print dict rows as one aligned table (columns from the first row, floats with 4 significant digits)."""
     if not rows:

@@ -380,6 +380,65 @@ def test_bench_decode_steady_bound_uses_the_context_of_the_differenced_forwards(
     assert abs(extra - 36 * 2 * 8 * 128 * 2 * 256 * 64) < 1 and extra > 2.4e9
 
 
+@pytest.mark.parametrize("kw", [
+    dict(threshold=1.01, rule="quota", steps_per_block=2, temperature=0),  # bench_decode's forced TPF
+    dict(threshold=0.4, temperature=0, eos=True),  # variable TPF, EOS: rows stop at different blocks
+])
+def test_bench_decode_flops_count_the_engines_work(monkeypatch, kw):
+    """decode_flops, from a Rollout alone, equals the work the engine really did, counted as it runs: every token a
+    forward carried (prefill, steps, folded commits: the chunk lengths given to hidden_cached, at their absolute
+    positions, each seeing the keys up to its block's end) and every position the packed steps' LM head ran on."""
+    import dataclasses
+
+    bd = profiling_module("bench_decode")
+    import lightningrl_fast.sampler as sampler
+    from lightningrl_fast.model import SDARConfig, build_model
+
+    cfg = SDARConfig(vocab_size=111, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, block_size=4, mask_token_id=110, torch_dtype="float32",
+                     max_position_embeddings=256)
+    model = build_model(cfg, dtype=torch.float64, seed=1).eval()
+    h, inner, L, hq, hkv, d = 32, 48, 2, 4, 2, 8
+    body = 2 * L * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * inner)
+    seen = {"tokens": 0, "keys": 0, "head": 0}
+    real_hidden, real_step = model.hidden_cached, sampler._unmask_step
+
+    def spy_hidden(chunk, cache, start, chunk_lens, bs, *a, **k):
+        for s0, n in zip(start.tolist(), chunk_lens.tolist()):
+            pos = torch.arange(s0, s0 + n)
+            seen["tokens"] += n
+            seen["keys"] += int(((pos // bs + 1) * bs).sum())
+        return real_hidden(chunk, cache, start, chunk_lens, bs, *a, **k)
+
+    def spy_step(model_, st, c, bs, eos_ids, hs, lm_rows=None):
+        seen["head"] += lm_rows or 0  # (None: an unpacked step, all positions)
+        return real_step(model_, st, c, bs, eos_ids, hs, lm_rows)
+
+    monkeypatch.setattr(model, "hidden_cached", spy_hidden)
+    monkeypatch.setattr(sampler, "_unmask_step", spy_step)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(10, 100, (n,), generator=g).tolist() for n in (1, 3, 4, 5, 9, 12, 2)]  # distinct
+    scfg = sampler.SamplerConfig(max_new_tokens=17, eos_ids=(110,), pack="off", **{k: v for k, v in kw.items()
+                                                                                  if k != "eos"})
+    if kw.get("eos"):  # an EOS id that some rows decode (a token of row 0's response) and others not
+        free = sampler.generate(model, prompts, scfg).tokens
+        eos = next(t for t in free[0].tolist() if not all(t in r for r in free.tolist()))
+        scfg = dataclasses.replace(scfg, eos_ids=(eos,))
+    seen.update(tokens=0, keys=0, head=0)
+    scfg = dataclasses.replace(scfg, pack="on")
+    ro = sampler.generate(model, prompts, scfg)
+    if kw.get("eos"):
+        assert ro.eos_found.any() and not ro.eos_found.all()
+    want = body * seen["tokens"] + 4 * L * hq * d * seen["keys"] + 2 * h * 111 * seen["head"]
+    assert bd.decode_flops(cfg, ro, 4) == pytest.approx(want, rel=1e-12)
+    assert seen["head"] < seen["tokens"]  # the LM head ran on fewer positions than the forwards carried
+    unpacked = sampler.generate(model, prompts, dataclasses.replace(scfg, pack="off"))
+    assert bd.decode_flops(cfg, unpacked, 4) == bd.decode_flops(cfg, ro, 4)  # the schedule's work, not the layout's
+    rr = profiling_module("results_rows")  # the new columns land in RESULTS.md's result / bound / ratio
+    assert [rr.column(k, 1.0) for k in ("TFLOP/s", "roof bound", "%roof", "steady roof bound", "steady %roof")] == [
+        "result", "bound", "ratio", "bound", "ratio"]
+
+
 def test_bench_decode_reads_the_samplers_capture_warnings():
     """A failed capture with PDL on is retried without PDL (a graph, not an eager step): the row must say pdl off,
     not graphs failed; only the second failure means an eager step. The fragments are the sampler's wording."""
