@@ -133,6 +133,111 @@ def test_streamed_reference_equals_the_per_micro_batch_forward(mode):
     assert not torch.equal(next(model.parameters()), next(ref.parameters()))
 
 
+def test_streamed_reference_overlaps_the_next_layers_copy_with_stand_in_streams(monkeypatch):
+    """The CUDA ordering of `_LayerFeed`, run on the CPU with stand-in streams and events: layer i + 1's copy is
+    queued on the side stream before layer i computes; a buffer is refilled only after the side stream waited for
+    the event recorded after its last compute; a buffer computes only after the current stream waited for the event
+    of its latest copy; the copies run inside the side stream's context; the current stream joins the side stream
+    at the end. The log-probs equal the plain forward's (the copies run at once here)."""
+    import contextlib
+
+    import lightningrl_fast.rl.logprobs as LP
+
+    log: list = []
+
+    class Side:
+        def wait_event(self, ev):
+            log.append(("side waits", ev))
+
+        def record_event(self):
+            log.append(("ready", object()))
+            return log[-1][1]
+
+    class Current:
+        def wait_event(self, ev):
+            log.append(("current waits", ev))
+
+        def record_event(self):
+            log.append(("free", object()))
+            return log[-1][1]
+
+        def wait_stream(self, s):
+            log.append(("join", s))
+
+    current, sides = Current(), []
+    monkeypatch.setattr(LP.torch.cuda, "current_stream", lambda dev=None: current)
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(("enter", stream))
+        yield
+        log.append(("exit", stream))
+
+    monkeypatch.setattr(LP.torch.cuda, "stream", on)
+    init, fill = LP._LayerFeed.__init__, LP._LayerFeed.fill
+    cfg = SDARConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, block_size=4, mask_token_id=TINY_MASK,
+                     torch_dtype="float32", max_position_embeddings=256)
+    model = build_model(cfg, dtype=torch.float64, seed=3).eval()  # 3 layers: buffers refilled within a chunk too
+    ref = host_copy(model, pin=False)
+    index = {id(layer): i for i, layer in enumerate(ref.model.layers)}
+
+    def spy_init(self, *a):
+        init(self, *a)
+        self.side = Side()
+        sides.append(self.side)
+        for k, buf in enumerate(self.bufs):
+            buf.register_forward_pre_hook(lambda mod, args, k=k: log.append(("compute", k)))
+
+    def spy_fill(self, k, layer):
+        log.append(("fill", k, index[id(layer)]))
+        fill(self, k, layer)
+
+    monkeypatch.setattr(LP._LayerFeed, "__init__", spy_init)
+    monkeypatch.setattr(LP._LayerFeed, "fill", spy_fill)
+    lb = reference_batch(model, "trace")
+    budget = 3 * lb.input_ids.shape[1]
+    mbs = list(micro_batches(lb, range(8), budget, torch.device("cpu"), MASK))
+    assert len(mbs) >= 2
+    got = streamed_logprobs(ref, lb, mbs, torch.device("cpu"), budget)  # a chunk per micro-batch or two
+    torch.testing.assert_close(got, logprob_stage(model, lb, budget).float(), rtol=0, atol=1e-6)
+    n_layers = len(ref.model.layers)
+    assert len(sides) == 1 and n_layers >= 2 and log[-1] == ("join", sides[0])
+    ready: dict = {}  # buffer -> [event of its latest copy, waited for yet]
+    free: dict = {}  # buffer -> event recorded after its latest compute
+    filled: dict = {}  # buffer -> layer it holds
+    computes: list = []  # layer of each compute, in order
+    last_fill = None
+    for i, e in enumerate(log):
+        if e[0] == "fill":
+            k = e[1]
+            assert (k in free) == (k in filled), f"buffer {k} refilled with no event after its last compute"
+            if k in free:  # refilled: the side stream first waits for its last compute's event
+                assert log[i + 1] == ("side waits", free[k]), log[i:i + 2]
+            j = i + (2 if k in free else 1)
+            assert log[j][0] == "enter" and log[j][1] is sides[0]
+            end = next(x for x in range(j, len(log)) if log[x][0] == "exit")
+            assert log[end - 1][0] == "ready"  # recorded inside the side stream's context, after the copies
+            ready[k], filled[k], last_fill = [log[end - 1][1], False], e[2], e[2]
+        elif e[0] == "current waits":
+            k = next(b for b, r in ready.items() if r[0] is e[1])
+            ready[k][1] = True
+        elif e[0] == "compute":
+            k = e[1]
+            assert ready[k][1], f"buffer {k} computed before the current stream waited for its copy"
+            layer = filled[k]
+            # the overlap: the next layer's copy was queued before this layer computes (the last layer has none)
+            assert last_fill == min(layer + 1, n_layers - 1), (layer, last_fill)
+            computes.append(layer)
+        elif e[0] == "free":
+            assert log[i - 1][0] == "compute", "an event recorded after no compute"
+            free[log[i - 1][1]] = e[1]
+    # layer after layer within a chunk (each on every micro-batch of it), chunk after chunk
+    assert all(b in (a, a + 1) or (a, b) == (n_layers - 1, 0) for a, b in zip(computes, computes[1:]))
+    assert computes[0] == 0 and computes[-1] == n_layers - 1
+    assert sum(e[0] == "fill" and e[2] == 0 for e in log) >= 2  # several chunks
+
+
 def loss_inputs(lb, seed):
     """Random per-token advantages (per sample), old and reference log-probs, and verifier flags for the 12 rows of
     a varied_batch."""
@@ -323,6 +428,40 @@ def test_gpu_reference_stages_on_cuda():
     assert next(state.ref_model.parameters()).device.type == "cpu"
     torch.testing.assert_close(reference_stage(state, lb, RLConfig(micro_batch_tokens=lb.input_ids.shape[1] * 3)),
                                cpu, rtol=0, atol=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)  # compiles FlexAttention (forward) per shape: minutes
+def test_gpu_streamed_reference_never_races_its_layer_copies(monkeypatch):
+    """On a GPU, with the side stream made to lag (a long sleep queued before every layer's copy): a layer computing
+    before its copy landed, or a buffer refilled while a layer still computes on it, would change the log-probs.
+    3 layers (buffers refilled within a chunk), a chunk per micro-batch or two; equal to the plain forward on the
+    GPU of the same weights (and so to the serial copies of before)."""
+    import copy
+
+    import lightningrl_fast.rl.logprobs as LP
+
+    fill = LP._LayerFeed.fill
+
+    def lagging(self, k, layer):
+        if self.side is not None:
+            with torch.cuda.stream(self.side):
+                torch.cuda._sleep(5_000_000)
+        fill(self, k, layer)
+
+    monkeypatch.setattr(LP._LayerFeed, "fill", lagging)
+    cfg = SDARConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, block_size=4, mask_token_id=TINY_MASK,
+                     torch_dtype="float32", max_position_embeddings=256)
+    model = build_model(cfg, dtype=torch.float32, seed=3).eval()
+    lb = reference_batch(model, "trace")
+    budget = 3 * lb.input_ids.shape[1]
+    dev = torch.device("cuda")
+    mbs = list(micro_batches(lb, range(8), budget, torch.device("cpu"), MASK))  # host ids: embedded on the host
+    want = logprob_stage(copy.deepcopy(model).to(dev), lb, budget)
+    ref = host_copy(model, pin=True)
+    got = streamed_logprobs(ref, lb, mbs, dev, budget)
+    torch.testing.assert_close(got.cpu(), want.float().cpu(), rtol=0, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -14,8 +14,9 @@ padding and never attended. The mask token is excluded from the softmax, as the 
 
 A frozen reference kept in host memory (`host_copy`, RLConfig.reference_offload) is evaluated layer-major by
 `streamed_logprobs`: each decoder layer's weights cross to the GPU once per chunk of micro-batches and run on
-all of them, so the GPU holds one layer of the reference instead of all of it (SDAR-8B: 15.3 GiB saved per
-GPU, for ~16 GB of host-to-device copies per chunk).
+all of them, so the GPU holds two layers of the reference instead of all of it (SDAR-8B: 15.3 GiB saved per
+GPU, for ~16 GB of host-to-device copies per chunk); on CUDA the next layer's copy runs on a side stream while
+the current one computes (`_LayerFeed`).
 """
 
 from __future__ import annotations
@@ -563,6 +564,50 @@ def check_targets(lb: LayoutBatch, vocab: int) -> None:
         raise ValueError(f"target {int(hit[0])} is the mask token {lb.mask_id} (out of the softmax: log-prob -inf)")
 
 
+class _LayerFeed:
+    """Decoder layers of a host-resident model brought to `device` in turn, into two device copies of one layer used
+    alternately. On CUDA a layer's copy in runs on a side stream (`fill`), after the compute that last used its
+    buffer (an event recorded by `done`), and the compute waits for it (`take`): layer i + 1 crosses PCIe while
+    layer i computes. Elsewhere every copy is on the current stream, in order."""
+
+    def __init__(self, template: torch.nn.Module, device: torch.device) -> None:
+        self.bufs = [copy.deepcopy(template).to(device) for _ in range(2)]
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.device = device
+        self.ready: list = [None, None]  # per buffer: event after its copy in (side stream)
+        self.free: list = [None, None]  # per buffer: event after its last compute (current stream)
+
+    def fill(self, k: int, layer: torch.nn.Module) -> None:
+        """Start copying `layer`'s weights into buffer k (after the compute queued on it so far)."""
+        pairs = list(zip(self.bufs[k].parameters(), layer.parameters()))
+        if self.side is None:
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            return
+        if self.free[k] is not None:
+            self.side.wait_event(self.free[k])
+        with torch.cuda.stream(self.side):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            self.ready[k] = self.side.record_event()
+
+    def take(self, k: int) -> torch.nn.Module:
+        """Buffer k for compute on the current stream, once its copy in is done (a wait on the device)."""
+        if self.ready[k] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[k])
+        return self.bufs[k]
+
+    def done(self, k: int) -> None:
+        """The compute queued on buffer k is its last until it is filled again."""
+        if self.side is not None:
+            self.free[k] = torch.cuda.current_stream(self.device).record_event()
+
+    def join(self) -> None:
+        """The current stream waits for every copy (before the buffers are freed)."""
+        if self.side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+
+
 @torch.no_grad()
 def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, mbs: Iterable[MicroBatch],
                       device: torch.device, chunk_tokens: int) -> torch.Tensor:
@@ -570,15 +615,15 @@ def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, mbs: Iterable[Mic
 
     `mbs`: the micro-batches (`iter_micro_batches` of lb). They are taken in chunks of at most `chunk_tokens`
     positions (their hidden states stay on the device meanwhile, chunk_tokens x hidden x 2 bytes in bf16); per
-    chunk, each decoder layer is copied into one device-resident layer and applied to every micro-batch of the
-    chunk, then the final norm and the LM head (copied once per call). Equals the per-micro-batch forward of the
-    same weights on the device (tested)."""
+    chunk, each decoder layer is copied into one of two device-resident layers (`_LayerFeed`: the next one's copy
+    overlaps this one's compute on CUDA) and applied to every micro-batch of the chunk, then the final norm and the
+    LM head (copied once per call). Equals the per-micro-batch forward of the same weights on the device (tested)."""
     cfg = model.config
     chunk_tokens = check_int("chunk_tokens", chunk_tokens, lo=1)
     check_targets(lb, cfg.vocab_size)
     out = torch.empty(lb.num_tokens)
     layers = list(model.model.layers)
-    work = copy.deepcopy(layers[0]).to(device)  # one layer's memory on the device, refilled layer after layer
+    feed = _LayerFeed(layers[0], device)  # two layers' memory on the device, refilled layer after layer
     norm = copy.deepcopy(model.model.norm).to(device)
     head = model.lm_head.weight.to(device, non_blocking=True)
     chunks: list[list[MicroBatch]] = [[]]
@@ -594,13 +639,17 @@ def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, mbs: Iterable[Mic
             xs.append(x)
             ropes.append(rope_cos_sin(sub.position_ids, cfg.head_dim, cfg.rope_theta, x.dtype))
             plans.append(prepare(sub.layout, 1, device))
-        for layer in layers:
-            for dst, src in zip(work.parameters(), layer.parameters()):
-                dst.copy_(src, non_blocking=True)
+        feed.fill(0, layers[0])
+        for i in range(len(layers)):
+            if i + 1 < len(layers):
+                feed.fill((i + 1) % 2, layers[i + 1])  # crosses while layer i computes (CUDA)
+            work = feed.take(i % 2)
             for k, sub in enumerate(subs):
                 xs[k] = work(xs[k], *ropes[k], sub.layout, plans[k])
+            feed.done(i % 2)
         for host_mb, sub, x in zip(chunk, subs, xs):
             h = norm(x)[0, sub.read_col]  # [t, H]
             out[host_mb.sel] = linear_logprobs(h, head, sub.targets, chunk=4096, suppress_token=cfg.mask_token_id,
                                                check_values=False).float().cpu()
+    feed.join()
     return out
