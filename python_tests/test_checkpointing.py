@@ -133,6 +133,24 @@ def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path):
         assert m3c[k] == m3[k], k
 
 
+def test_logged_lr_is_the_rate_the_update_used():
+    """metrics["lr"] is the learning rate the step's optimizer update ran with (warm-up: step k of W uses lr k / W),
+    not the next step's."""
+    cfg = rl_cfg(warmup_steps=4)
+    state = make_state(tiny_model(), cfg)
+    used = []
+    real = state.optimizer.step
+
+    def spy(*a, **k):
+        used.append(state.optimizer.param_groups[0]["lr"])
+        return real(*a, **k)
+
+    state.optimizer.step = spy
+    logged = [step(state, cfg).get("lr") for _ in range(3)]
+    assert len(used) == 3 and logged == used  # every step updated (no group filter here)
+    assert used == pytest.approx([cfg.lr * k / 4 for k in (1, 2, 3)])
+
+
 def test_reference_is_the_initial_policy_after_resume(tmp_path):
     cfg = rl_cfg()
     state = make_state(tiny_model(), cfg)

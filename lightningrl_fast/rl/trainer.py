@@ -431,10 +431,11 @@ def train_step(state: TrainState, tokenizer, task: Task, train_examples: list, c
         state.step += 1
         metrics.update(skipped="no group carried signal", step_s=time.perf_counter() - t_start)
         return metrics
+    lr = state.scheduler.get_last_lr()[0]  # the rate this step's update uses (the scheduler then moves to the next)
     metrics.update(update_stage(state, groups, cfg, scfg.block_size or state.model.config.block_size))
     state.scheduler.step()
     state.step += 1
-    metrics.update(lr=state.scheduler.get_last_lr()[0], step_s=time.perf_counter() - t_start,
+    metrics.update(lr=lr, step_s=time.perf_counter() - t_start,
                    kept_acc=sums[6] / n_kept, kept_tpf=sums[7] / n_kept)
     return metrics
 
