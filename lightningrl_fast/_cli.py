@@ -91,13 +91,16 @@ def is_run_folder(p: Path) -> bool:
 
 def run_folder_checkpoint(p: Path, given: str | Path) -> Path:
     """The checkpoint a run folder stands for (`rl.checkpointing.resolve_checkpoint`: the one `latest` names,
-    else the highest complete checkpoint-<step>), or CLIError saying the folder is a run's and naming its newest
-    complete checkpoint when there is one."""
+    else the highest complete checkpoint-<step>; a --baseline rft run's `rft-model`), or CLIError saying the folder
+    is a run's and naming its newest complete checkpoint when there is one."""
     from .rl.checkpointing import LATEST, PREFIX, list_checkpoints, resolve_checkpoint
 
     try:
         return resolve_checkpoint(p)
     except (OSError, ValueError) as e:
+        rft = p / "rft-model"  # a --baseline rft run saves its one model there (no checkpoint-<step>)
+        if not (p / LATEST).is_file() and (rft / "config.json").is_file():
+            return rft
         ckpts = list_checkpoints(p)
         newest = f"; its newest complete checkpoint is {ckpts[-1]}: give --model {ckpts[-1]}" if ckpts else ""
         if (p / LATEST).is_file() or ckpts:

@@ -465,8 +465,19 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
         model_from_resumed = ck.resume is not None and cfg.sources.get("model") == "resumed run"
         if d.model is not None and not model_from_resumed:
             mp = Path(d.model)
+            from ._cli import is_run_folder
+
             if not mp.is_dir():
                 errs.append(f"--model {d.model}: no such folder")
+            elif is_run_folder(mp):  # its config.json holds a run's settings, not a model's
+                from .rl.checkpointing import list_checkpoints
+
+                models = [str(c) for c in list_checkpoints(mp)[-1:]] + [
+                    str(mp / n) for n in ("rft-model", "best-model") if (mp / n / "config.json").is_file()]
+                errs.append(f"--model {d.model} is a training run's folder (its config.json holds the run's "
+                            f"settings), not a model: continue that run with --resume {d.model}"
+                            + (f", or start a new run from one of its models: --model {' or '.join(models)}"
+                               if models else ""))
             elif not (mp / "config.json").is_file():
                 errs.append(f"--model {d.model}: no config.json in the folder (not an SDAR checkpoint)")
         resumed_run = None

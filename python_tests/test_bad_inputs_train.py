@@ -152,6 +152,15 @@ def test_out_and_cache_folders_under_a_file(tmp_path):
     C.parse_config(["--cache-dir", str(f), "--no-cache"])  # nothing is cached: no folder needed
 
 
+def test_a_run_folder_as_model_says_what_to_give(tmp_path, math_run, capsys):
+    """Was: "run/config.json is missing required key(s): 'vocab_size', ..." (the run's own config.json read as a
+    model's). Now: it is a run's folder; --resume continues it, or its newest checkpoint starts a new run."""
+    out = tmp_path / "run"
+    assert T.main(math_run(out)) == 0
+    _fails(math_run(tmp_path / "new", model_dir=out), capsys, T.EXIT_CONFIG, f"--model {out} is a training run's folder", f"--resume {out}",
+           f"--model {out / 'checkpoint-1'}")
+
+
 def test_second_run_into_a_run_folder_is_refused(tmp_path, math_run, capsys):
     """Was: the second run appended its steps to the first one's metrics.jsonl, replaced its checkpoint-1 and
     overwrote its config.json and summary.json, all without a word."""

@@ -570,6 +570,17 @@ def test_a_run_folder_without_checkpoints_is_named_as_such(ckpt, tmp_path, capsy
     _one_line_error(capsys.readouterr().err, f"--model {run} is a training run folder with no checkpoint yet")
 
 
+def test_an_rft_run_folder_stands_for_its_rft_model(ckpt, tmp_path, capsys):
+    """Was: "a training run folder with no checkpoint yet" for a finished --baseline rft run, whose one model is
+    <run>/rft-model (it writes no checkpoint-<step>)."""
+    run = _run_folder(tmp_path, ckpt, (), latest=None)
+    shutil.copytree(ckpt, run / "rft-model")
+    assert gen.check_model_dir(run) == run / "rft-model"
+    (run / "latest").write_text("checkpoint-2")  # a run with a `latest` is an RL run: its checkpoint, not rft-model
+    with pytest.raises(gen.CLIError, match="latest checkpoint cannot be found"):
+        gen.check_model_dir(run)
+
+
 def test_mask_token_mismatch_warns(ckpt, tmp_path, capsys):
     """Was silent (train warns): the config's mask_token_id 50 is not the tokenizer's <|MASK|> (3)."""
     broken = _no_weights(ckpt, tmp_path / "noweights", mask_token_id=50)
