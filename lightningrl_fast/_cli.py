@@ -79,6 +79,47 @@ def _is_run_config(path: Path) -> bool:
     return isinstance(obj, dict) and "vocab_size" not in obj and any(k in obj for k in RUN_CONFIG_KEYS)
 
 
+@contextlib.contextmanager
+def finish_before_interrupt(what: str) -> Iterator[None]:
+    """Ctrl-C while `what` is being written: the write finishes first and KeyboardInterrupt is raised after it (a
+    second Ctrl-C stops at once; the unfinished write is a temporary folder the next save clears). Was: the
+    interrupt landed inside torch.save, which turned it into a RuntimeError traceback. Main thread only (signal
+    handlers); elsewhere a pass-through."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def handler(signum, frame):
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+        print(f"interrupt: finishing {what} first (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if pending:
+        raise KeyboardInterrupt
+
+
+def interrupted(ex: BaseException) -> bool:
+    """Whether `ex` is, or was raised while handling, a KeyboardInterrupt (a library that turns the interrupt into
+    its own error, as torch.save's writer does)."""
+    seen = set()
+    while ex is not None and id(ex) not in seen:
+        if isinstance(ex, KeyboardInterrupt):
+            return True
+        seen.add(id(ex))
+        ex = ex.__cause__ or ex.__context__
+    return False
+
+
 def is_run_folder(p: Path) -> bool:
     """A training run's output folder: a `latest` file, a run config.json, or checkpoint-<step> folders and no
     config.json of its own."""

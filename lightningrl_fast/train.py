@@ -52,6 +52,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ._cli import finish_before_interrupt, interrupted
 from ._jsonfile import write_text_atomic
 from .config import OPTIONS, RUN_CONFIG, ConfigError, TrainConfig, parse_config
 from .rl.distributed import SINGLE, DistEnv
@@ -204,10 +205,11 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
                 **({"selection": sel.to_dict()} if select else {})}
 
     def save() -> Path:
-        return save_checkpoint_ranks(env, ctx.out, state, ckpt_extra(), config=rl,
-                                     keep=cfg.checkpoint.keep_checkpoints, tokenizer=ctx.tokenizer,
-                                     reference_dir=reference_dir, reference_fingerprint=reference_fp,
-                                     metrics_len=logger.n_logged)
+        with finish_before_interrupt(f"checkpoint-{state.step}"):
+            return save_checkpoint_ranks(env, ctx.out, state, ckpt_extra(), config=rl,
+                                         keep=cfg.checkpoint.keep_checkpoints, tokenizer=ctx.tokenizer,
+                                         reference_dir=reference_dir, reference_fingerprint=reference_fp,
+                                         metrics_len=logger.n_logged)
 
     def validate(m: dict[str, Any] | None) -> None:
         """--eval-every's evaluation of the current weights; with --select-best, offer them to the selection
@@ -218,7 +220,8 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
             m.update({f"{split}_{k}": v for k, v in ev.items()})
         kept = select and sel.offer(Candidate(state.step, ev["acc"], ev["tpf"]))
         if kept and env.main:
-            save_best(ctx.out, ctx.model, ctx.tokenizer, sel)
+            with finish_before_interrupt("best-model"):
+                save_best(ctx.out, ctx.model, ctx.tokenizer, sel)
         line = f"{'validation' if split == 'val' else 'eval'} (greedy, tau {tau:g}) at step {state.step}: " \
                f"acc {ev['acc']:.3f} TPF {ev['tpf']:.2f}" + ("  [kept: best-model]" if kept else "")
         if m is not None:
@@ -387,7 +390,8 @@ def run_rft(ctx: RunContext, say: Callable[[str], None] = log) -> int:
         say(f"error: the fine-tuned model has non-finite parameters ({', '.join(bad[:3])}); not saved")
         status = EXIT_NONFINITE
     elif cfg.checkpoint.save_final:
-        final = save_model(ctx.model, ctx.model.config, ctx.out / "rft-model", tokenizer=ctx.tokenizer)
+        with finish_before_interrupt("rft-model"):
+            final = save_model(ctx.model, ctx.model.config, ctx.out / "rft-model", tokenizer=ctx.tokenizer)
         say(f"model: {final} (load with --model {final})")
     after = _eval_sweep(ctx, "after RFT", say) if status == EXIT_OK else {}
     plots = _report(ctx, before, after, "after RFT", [], [], say)
@@ -460,8 +464,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except _load_errors() as ex:  # data/checkpoint problems found while loading, a GPU too small for the run
+        if interrupted(ex):
+            print("interrupted", file=sys.stderr)
+            return 130
         print(f"error: {ex}", file=sys.stderr)
         return EXIT_ERROR
+    except Exception as ex:
+        if interrupted(ex):  # Ctrl-C turned into another error by a library (e.g. inside torch.save)
+            print("interrupted", file=sys.stderr)
+            return 130
+        raise
 
 
 def _load_errors() -> tuple[type[BaseException], ...]:

@@ -712,6 +712,49 @@ def test_cli_ctrl_c_exits_130(monkeypatch, capsys):
     assert "interrupted" in capsys.readouterr().err
 
 
+def test_cli_ctrl_c_turned_into_another_error_exits_130(monkeypatch, capsys):
+    """Was a RuntimeError traceback (exit 1): torch.save's writer turns an interrupt inside it into
+    `RuntimeError: [enforce fail at inline_container.cc] ... unexpected pos`."""
+    def run(cfg, say=None):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 13824 vs 13716")
+
+    monkeypatch.setattr(T, "run", run)
+    assert T.main(["--preset", "smoke"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    monkeypatch.setattr(T, "run", lambda cfg, say=None: (_ for _ in ()).throw(RuntimeError("a real bug")))
+    with pytest.raises(RuntimeError, match="a real bug"):  # not an interrupt: still a traceback
+        T.main(["--preset", "smoke"])
+
+
+def test_ctrl_c_during_a_save_lets_it_finish_first(capsys):
+    """A first SIGINT inside finish_before_interrupt is held until the block ends (then KeyboardInterrupt), so the
+    checkpoint being written completes; a second one stops at once; the old handler is back afterwards."""
+    import os
+    import signal
+
+    from lightningrl_fast._cli import finish_before_interrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with finish_before_interrupt("checkpoint-3"):
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("written")  # reached: the interrupt waits for the block's end
+    assert done == ["written"] and "finishing checkpoint-3 first" in capsys.readouterr().err
+    with pytest.raises(KeyboardInterrupt):
+        with finish_before_interrupt("checkpoint-4"):
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # the second: at once
+            done.append("not reached")
+    assert done == ["written"] and signal.getsignal(signal.SIGINT) is before
+    with finish_before_interrupt("checkpoint-5"):  # no signal: nothing raised
+        done.append("quiet")
+    assert done[-1] == "quiet"
+
+
 def test_cli_rft_keeps_only_finished_answers(tmp_path, capsys, monkeypatch):
     """RFT keeps an output the verifier accepts only when it ended with EOS: a random model's greedy answers never
     finish within 16 tokens (its greedy evaluation says so), so nothing is kept even with a verifier that accepts
