@@ -238,6 +238,9 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
         f"{rl.group_size} samples per step, lr {rl.lr:g}, kl_beta {rl.kl_beta:g}, tau {tau:g}, "
         f"{len(ctx.train_examples)} train prompts -> {ctx.out}")
     status = EXIT_OK
+    if state.step >= rl.steps:
+        say(f"RL: the run is already at step {state.step} (--steps {rl.steps}): nothing to train; raise --steps to "
+            "continue it (its final checkpoint and evaluation are written again)")
 
     def out_of_time() -> bool:  # rank 0's clock decides for every rank (one leaving alone would stall the others)
         return broadcast(env, budget is not None and elapsed >= budget)
@@ -284,6 +287,10 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     after = _eval_sweep(ctx, "after RL", say)
     selected = _selected_sweep(ctx, sel, after, state.step, say) if select else None
     history = logger.history
+    updates = sum("skipped" not in m for m in history)
+    if updates < len(history):
+        say(f"RL: {updates} of {len(history)} steps updated the model (the others had no group with a reward "
+            "signal: see `skipped` in metrics.jsonl)")
     ekey = "val_acc" if ctx.val_examples else "eval_acc"
     evals = [{"step": m["step"], "acc": m[ekey], "tpf": m[ekey.replace("acc", "tpf")]} for m in history if ekey in m]
     if select and sel.start is not None and all(e["step"] != sel.start.step for e in evals):
@@ -294,7 +301,7 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
                     eval_label="validation (greedy)" if ctx.val_examples else "held-out eval (greedy)",
                     kept_eval=dataclasses.asdict(sel.best) if select and sel.best is not None else None)
     _write_json(ctx.out / "summary.json", {
-        "mode": "lightningrl", "steps": state.step, "rl_elapsed_s": elapsed, "threshold": tau,
+        "mode": "lightningrl", "steps": state.step, "updates": updates, "rl_elapsed_s": elapsed, "threshold": tau,
         "eval_before": before, "eval_after": after, "final_checkpoint": str(final) if final else None,
         "plots": plots, "metrics": str(ctx.out / "metrics.jsonl"),
         **({"selection": selected} if selected is not None else {}),

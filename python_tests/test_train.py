@@ -581,6 +581,7 @@ def test_cli_smoke_subprocess(tmp_path, cache_dir):
         assert key in recs[0], key
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and set(summary["eval_before"]) == {"0.1", "0.5", "0.9"}
+    assert summary["updates"] == sum("skipped" not in m for m in recs)  # steps whose update ran
     assert summary["eval_after"]["0.9"]["n"] == 8
     final = Path(summary["final_checkpoint"])
     assert final == out / "checkpoint-2" and (out / "latest").read_text().strip() == "checkpoint-2"
@@ -628,6 +629,10 @@ def test_cli_resume_is_bit_exact_and_reuses_sft_cache(tmp_path, cache_env, capsy
     for recs in (ma, mb):
         assert recs[0]["elapsed_s"] >= recs[0]["step_s"] > 0
         assert recs[1]["elapsed_s"] - recs[0]["elapsed_s"] >= recs[1]["step_s"] > 0
+    # a resume of a run already at --steps trains nothing and says so (was silent: it printed "RL: 2 steps")
+    assert T.main(["--resume", str(b), "--steps", "2", "--progress", "plain"]) == 0
+    assert "RL: the run is already at step 2 (--steps 2): nothing to train" in capsys.readouterr().out
+    assert [m["step"] for m in L.read_metrics(b)] == [1, 2]
 
 
 def test_cli_optimizer_offload_trains_the_same_weights(tmp_path, cache_env, capsys):
