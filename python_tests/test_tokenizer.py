@@ -58,6 +58,23 @@ def sdar_tok() -> Tokenizer:
     return load_tokenizer(SDAR4B)
 
 
+@needs_sdar
+def test_a_qwen2_folder_without_its_added_tokens_is_refused(tmp_path):
+    """Was silent: vocab.json + merges.txt without tokenizer_config.json / added_tokens.json built a BPE with no
+    special tokens (ChatML markers encoded as plain text) while generation stopped on ids 151643 / 151645, which it
+    never produced. Now the ids the folder's configs name must be tokens."""
+    import shutil
+
+    for name in ("vocab.json", "merges.txt", "config.json", "generation_config.json"):
+        shutil.copy(SDAR4B / name, tmp_path / name)
+    with pytest.raises(ValueError, match=r"generation_config.json eos_token_id 1516\d\d is not a token of the "
+                                         r"tokenizer \(vocabulary 151643\): its special tokens are missing"):
+        load_tokenizer(tmp_path)
+    shutil.copy(SDAR4B / "added_tokens.json", tmp_path / "added_tokens.json")
+    tok = load_tokenizer(tmp_path)  # with its added tokens: complete
+    assert tok.token_to_id("<|im_end|>") == 151645 and tok.mask_token_id == 151669
+
+
 # --- an independent reference: the byte-level BPE of the slow Qwen2 tokenizer -----------------------------------
 
 @lru_cache(maxsize=1)
