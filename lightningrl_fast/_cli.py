@@ -80,6 +80,26 @@ def _is_run_config(path: Path) -> bool:
 
 
 @contextlib.contextmanager
+def plain_warnings() -> Iterator[None]:
+    """A command line's warnings as one `warning: <text>` line each on stderr, each text once (the library's
+    warnings.warn calls showed a source line under each, and the same text from two call sites twice)."""
+    import warnings
+
+    shown: set[str] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if text not in shown:
+            shown.add(text)
+            print(f"warning: {text}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # every call reaches `show`, which keeps the first of each text
+        warnings.showwarning = show
+        yield
+
+
+@contextlib.contextmanager
 def finish_before_interrupt(what: str) -> Iterator[None]:
     """Ctrl-C while `what` is being written: the write finishes first and KeyboardInterrupt is raised after it (a
     second Ctrl-C stops at once; the unfinished write is a temporary folder the next save clears). Was: the

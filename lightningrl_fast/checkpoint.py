@@ -496,8 +496,9 @@ def save_model(model: torch.nn.Module, config: Any, path: str | Path, max_shard_
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if missing:
-        warnings.warn(f"{final}: auto_map names {', '.join(missing)}, which were not found (give save_model a "
-                      "code_dir holding them): transformers' trust_remote_code loading of this folder will fail",
+    if missing:  # no folder in the text (a checkpoint is written in a temporary one): shown once per process
+        warnings.warn(f"the model's config.json auto_map names {', '.join(missing)}, which its source folder does "
+                      "not hold, so saved checkpoints lack them too: this package loads them without, "
+                      "transformers' trust_remote_code loading will fail (save_model's code_dir can supply them)",
                       stacklevel=2)
     return final

@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ._cli import finish_before_interrupt, interrupted
+from ._cli import finish_before_interrupt, interrupted, plain_warnings
 from ._jsonfile import write_text_atomic
 from .config import OPTIONS, RUN_CONFIG, ConfigError, TrainConfig, parse_config
 from .rl.distributed import SINGLE, DistEnv
@@ -457,6 +457,11 @@ def _run(cfg: TrainConfig, say: Callable[[str], None], env: DistEnv, device: tor
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    with plain_warnings():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         cfg = parse_config(argv)
     except ConfigError as ex:

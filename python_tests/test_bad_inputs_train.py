@@ -152,6 +152,17 @@ def test_out_and_cache_folders_under_a_file(tmp_path):
     C.parse_config(["--cache-dir", str(f), "--no-cache"])  # nothing is cached: no folder needed
 
 
+def test_warnings_print_once_as_plain_lines(tmp_path, math_run, capsys):
+    """Was: a malformed data row's warning printed twice (logged, then a UserWarning with its source line)."""
+    argv = math_run(tmp_path / "run")
+    data = Path(argv[argv.index("--train-data") + 1])
+    data.write_text(data.read_text() + "{not json\n")
+    assert T.main(argv) == 0
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "malformed row" in ln]
+    assert len(lines) == 1 and lines[0].startswith("warning: ") and "UserWarning" not in err, err
+
+
 def test_a_run_folder_as_model_says_what_to_give(tmp_path, math_run, capsys):
     """Was: "run/config.json is missing required key(s): 'vocab_size', ..." (the run's own config.json read as a
     model's). Now: it is a run's folder; --resume continues it, or its newest checkpoint starts a new run."""

@@ -43,7 +43,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import logging
 import math
 import re
 import warnings
@@ -66,7 +65,6 @@ __all__ = [
     "build_prompt",
 ]
 
-logger = logging.getLogger(__name__)
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -498,8 +496,7 @@ def load_examples(
         shown = "; ".join(str(e) for e in errors[:5])
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
         msg = f"{path}: skipped {len(errors)} malformed row(s) of {n_rows}: {shown}{more}"
-        logger.warning(msg)
-        warnings.warn(msg, stacklevel=2)
+        warnings.warn(msg, stacklevel=2)  # once (it was also logged: the CLIs printed it twice)
     return LoadResult(str(path), fmt or "unknown", examples, errors, n_rows)
 
 
