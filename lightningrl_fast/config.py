@@ -37,6 +37,7 @@ import json
 import os
 import sys
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -514,6 +515,29 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
                             "pick another --cache-dir or use --no-cache")
     if errs:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errs) if len(errs) > 1 else errs[0])
+    for text in ineffective_settings(cfg):
+        warnings.warn(text, stacklevel=2)
+
+
+def ineffective_settings(cfg: TrainConfig) -> list[str]:
+    """Settings the user gave (flag or file) that the rest of the configuration makes do nothing, or that leave
+    RL without a signal: said, not refused (a run config may carry them from an earlier setup)."""
+    given = {k for k, v in cfg.sources.items() if v in ("flag", "file")}
+    rl, s = cfg.rl, cfg.sampler
+    out = []
+    if "reference_offload" in given and rl.reference_offload and rl.kl_beta == 0:
+        out.append("--reference-offload does nothing with --kl-beta 0 (no KL reference is kept)")
+    if "min_tpf_range" in given and not rl.filter_groups:
+        out.append("--min-tpf-range does nothing with --no-filter-groups (no group is filtered)")
+    if "steps_per_block" in given and s.steps_per_block is not None and s.rule != "quota":
+        out.append("--steps-per-block does nothing with --rule threshold (it sets the quota rule's steps)")
+    if ({"top_k", "top_p"} & given) and s.temperature == 0 and (s.top_k or s.top_p < 1):
+        out.append("--top-k / --top-p do nothing with --temperature 0 (greedy rollouts)")
+    if "temperature" in given and s.temperature == 0 and rl.group_size > 1 and cfg.run.baseline != "rft":
+        out.append(f"--temperature 0: the {rl.group_size} samples of a group decode alike (greedy), so no group "
+                   "carries an accuracy or TPF difference" + (" and every group is filtered out: no step will "
+                                                              "update the model" if rl.filter_groups else ""))
+    return out
 
 
 def parse_config(argv: Sequence[str] | None = None, check_paths: bool = True) -> TrainConfig:

@@ -739,6 +739,22 @@ def test_decoding_flag_checks_at_their_edges():
             check_decoding_args(args(*bad))
 
 
+
+def test_decoding_flags_that_do_nothing_are_said(capsys):
+    from lightningrl_fast._cli import check_decoding_args
+
+    def args(*extra):
+        return gen.build_parser().parse_args(["--model", "m", "--prompts", "p", *extra])
+
+    check_decoding_args(args("--steps-per-block", "2"))
+    check_decoding_args(args("--top-k", "5"))  # generate's default temperature is 0: greedy
+    err = capsys.readouterr().err
+    assert "warning: --steps-per-block does nothing with --rule threshold" in err
+    assert "warning: --top-k / --top-p do nothing with --temperature 0" in err
+    check_decoding_args(args("--rule", "quota", "--steps-per-block", "2", "--temperature", "1", "--top-k", "5"))
+    assert capsys.readouterr().err == ""
+
+
 def test_block_size_and_eos_checks_at_their_edges(tmp_path):
     from lightningrl_fast._cli import check_block_size, check_checkpoint_block_size, eos_ids_for
 

@@ -98,6 +98,25 @@ def test_flag_types_and_presets():
         C.parse_config(["--group-size", "many"], check_paths=False)
 
 
+def test_settings_that_do_nothing_are_said(recwarn):
+    """Was silent: settings the rest of the configuration disables, and greedy rollouts in groups (no signal)."""
+    import warnings
+
+    cases = [(["--kl-beta", "0", "--reference-offload"], "--reference-offload does nothing with --kl-beta 0"),
+             (["--min-tpf-range", "0.5", "--no-filter-groups"], "--min-tpf-range does nothing with --no-filter"),
+             (["--steps-per-block", "2"], "--steps-per-block does nothing with --rule threshold"),
+             (["--temperature", "0", "--top-k", "5"], "--top-k / --top-p do nothing with --temperature 0"),
+             (["--temperature", "0", "--group-size", "3"], "no step will update the model")]
+    for argv, named in cases:
+        with pytest.warns(UserWarning, match=named):
+            C.parse_config(argv, check_paths=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of them for consistent settings, nor for a preset's own values
+        C.parse_config(["--kl-beta", "0.01", "--reference-offload", "--rule", "quota", "--steps-per-block", "2"],
+                       check_paths=False)
+        C.parse_config(["--preset", "smoke"], check_paths=False)
+
+
 def test_model_given_means_no_preset(tmp_path):
     m = tmp_path / "m"
     m.mkdir()
