@@ -83,9 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     p.add_argument("--config", metavar="FILE", help="TOML/YAML/JSON file with any of the fields below (flat "
-                                                    "keys or [section] tables); flags override it")
+                                                    "keys, or in the [section] tables named in the group titles, "
+                                                    "e.g. [rl] lr = 1e-6; relative paths are taken from the current "
+                                                    "folder); flags override it")
     for sec, title in SECTION_TITLES.items():
-        g = p.add_argument_group(title)
+        g = p.add_argument_group(f"{title} [{sec}]")  # the table a --config file may hold these fields in
         for opt in OPTIONS.values():
             if opt.section != sec:
                 continue
