@@ -14,8 +14,10 @@ files of `tasks.data.load_examples` (GSM8K, MATH500, MBPP, HumanEval, plain). Co
 sandboxed verifier, many at a time (`--workers`), math answers through `verify_math_batch` (math-verify helpers
 in parallel), and every batch is scored in a background thread while the next batch decodes.
 
-Outputs: a table on stdout, and `<out>/<label>.<task>.json` / `.png` (results files, labels, AUP and the plot:
-`eval_results.py`, whose docstring has the d3LLM AUP definition).
+Outputs: a table on stdout, and `<out>/<label>.<task>.<data>.json` / `.png`, `<data>` the data file's name
+without its .jsonl / .json / .parquet / .gz ending (none for the synthetic test split), so the results of one model
+on two benchmarks of a task (GSM8K and MATH500) do not replace each other (results files, labels, AUP and the
+plot: `eval_results.py`, whose docstring has the d3LLM AUP definition).
 
 Several GPUs: `torchrun --nproc-per-node N -m lightningrl_fast.eval ...` gives each rank every N-th example;
 the per-example results are gathered before the points are computed, so the numbers are those of one process
@@ -71,6 +73,7 @@ try:  # torch and the package load for seconds: a Ctrl-C meanwhile is main's one
         AUP_DEFINITION,
         aup,
         check_results_target,
+        data_key,
         default_label,
         format_table,
         json_safe,
@@ -389,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--format", default=None, help="force the data format (gsm8k, math500, mbpp, humaneval, plain)")
     ap.add_argument("--thresholds", default=",".join(f"{t:g}" for t in DEFAULT_THRESHOLDS))
     ap.add_argument("--limit", type=int, default=None, help="first N examples only")
-    ap.add_argument("--out", default="eval_results", help="folder for the results JSON and PNG (default eval_results)")
+    ap.add_argument("--out", default="eval_results", help="folder for the results JSON and PNG, "
+                    "<label>.<task>.<data file's name>.json / .png (default eval_results)")
     ap.add_argument("--label", default=None, help="name of this run in tables, files and plots (default: the checkpoint "
                     "folder's name, led by its run folder's for a training run's checkpoint: A-checkpoint-1)")
     ap.add_argument("--overlay", nargs="*", default=[], help="results JSONs of earlier runs to draw on the same plot")
@@ -414,7 +418,7 @@ def run(args) -> dict:
     check_out_folder(args.out)
     model_dir = check_model_dir(args.model)
     label = args.label or default_label(model_dir)
-    check_results_target(results_path(args.out, label, args.task), model_dir)
+    check_results_target(results_path(args.out, label, args.task, args.data), model_dir, args.data)
     overlays = [load_results(p) for p in args.overlay]
     task = make_task(args.task, args.workers)
     examples, data_info = load_data(args, task)
@@ -445,6 +449,7 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, label, overlays, 
         raise CLIError(str(e)) from None
     res.update(label=label, task=args.task, model=str(model_dir), model_path=str(model_dir.resolve()),
                data=args.data or "synthetic:test",
+               **({"data_path": data_key(args.data)} if args.data is not None else {}),
                data_rows=data_info,
                device=str(device), dtype=str(dtype)[6:], date=datetime.datetime.now().isoformat(timespec="seconds"))
 
@@ -459,10 +464,10 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, label, overlays, 
     if not env.main:  # rank 0 writes and prints
         return res
 
-    json_path = results_path(args.out, label, args.task)
+    json_path = results_path(args.out, label, args.task, args.data)
     png_path = json_path.with_suffix(".png")
     try:
-        check_results_target(json_path, model_dir)  # again: another run may have written it meanwhile
+        check_results_target(json_path, model_dir, args.data)  # again: another run may have written it meanwhile
         json_path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(json_path, json.dumps(json_safe(res), indent=2, allow_nan=False) + "\n")
     except CLIError:

@@ -1,14 +1,18 @@
 """Results of an evaluation: the AUP score, the results files and the accuracy-vs-TPF plot (eval.py writes them,
 overlays read them back).
 
-Outputs: a table on stdout; `<out>/<label>.<task>.json` (the points, AUP, sampler settings, device, the model
-folder as given and as an absolute path, `model_path`); `<out>/<label>.<task>.png`, the accuracy-vs-TPF curve of
-this run with every `--overlay` results file drawn on the same axes (needs matplotlib; without it the PNG is
-skipped with a note). Overlays are earlier results JSONs of this tool, e.g. the base model's curve under the
-trained model's. The label defaults to the checkpoint folder's name, led by its training run's folder name for a
-checkpoint of a run (`--model runs/A` -> `A-checkpoint-1`), so the checkpoints of two runs at the same step do not
-share a file. An existing results file of another model is never overwritten (an error before decoding; the
-same model's is replaced). Both files are written to a hidden temporary file and renamed into place: an
+Outputs: a table on stdout; `<out>/<label>.<task>.<data>.json` (the points, AUP, sampler settings, device, the
+model folder and the data file as given and as absolute paths, `model_path` / `data_path`), where `<data>` is the
+data file's name without its .jsonl / .json / .parquet / .gz ending (`--data gsm8k_test.jsonl` ->
+`A.math.gsm8k_test.json`; no `<data>` part for the synthetic task's own test split: `A.synthetic.json`), so the
+GSM8K and MATH500 results of one model (both `--task math`) are two files; `<out>/<label>.<task>.<data>.png`, the
+accuracy-vs-TPF curve of this run with every `--overlay` results file drawn on the same axes (needs matplotlib;
+without it the PNG is skipped with a note). Overlays are earlier results JSONs of this tool, e.g. the base
+model's curve under the trained model's. The label defaults to the checkpoint folder's name, led by its training
+run's folder name for a checkpoint of a run (`--model runs/A` -> `A-checkpoint-1`), so the checkpoints of two runs
+at the same step do not share a file. An existing results file of another model, or of the same model on another
+data file (two files of one name in different folders), is never overwritten (an error before decoding naming
+both; the same model's results on the same data are replaced). Both files are written to a hidden temporary file and renamed into place: an
 interrupted run (Ctrl-C: one `error:` line, exit status 130) leaves the earlier file or none, never half of one.
 The JSON is strict (no NaN literals): a number that is not finite is written as null: a rate with no decode
 time (tokens_per_s, forwards_per_s), an AUP with no point of positive TPF, the TPF of an example not decoded.
@@ -231,8 +235,33 @@ def default_label(model_dir: Path) -> str:
     return f"{p.parent.name}-{p.name}" if in_run and p.parent.name else p.name
 
 
-def results_path(out: str | Path, label: str, task: str) -> Path:
-    return Path(out) / f"{_safe_name(label)}.{task}.json"
+SYNTHETIC_TEST = "synthetic:test"  # the `data` of a run on the synthetic task's own test split (no --data)
+
+
+def data_stem(data: str | Path) -> str:
+    """A data file's name without its container ending (.gz, then .jsonl / .json / .parquet, as `tasks.data`
+    reads them): `gsm8k_test.jsonl.gz` -> `gsm8k_test`, `math500.test.jsonl` -> `math500.test`."""
+    name = Path(data).name
+    for ext in (".gz", ".jsonl", ".json", ".parquet"):
+        if name.lower().endswith(ext) and len(name) > len(ext):
+            name = name[: -len(ext)]
+    return name
+
+
+def results_path(out: str | Path, label: str, task: str, data: str | Path | None = None) -> Path:
+    """`<out>/<label>.<task>.<data stem>.json`, or `<out>/<label>.<task>.json` without a data file (the synthetic
+    task's own test split): the results of one model on two benchmarks of one task (GSM8K and MATH500 are both
+    `--task math`) are two files."""
+    stem = f".{_safe_name(data_stem(data))}" if data is not None and str(data) != SYNTHETIC_TEST else ""
+    return Path(out) / f"{_safe_name(label)}.{task}{stem}.json"
+
+
+def data_key(data: str | Path | None) -> str:
+    """What identifies a run's data in its results JSON: the data file's absolute path (`data_path`), or
+    `synthetic:test`."""
+    if data is None or str(data) == SYNTHETIC_TEST:
+        return SYNTHETIC_TEST
+    return str(Path(data).resolve())
 
 
 def _recorded_model(doc: Any) -> Path | None:
@@ -246,9 +275,20 @@ def _recorded_model(doc: Any) -> Path | None:
     return None
 
 
-def check_results_target(json_path: Path, model_dir: Path) -> None:
-    """CLIError when `json_path` exists and is not the results file of this model (a results file of another
-    model, or a file that is not a results file): never overwritten. The same model's results are replaced."""
+def _recorded_data(doc: dict) -> str | None:
+    """The data a results JSON was computed on (`data_key`): its `data_path`, else its `data` (files of versions
+    that did not record `data_path`; a relative path is taken from the current folder); None if it records none."""
+    for key in ("data_path", "data"):
+        if isinstance(doc.get(key), str) and doc[key]:
+            return data_key(doc[key])
+    return None
+
+
+def check_results_target(json_path: Path, model_dir: Path, data: str | Path | None = None) -> None:
+    """CLIError when `json_path` exists and is not the results file of this model on this data (a results file of
+    another model, of this model on another data file (`data`: the --data file, None for the synthetic test
+    split), or a file that is not a results file): never overwritten. The same model's results on the same data
+    are replaced."""
     if not json_path.exists() and not json_path.is_symlink():
         return
     if json_path.is_dir():
@@ -264,3 +304,7 @@ def check_results_target(json_path: Path, model_dir: Path) -> None:
     if recorded != model_dir.resolve():
         raise CLIError(f"{json_path} holds the results of another model ({recorded}); not overwriting them with "
                        f"those of {model_dir.resolve()} (pick another --label or --out)")
+    theirs, ours = _recorded_data(doc), data_key(data)
+    if theirs is not None and theirs != ours:
+        raise CLIError(f"{json_path} holds this model's results on another data file ({theirs}); not overwriting "
+                       f"them with those on {ours} (pick another --label or --out)")

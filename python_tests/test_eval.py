@@ -363,6 +363,66 @@ def test_cli_default_label_names_the_run_and_never_overwrites_another_models_res
     assert json.loads(a_file.read_text())["model"] == str(run_a / "checkpoint-1")
 
 
+def _math_args(model, data, out, *extra) -> list[str]:
+    return ["--model", str(model), "--task", "math", "--data", str(data), "--thresholds", "0.9", "--max-new-tokens",
+            "4", "--out", str(out), "--device", "cpu", "--quiet", *extra]
+
+
+def test_cli_results_of_two_data_files_of_one_task_are_two_files(tmp_path, capsys, ascii_checkpoint):
+    """Was: GSM8K and MATH500 (both --task math) wrote the one file <label>.math.json, the second run silently
+    replacing the first. The data file's name is in the results file's name, and a file of the same name from
+    another folder is refused, naming both."""
+    model = ascii_checkpoint(tmp_path / "m", 2048)
+    gsm, m500 = tmp_path / "gsm8k_test.jsonl", tmp_path / "math500.jsonl.gz"
+    gsm.write_text(json.dumps({"question": "What is 1+2?", "answer": "#### 3"}) + "\n")
+    import gzip
+
+    m500.write_bytes(gzip.compress((json.dumps({"problem": "What is 2+2?", "answer": "4"}) + "\n").encode()))
+    out = tmp_path / "res"
+    assert ev.main(_math_args(model, gsm, out)) == 0
+    assert ev.main(_math_args(model, m500, out)) == 0
+    printed = capsys.readouterr().out
+    g, m = (json.loads((out / f"m.math.{n}.json").read_text()) for n in ("gsm8k_test", "math500"))
+    assert (g["data"], g["data_path"]) == (str(gsm), str(gsm.resolve()))
+    assert (m["data"], m["data_path"]) == (str(m500), str(m500.resolve()))
+    assert f"wrote {out / 'm.math.gsm8k_test.json'}" in printed and f"wrote {out / 'm.math.math500.json'}" in printed
+    assert (out / "m.math.math500.png").is_file() == _has_matplotlib()
+    assert not (out / "m.math.json").exists()
+    # the same model on the same file again: replaced; on another file of the same name: refused before decoding
+    assert ev.main(_math_args(model, gsm, out)) == 0
+    capsys.readouterr()
+    other = tmp_path / "b" / "gsm8k_test.jsonl"
+    other.parent.mkdir()
+    other.write_text(gsm.read_text())
+    before = (out / "m.math.gsm8k_test.json").read_bytes()
+    assert ev.main(_math_args(model, other, out)) == 2
+    _one_error_line(capsys, f"{out / 'm.math.gsm8k_test.json'} holds this model's results on another data file "
+                    f"({gsm.resolve()}); not overwriting them with those on {other.resolve()}")
+    assert (out / "m.math.gsm8k_test.json").read_bytes() == before
+    assert ev.main(_math_args(model, other, out, "--label", "m-b")) == 0  # the way out the message names
+    assert json.loads((out / "m-b.math.gsm8k_test.json").read_text())["data_path"] == str(other.resolve())
+
+
+def test_results_file_names_carry_the_data_files_name(tmp_path):
+    assert ev.results_path(tmp_path, "A", "math", "data/gsm8k_test.jsonl") == tmp_path / "A.math.gsm8k_test.json"
+    assert ev.results_path(tmp_path, "A", "math", "x/MATH500.test.json.gz") == tmp_path / "A.math.MATH500.test.json"
+    assert ev.results_path(tmp_path, "A", "code", "he eval.parquet") == tmp_path / "A.code.he_eval.json"
+    assert ev.results_path(tmp_path, "A", "synthetic", None) == tmp_path / "A.synthetic.json"
+    assert ev.results_path(tmp_path, "A", "synthetic", "ops.jsonl") == tmp_path / "A.synthetic.ops.json"
+    # an older file that records `data` only (relative to the current folder), and one on the synthetic test split
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    target = tmp_path / "r.json"
+    target.write_text(json.dumps({"model_path": str(mine.resolve()), "data": str(tmp_path / "a.jsonl")}))
+    ev.check_results_target(target, mine, tmp_path / "a.jsonl")
+    with pytest.raises(ev.CLIError, match="another data file"):
+        ev.check_results_target(target, mine, tmp_path / "b.jsonl")
+    target.write_text(json.dumps({"model_path": str(mine.resolve()), "data": "synthetic:test"}))
+    ev.check_results_target(target, mine, None)
+    with pytest.raises(ev.CLIError, match="another data file"):
+        ev.check_results_target(target, mine, tmp_path / "a.jsonl")
+
+
 def test_cli_prompt_whose_last_block_passes_the_positions_is_named_before_decoding(tmp_path, capsys,
                                                                                    ascii_checkpoint):
     """Was: the up-front check counted prompt + max_new_tokens only; with the last block rounded up to the
