@@ -1,7 +1,8 @@
 """[eval] Accuracy vs parallelism: decode a benchmark at several confidence thresholds, score, report AUP.
 
     python -m lightningrl_fast.eval --model DIR --task math|code|synthetic [--data FILE]
-        [--thresholds 0.5,0.7,0.9,0.95] [--limit N] [--out DIR] [--label NAME] [--overlay other.json ...]
+        [--thresholds 0.5,0.7,0.9,0.95 (or 0.5 0.7 0.9 0.95)] [--limit N] [--out DIR] [--label NAME]
+        [--overlay other.json ...]
         [--block-size B] [--max-new-tokens N] [--batch-size N] [--temperature 0] [--device ...] [--dtype ...]
 
 For each threshold tau the examples are decoded (greedy by default, REFERENCE §2: evaluation is greedy with
@@ -350,11 +351,15 @@ def load_data(args, task) -> tuple[list, dict]:
     return (exs[: args.limit] if args.limit else exs), info
 
 
-def parse_thresholds(text: str) -> list[float]:
+def parse_thresholds(text: str | Sequence[str]) -> list[float]:
+    """--thresholds: numbers separated by commas or spaces (`0.5,0.9` or `0.5 0.9`, as train's --eval-thresholds),
+    each in [0, 1]; `text` is the flag's words (or one string). CLIError naming the flag otherwise."""
+    words = [text] if isinstance(text, str) else list(text)
     try:
-        vals = [float(t) for t in text.split(",") if t.strip()]
+        vals = [float(t) for w in words for t in w.replace(",", " ").split()]
     except ValueError:
-        raise CLIError(f"--thresholds {text!r}: expected comma-separated numbers, e.g. 0.5,0.7,0.9") from None
+        raise CLIError(f"--thresholds {' '.join(words)!r}: expected numbers separated by commas or spaces, e.g. "
+                       f"0.5,0.7,0.9 or 0.5 0.7 0.9") from None
     if not vals:
         raise CLIError("--thresholds: no value given")
     bad = [v for v in vals if not 0 <= v <= 1.0001]
@@ -390,7 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--task", required=True, choices=("math", "code", "synthetic"))
     ap.add_argument("--data", default=None, help="benchmark file (optional for --task synthetic: its test split)")
     ap.add_argument("--format", default=None, help="force the data format (gsm8k, math500, mbpp, humaneval, plain)")
-    ap.add_argument("--thresholds", default=",".join(f"{t:g}" for t in DEFAULT_THRESHOLDS))
+    ap.add_argument("--thresholds", nargs="+", default=[",".join(f"{t:g}" for t in DEFAULT_THRESHOLDS)],
+                    metavar="T", help="confidence thresholds tau to decode at, one point of the curve each, separated "
+                    "by commas or spaces (default " + ",".join(f"{t:g}" for t in DEFAULT_THRESHOLDS) + ")")
     ap.add_argument("--limit", type=int, default=None, help="first N examples only")
     ap.add_argument("--out", default="eval_results", help="folder for the results JSON and PNG, "
                     "<label>.<task>.<data file's name>.json / .png (default eval_results)")

@@ -816,6 +816,25 @@ def test_thresholds_and_synthetic_rows_are_checked(tmp_path):
             ev.load_synthetic(f, None)
 
 
+def test_thresholds_take_commas_or_spaces_and_have_help(synth_ckpt, tmp_path, capsys):
+    """Was: `--thresholds 0.5 0.9` failed with `unrecognized arguments: 0.9` (train's --eval-thresholds takes
+    both forms), and --thresholds had no help text."""
+    for words in (["0.5", "0.9"], ["0.5,0.9"], ["0.5,", "0.9"], ["0.5, 0.9"]):
+        args = ev.build_parser().parse_args(["--model", "m", "--task", "synthetic", "--thresholds", *words])
+        assert ev.parse_thresholds(args.thresholds) == [0.5, 0.9], words
+    assert ev.parse_thresholds(ev.build_parser().parse_args(["--model", "m", "--task", "synthetic"]).thresholds) \
+        == list(ev.DEFAULT_THRESHOLDS)
+    with pytest.raises(ev.CLIError, match=r"--thresholds '0.5 x': expected numbers separated by commas or spaces"):
+        ev.parse_thresholds(["0.5", "x"])
+    helptext = " ".join(ev.build_parser().format_help().split())
+    assert "--thresholds T [T ...] confidence thresholds tau to decode at" in helptext
+    assert "separated by commas or spaces (default 0.5,0.7,0.9,0.95)" in helptext
+    out = tmp_path / "o"
+    assert ev.main(_synth_args(synth_ckpt, out, "--label", "x", "--thresholds", "0.5", "0.9")) == 0
+    capsys.readouterr()
+    assert [p["threshold"] for p in json.loads((out / "x.synthetic.json").read_text())["points"]] == [0.5, 0.9]
+
+
 def test_evaluate_refuses_a_block_size_below_one(synth_ckpt):
     task = SyntheticArithmetic()
     model, _ = load_model(synth_ckpt)
