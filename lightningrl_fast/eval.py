@@ -5,9 +5,11 @@
         [--overlay other.json ...]
         [--block-size B] [--max-new-tokens N] [--batch-size N] [--temperature 0] [--device ...] [--dtype ...]
 
-For each threshold tau the examples are decoded (greedy by default, REFERENCE §2: evaluation is greedy with
-the rollout's block and tau) and scored by the task's verifier (a response cut at --max-new-tokens counts as
-wrong unless --truncated-ok, as in the RL reward); per threshold it reports accuracy, mean TPF
+`--threshold T` (the sampler flag generate shares) alone is `--thresholds T`, one point; with `--thresholds` it is
+refused (eval decodes at --thresholds only). For each threshold tau the examples are decoded (greedy by default,
+REFERENCE §2: evaluation is greedy with the rollout's block and tau) and scored by the task's verifier (a response
+cut at --max-new-tokens counts as wrong unless --truncated-ok, as in the RL reward); per threshold it reports
+accuracy, mean TPF
 (over examples), tokens/s and forwards/s (decode time only, scoring excluded), and the engine's forwards.
 `--task synthetic` without `--data` uses the embedded task's held-out test split (`tasks.synthetic`);
 with `--data`, a JSONL of {"operands": [a, b, c]} or {"prompt": "a+b+c?"} rows. Math/code read the benchmark
@@ -351,20 +353,37 @@ def load_data(args, task) -> tuple[list, dict]:
     return (exs[: args.limit] if args.limit else exs), info
 
 
-def parse_thresholds(text: str | Sequence[str]) -> list[float]:
+def parse_thresholds(text: str | Sequence[str], flag: str = "--thresholds") -> list[float]:
     """--thresholds: numbers separated by commas or spaces (`0.5,0.9` or `0.5 0.9`, as train's --eval-thresholds),
-    each in [0, 1]; `text` is the flag's words (or one string). CLIError naming the flag otherwise."""
+    each in [0, 1]; `text` is the flag's words (or one string). CLIError naming `flag` otherwise."""
     words = [text] if isinstance(text, str) else list(text)
     try:
         vals = [float(t) for w in words for t in w.replace(",", " ").split()]
     except ValueError:
-        raise CLIError(f"--thresholds {' '.join(words)!r}: expected numbers separated by commas or spaces, e.g. "
+        raise CLIError(f"{flag} {' '.join(words)!r}: expected numbers separated by commas or spaces, e.g. "
                        f"0.5,0.7,0.9 or 0.5 0.7 0.9") from None
     if not vals:
-        raise CLIError("--thresholds: no value given")
+        raise CLIError(f"{flag}: no value given")
     bad = [v for v in vals if not 0 <= v <= 1.0001]
     if bad:
-        raise CLIError(f"--thresholds: values must be in [0, 1], got {bad}")
+        raise CLIError(f"{flag}: values must be in [0, 1], got {bad}")
+    return vals
+
+
+def resolve_thresholds(args) -> list[float]:
+    """The thresholds eval decodes at: --thresholds, else an explicit --threshold T (one point), else the default
+    sweep. Both flags: CLIError (eval decodes at --thresholds only; a --threshold beside them would be ignored).
+    `args.threshold` is set to the first (the shared sampler checks then check a value that is decoded at)."""
+    if args.threshold is not None and args.thresholds is not None:
+        raise CLIError(f"--threshold {args.threshold:g} and --thresholds {' '.join(args.thresholds)}: eval decodes at "
+                       f"each of --thresholds; give the thresholds in --thresholds only")
+    if args.thresholds is not None:
+        vals = parse_thresholds(args.thresholds)
+    elif args.threshold is not None:
+        vals = parse_thresholds([repr(args.threshold)], flag="--threshold")
+    else:
+        vals = list(DEFAULT_THRESHOLDS)
+    args.threshold = vals[0]
     return vals
 
 
@@ -395,9 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--task", required=True, choices=("math", "code", "synthetic"))
     ap.add_argument("--data", default=None, help="benchmark file (optional for --task synthetic: its test split)")
     ap.add_argument("--format", default=None, help="force the data format (gsm8k, math500, mbpp, humaneval, plain)")
-    ap.add_argument("--thresholds", nargs="+", default=[",".join(f"{t:g}" for t in DEFAULT_THRESHOLDS)],
-                    metavar="T", help="confidence thresholds tau to decode at, one point of the curve each, separated "
-                    "by commas or spaces (default " + ",".join(f"{t:g}" for t in DEFAULT_THRESHOLDS) + ")")
+    ap.add_argument("--thresholds", nargs="+", default=None, metavar="T",
+                    help="confidence thresholds tau to decode at, one point of the curve each, separated by commas or "
+                    "spaces (default " + ",".join(f"{t:g}" for t in DEFAULT_THRESHOLDS) + ")")
     ap.add_argument("--limit", type=int, default=None, help="first N examples only")
     ap.add_argument("--out", default="eval_results", help="folder for the results JSON and PNG, "
                     "<label>.<task>.<data file's name>.json / .png (default eval_results)")
@@ -412,16 +431,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_decoding_args(ap, temperature=0.0, max_new_tokens=None, batch_size=32,
                       max_new_tokens_help="response length cap (default: the synthetic task's longest answer and its "
                                           "EOS; math and code: 512)")
+    threshold = next(a for a in ap._actions if a.dest == "threshold")  # the shared flag, eval's meaning
+    threshold.default = None
+    threshold.help = ("one threshold to decode at: the same as --thresholds T (refused together with --thresholds; "
+                      "default: the --thresholds sweep)")
     return ap
 
 
 def run(args) -> dict:
+    thresholds = resolve_thresholds(args)
     check_decoding_args(args)
     if args.limit is not None and args.limit < 1:
         raise CLIError(f"--limit must be >= 1, got {args.limit}")
     if args.workers is not None and args.workers < 1:
         raise CLIError(f"--workers must be >= 1, got {args.workers}")
-    thresholds = parse_thresholds(args.thresholds)
     check_out_folder(args.out)
     model_dir = check_model_dir(args.model)
     label = args.label or default_label(model_dir)

@@ -822,7 +822,7 @@ def test_thresholds_take_commas_or_spaces_and_have_help(synth_ckpt, tmp_path, ca
     for words in (["0.5", "0.9"], ["0.5,0.9"], ["0.5,", "0.9"], ["0.5, 0.9"]):
         args = ev.build_parser().parse_args(["--model", "m", "--task", "synthetic", "--thresholds", *words])
         assert ev.parse_thresholds(args.thresholds) == [0.5, 0.9], words
-    assert ev.parse_thresholds(ev.build_parser().parse_args(["--model", "m", "--task", "synthetic"]).thresholds) \
+    assert ev.resolve_thresholds(ev.build_parser().parse_args(["--model", "m", "--task", "synthetic"])) \
         == list(ev.DEFAULT_THRESHOLDS)
     with pytest.raises(ev.CLIError, match=r"--thresholds '0.5 x': expected numbers separated by commas or spaces"):
         ev.parse_thresholds(["0.5", "x"])
@@ -833,6 +833,25 @@ def test_thresholds_take_commas_or_spaces_and_have_help(synth_ckpt, tmp_path, ca
     assert ev.main(_synth_args(synth_ckpt, out, "--label", "x", "--thresholds", "0.5", "0.9")) == 0
     capsys.readouterr()
     assert [p["threshold"] for p in json.loads((out / "x.synthetic.json").read_text())["points"]] == [0.5, 0.9]
+
+
+def test_an_explicit_threshold_is_decoded_at_or_refused_beside_thresholds(synth_ckpt, tmp_path, capsys):
+    """Was: `eval --threshold 0.8` was accepted (the flag is shared with generate) and ignored: eval decoded the
+    default --thresholds sweep. Alone it is the one threshold decoded; with --thresholds it is refused."""
+    out = tmp_path / "o"
+    base = ["--model", str(synth_ckpt), "--task", "synthetic", "--limit", "2", "--max-new-tokens", "8",
+            "--batch-size", "2", "--out", str(out), "--device", "cpu", "--quiet", "--label", "x"]
+    assert ev.main(base + ["--threshold", "0.8"]) == 0
+    capsys.readouterr()
+    assert [p["threshold"] for p in json.loads((out / "x.synthetic.json").read_text())["points"]] == [0.8]
+    before = (out / "x.synthetic.json").read_bytes()
+    assert ev.main(base + ["--threshold", "0.8", "--thresholds", "0.5,0.9"]) == 2
+    _one_error_line(capsys, "--threshold 0.8 and --thresholds 0.5,0.9: eval decodes at each of --thresholds")
+    assert ev.main(base + ["--threshold", "1.5"]) == 2
+    _one_error_line(capsys, "--threshold: values must be in [0, 1], got [1.5]")
+    assert (out / "x.synthetic.json").read_bytes() == before
+    helptext = " ".join(ev.build_parser().format_help().split())
+    assert "--threshold THRESHOLD one threshold to decode at: the same as --thresholds T" in helptext
 
 
 def test_evaluate_refuses_a_block_size_below_one(synth_ckpt):
