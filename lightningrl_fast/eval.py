@@ -78,9 +78,11 @@ try:  # torch and the package load for seconds: a Ctrl-C meanwhile is main's one
         check_results_target,
         data_key,
         default_label,
+        distinct_labels,
         format_table,
         json_safe,
         load_results,
+        overlay_mismatch,
         plot_curves,
         results_path,
         run_points,
@@ -458,6 +460,11 @@ def run(args) -> dict:
 
 
 def _run_on(args, env: DistEnv, device, thresholds, model_dir, label, overlays, task, examples, data_info) -> dict:
+    if env.main:
+        for path, o in zip(args.overlay, overlays):
+            if mismatch := overlay_mismatch(o, args.task, args.data, len(examples)):
+                print(f"warning: overlay {path} was computed on {'; '.join(mismatch)}: its curve is not comparable "
+                      "with this run's (drawn all the same)", file=sys.stderr, flush=True)
     dtype = resolve_dtype(args.dtype, device)
     mcfg = read_config_checked(model_dir)
     check_block_size(args.block_size, mcfg.max_position_embeddings)
@@ -483,6 +490,9 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, label, overlays, 
                data_rows=data_info,
                device=str(device), dtype=str(dtype)[6:], date=datetime.datetime.now().isoformat(timespec="seconds"))
 
+    shown = distinct_labels([label, *(o["label"] for o in overlays)], [None, *args.overlay])
+    for o, name in zip(overlays, shown[1:]):
+        o["label"] = name  # told apart in the table, the legend and `overlays` (the files are not changed)
     runs = [res, *overlays]
     all_pts = [p for r in runs for p in run_points(r)]
     y_max = max((y for _, y in all_pts), default=0.0)
@@ -490,7 +500,8 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, label, overlays, 
         pts = run_points(r)
         r["aup_shared"] = aup(pts, y_max=y_max) if pts else math.nan
     res["aup_shared_y_max"] = y_max
-    res["overlays"] = {r["label"]: {"aup": r.get("aup"), "aup_shared": r["aup_shared"]} for r in overlays}
+    res["overlays"] = {r["label"]: {"aup": r.get("aup"), "aup_shared": r["aup_shared"], "file": str(path)}
+                       for r, path in zip(overlays, args.overlay)}
     if not env.main:  # rank 0 writes and prints
         return res
 

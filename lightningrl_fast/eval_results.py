@@ -1,19 +1,22 @@
 """Results of an evaluation: the AUP score, the results files and the accuracy-vs-TPF plot (eval.py writes them,
 overlays read them back).
 
-Outputs: a table on stdout; `<out>/<label>.<task>.<data>.json` (the points, AUP, sampler settings, device, the
-model folder and the data file as given and as absolute paths, `model_path` / `data_path`), where `<data>` is the
-data file's name without its .jsonl / .json / .parquet / .gz ending (`--data gsm8k_test.jsonl` ->
+Outputs: a table on stdout; `<out>/<label>.<task>.<data>.json` (the points, AUP, sampler settings, device, the model
+folder and the data file as given and as absolute paths, `model_path` / `data_path`), where `<data>` is the data
+file's name without its .jsonl / .json / .parquet / .gz ending (`--data gsm8k_test.jsonl` ->
 `A.math.gsm8k_test.json`; no `<data>` part for the synthetic task's own test split: `A.synthetic.json`), so the
 GSM8K and MATH500 results of one model (both `--task math`) are two files; `<out>/<label>.<task>.<data>.png`, the
 accuracy-vs-TPF curve of this run with every `--overlay` results file drawn on the same axes (needs matplotlib;
-without it the PNG is skipped with a note). Overlays are earlier results JSONs of this tool, e.g. the base
-model's curve under the trained model's. The label defaults to the checkpoint folder's name, led by its training
-run's folder name for a checkpoint of a run (`--model runs/A` -> `A-checkpoint-1`), so the checkpoints of two runs
-at the same step do not share a file. An existing results file of another model, or of the same model on another
-data file (two files of one name in different folders), is never overwritten (an error before decoding naming
-both; the same model's results on the same data are replaced). Both files are written to a hidden temporary file and renamed into place: an
-interrupted run (Ctrl-C: one `error:` line, exit status 130) leaves the earlier file or none, never half of one.
+without it the PNG is skipped with a note). Overlays are earlier results JSONs of this tool, e.g. the base model's
+curve under the trained model's; one computed on another task, data file or number of examples than this run gets a
+warning on stderr (its curve is drawn all the same), and runs that share a label are told apart in the table, the
+legend and the JSON's `overlays` by their file's name (`base [base.math.gsm8k_test.json]`). The label defaults to
+the checkpoint folder's name, led by its training run's folder name for a checkpoint of a run (`--model runs/A` ->
+`A-checkpoint-1`), so the checkpoints of two runs at the same step do not share a file. An existing results file of
+another model, or of the same model on another data file (two files of one name in different folders), is never
+overwritten (an error before decoding naming both; the same model's results on the same data are replaced). Both
+files are written to a hidden temporary file and renamed into place: an interrupted run (Ctrl-C: one `error:` line,
+exit status 130) leaves the earlier file or none, never half of one.
 The JSON is strict (no NaN literals): a number that is not finite is written as null: a rate with no decode
 time (tokens_per_s, forwards_per_s), an AUP with no point of positive TPF, the TPF of an example not decoded.
 
@@ -128,6 +131,42 @@ def load_results(path: str | Path) -> dict:
     if d.get("sampler") is not None and not isinstance(d["sampler"], dict):
         raise CLIError(f"overlay {path}: \"sampler\" must be an object, got {type(d['sampler']).__name__}")
     return d
+
+
+def overlay_mismatch(overlay: dict, task: str, data: str | Path | None, n_examples: int) -> list[str]:
+    """What an overlay (`load_results`) was computed on that this run (`task`, `data`: the --data file or None for
+    the synthetic test split, `n_examples`) was not: its task, its data file (`data_key`), its number of examples;
+    each as `what X (this run: Y)`. Empty when they agree or the overlay does not record them."""
+    out = []
+    if isinstance(overlay.get("task"), str) and overlay["task"] != task:
+        out.append(f"task {overlay['task']} (this run: {task})")
+    theirs = _recorded_data(overlay)
+    if theirs is not None and theirs != data_key(data):
+        out.append(f"data {theirs} (this run: {data_key(data)})")
+    n = overlay.get("n_examples")
+    if isinstance(n, int) and not isinstance(n, bool) and n != n_examples:
+        out.append(f"{n} examples (this run: {n_examples})")
+    return out
+
+
+def distinct_labels(labels: Sequence[str], files: Sequence[str | Path | None]) -> list[str]:
+    """The labels runs are shown under (table, legend, the JSON's `overlays` keys), told apart: the first (this
+    run) keeps its own; a later one (an overlay, `files[i]` its results file) whose label another run has too gets
+    its file's name appended, `base [base.math.gsm8k_test.json]`, or the file as given where two such names are
+    alike (`base [runs/b/base.math.gsm8k_test.json]`), and then ` #i` (its position) where one is still shown
+    twice (the same file given twice)."""
+    out = list(labels)
+    for i in range(1, len(out)):
+        if labels.count(labels[i]) > 1 and files[i] is not None:
+            out[i] = f"{labels[i]} [{Path(files[i]).name}]"
+    named = list(out)
+    for i in range(1, len(out)):
+        if named.count(named[i]) > 1 and files[i] is not None and named[i] != labels[i]:
+            out[i] = f"{labels[i]} [{files[i]}]"
+    for i in range(1, len(out)):
+        if out[i] in out[:i]:
+            out[i] = f"{out[i]} #{i}"
+    return out
 
 
 def _positive_finite(v: float) -> bool:

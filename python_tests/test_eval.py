@@ -804,6 +804,52 @@ def test_overlays_are_scored_under_the_shared_y_max(synth_ckpt, tmp_path, capsys
     assert res["overlays"]["good"]["aup_shared"] == pytest.approx(180.0)
 
 
+def test_overlays_of_other_data_are_warned_and_shared_labels_told_apart(synth_ckpt, tmp_path, monkeypatch, capsys):
+    """Was: an overlay computed on another data file (or task) was drawn without a word, and runs sharing a label
+    were shown under one name in the table and legend (and the second replaced the first in `overlays`)."""
+    out = tmp_path / "o"
+    assert ev.main(_synth_args(synth_ckpt, out, "--label", "base")) == 0  # the synthetic test split, 2 examples
+    capsys.readouterr()
+    earlier = out / "base.synthetic.json"
+    ops = tmp_path / "ops.jsonl"
+    ops.write_text("".join(json.dumps({"operands": [i, 2, 3]}) + "\n" for i in range(3)))
+    copy = tmp_path / "b" / "base.synthetic.json"  # the same label and file name, from another folder
+    copy.parent.mkdir()
+    copy.write_text(earlier.read_text())
+    math_run = tmp_path / "m.json"
+    math_run.write_text(json.dumps({"label": "gsm", "task": "math", "data": "gsm.jsonl", "data_path": "/d/gsm.jsonl",
+                                    "n_examples": 3, "points": [{"accuracy": 0.5, "mean_tpf": 2.0}]}))
+    plotted = []
+    monkeypatch.setattr(ev, "plot_curves", lambda runs, path, title="": plotted.append([r["label"] for r in runs]))
+    args = ["--model", str(synth_ckpt), "--task", "synthetic", "--data", str(ops), "--thresholds", "0.9",
+            "--max-new-tokens", "8", "--out", str(out), "--device", "cpu", "--quiet", "--label", "base",
+            "--overlay", str(earlier), str(copy), str(math_run)]
+    assert ev.main(args) == 0
+    printed = capsys.readouterr()
+    warns = [ln for ln in printed.err.splitlines() if ln.startswith("warning: overlay")]
+    assert warns == [
+        f"warning: overlay {earlier} was computed on data synthetic:test (this run: {ops.resolve()}); 2 examples (this "
+        "run: 3): its curve is not comparable with this run's (drawn all the same)",
+        f"warning: overlay {copy} was computed on data synthetic:test (this run: {ops.resolve()}); 2 examples (this "
+        "run: 3): its curve is not comparable with this run's (drawn all the same)",
+        f"warning: overlay {math_run} was computed on task math (this run: synthetic); data /d/gsm.jsonl (this run: "
+        f"{ops.resolve()}): its curve is not comparable with this run's (drawn all the same)"]
+    shown = ["base", f"base [{earlier}]", f"base [{copy}]", "gsm"]
+    res = json.loads((out / "base.synthetic.ops.json").read_text())
+    assert list(res["overlays"]) == shown[1:]
+    assert [res["overlays"][k]["file"] for k in shown[1:]] == [str(earlier), str(copy), str(math_run)]
+    assert plotted == [shown]
+    assert all(f"  {name:<24} AUP" in printed.out for name in shown)
+    assert json.loads(earlier.read_text())["label"] == "base"  # the overlay files are not changed
+    # an overlay of the same task, data and size: no warning
+    assert ev.main(args[:-3] + [str(out / "base.synthetic.ops.json")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert ev.distinct_labels(["a", "b", "c"], [None, "x.json", "y.json"]) == ["a", "b", "c"]
+    assert ev.distinct_labels(["a", "a", "b", "a"], [None, "r/a.json", "b.json", "r/a.json"]) == [
+        "a", "a [r/a.json]", "b", "a [r/a.json] #3"]  # the same file twice
+    assert ev.distinct_labels(["a", "a", "b"], [None, "r/a.m.json", "b.json"]) == ["a", "a [a.m.json]", "b"]
+
+
 def test_thresholds_and_synthetic_rows_are_checked(tmp_path):
     assert ev.parse_thresholds("0, 0.5,,1,") == [0.0, 0.5, 1.0]  # 0 and 1 are thresholds; empty items skipped
     for bad in ("-0.1", "1.5"):
