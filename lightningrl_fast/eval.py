@@ -8,9 +8,10 @@
 `--threshold T` (the sampler flag generate shares) alone is `--thresholds T`, one point; with `--thresholds` it is
 refused (eval decodes at --thresholds only). For each threshold tau the examples are decoded (greedy by default,
 REFERENCE §2: evaluation is greedy with the rollout's block and tau) and scored by the task's verifier (a response
-cut at --max-new-tokens counts as wrong unless --truncated-ok, as in the RL reward); per threshold it reports
-accuracy, mean TPF
-(over examples), tokens/s and forwards/s (decode time only, scoring excluded), and the engine's forwards.
+cut at --max-new-tokens counts as wrong unless --truncated-ok, as in the RL reward; --max-new-tokens defaults to
+512 for math / code, the synthetic task's longest answer for synthetic, or, as generate's, to what the model's
+positions leave after the longest prompt when that is less, said on stderr); per threshold it reports accuracy,
+mean TPF (over examples), tokens/s and forwards/s (decode time only, scoring excluded), and the engine's forwards.
 `--task synthetic` without `--data` uses the embedded task's held-out test split (`tasks.synthetic`);
 with `--data`, a JSONL of {"operands": [a, b, c]} or {"prompt": "a+b+c?"} rows. Math/code read the benchmark
 files of `tasks.data.load_examples` (GSM8K, MATH500, MBPP, HumanEval, plain). Code completions run in the
@@ -98,6 +99,9 @@ except KeyboardInterrupt:
     sys.exit(130)
 
 DEFAULT_THRESHOLDS = (0.5, 0.7, 0.9, 0.95)
+
+
+DEFAULT_MAX_NEW_TOKENS = 512  # math and code; the synthetic task's is its longest answer and its EOS
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -432,7 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     add_decoding_args(ap, temperature=0.0, max_new_tokens=None, batch_size=32,
                       max_new_tokens_help="response length cap (default: the synthetic task's longest answer and its "
-                                          "EOS; math and code: 512)")
+                                          f"EOS; math and code: {DEFAULT_MAX_NEW_TOKENS}; either, where the model's "
+                                          "positions cannot hold it after the longest prompt, what they leave)")
     threshold = next(a for a in ap._actions if a.dest == "threshold")  # the shared flag, eval's meaning
     threshold.default = None
     threshold.help = ("one threshold to decode at: the same as --thresholds T (refused together with --thresholds; "
@@ -459,6 +464,26 @@ def run(args) -> dict:
         return _run_on(args, env, device, thresholds, model_dir, label, overlays, task, examples, data_info)
 
 
+def _default_max_new_tokens(args, env: DistEnv, task, tokenizer, examples, mcfg) -> int:
+    """Without --max-new-tokens: the task's cap (the synthetic task's longest answer and its EOS, else
+    DEFAULT_MAX_NEW_TOKENS), or what the model's positions leave after the longest prompt when that is less
+    (`generate.fitted_max_new_tokens`, generate's rule), said on stderr by rank 0."""
+    from .generate import fitted_max_new_tokens
+
+    cap = task.max_response_tokens() if hasattr(task, "max_response_tokens") else DEFAULT_MAX_NEW_TOKENS
+    try:
+        lens = [len(ids) for ids in _encode(tokenizer, task, examples)]
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    bs = args.block_size or mcfg.block_size
+    n = fitted_max_new_tokens(lens, mcfg.max_position_embeddings, bs, cap=cap)
+    if n < cap and env.main:
+        print(f"max_new_tokens {n}: what the model's {mcfg.max_position_embeddings} positions leave after the longest "
+              f"prompt ({max(lens)} tokens, block {bs}), less than the default {cap}; --max-new-tokens sets it",
+              file=sys.stderr, flush=True)
+    return n
+
+
 def _run_on(args, env: DistEnv, device, thresholds, model_dir, label, overlays, task, examples, data_info) -> dict:
     if env.main:
         for path, o in zip(args.overlay, overlays):
@@ -471,7 +496,7 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, label, overlays, 
     check_checkpoint_block_size(args.block_size, mcfg.block_size, mcfg.max_position_embeddings, model_dir)
     tokenizer = load_tokenizer_checked(model_dir)
     if args.max_new_tokens is None:
-        args.max_new_tokens = task.max_response_tokens() if hasattr(task, "max_response_tokens") else 512
+        args.max_new_tokens = _default_max_new_tokens(args, env, task, tokenizer, examples, mcfg)
     model = load_model_checked(model_dir, device, dtype)
     if env.main:
         warn_mask_mismatch(tokenizer, model.config)

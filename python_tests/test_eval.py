@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -421,6 +422,41 @@ def test_results_file_names_carry_the_data_files_name(tmp_path):
     ev.check_results_target(target, mine, None)
     with pytest.raises(ev.CLIError, match="another data file"):
         ev.check_results_target(target, mine, tmp_path / "a.jsonl")
+
+
+def test_cli_default_max_new_tokens_fits_the_models_positions(tmp_path, capsys, monkeypatch, ascii_checkpoint):
+    """Was: math / code took 512 new tokens whatever the model's positions, so on a 512-position model every
+    example failed unless --max-new-tokens was given; now fitted as generate's default, with a note."""
+    from lightningrl_fast.tokenizer import load_tokenizer
+
+    model = ascii_checkpoint(tmp_path / "m", 512)
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"question": "What is 1+2?", "answer": "#### 3"}) + "\n"
+                    + json.dumps({"question": "What is 10+20?", "answer": "#### 30"}) + "\n")
+    task = ev.make_task("math", None)
+    exs, _ = ev.load_data(ev.build_parser().parse_args(["--model", "m", "--task", "math", "--data", str(data)]), task)
+    longest = max(map(len, ev._encode(load_tokenizer(model), task, exs)))
+    args = ["--model", str(model), "--task", "math", "--data", str(data), "--thresholds", "0.9", "--out",
+            str(tmp_path / "o"), "--device", "cpu", "--quiet", "--label", "x"]
+    assert ev.main(args + ["--block-size", "8"]) == 0
+    printed = capsys.readouterr()
+    want = 512 - longest  # 512 is a multiple of the block size: the last block ends at 512
+    assert (f"max_new_tokens {want}: what the model's 512 positions leave after the longest prompt ({longest} "
+            f"tokens, block 8), less than the default 512; --max-new-tokens sets it") in printed.err
+    assert json.loads((tmp_path / "o" / "x.math.q.json").read_text())["sampler"]["max_new_tokens"] == want
+    assert f"max_new_tokens {want})" in printed.out
+    # positions to spare: the default 512, no note; an explicit value: as given (decoded with 4, to be quick)
+    asked, real = [], ev.evaluate
+
+    def short(model_, tok, task_, exs_, taus, cfg, **kw):
+        asked.append(cfg.max_new_tokens)
+        return real(model_, tok, task_, exs_, taus, dataclasses.replace(cfg, max_new_tokens=4), **kw)
+
+    monkeypatch.setattr(ev, "evaluate", short)
+    big = ascii_checkpoint(tmp_path / "big", 2048)
+    assert ev.main(["--model", str(big)] + args[2:] + ["--label", "y"]) == 0
+    assert ev.main(["--model", str(model)] + args[2:] + ["--label", "z", "--max-new-tokens", "40"]) == 0
+    assert asked == [512, 40] and "max_new_tokens" not in capsys.readouterr().err
 
 
 def test_cli_prompt_whose_last_block_passes_the_positions_is_named_before_decoding(tmp_path, capsys,
