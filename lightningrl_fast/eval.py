@@ -348,8 +348,8 @@ def load_data(args, task) -> tuple[list, dict]:
             loaded = load_examples(args.data, fmt=args.format, limit=args.limit)
         except FileNotFoundError:
             raise CLIError(f"data file {args.data} does not exist") from None
-        except (DataFormatError, ValueError) as e:
-            raise CLIError(str(e)) from None
+        except (DataFormatError, ValueError) as e:  # the loader's words for its `fmt=`: the flag's
+            raise CLIError(str(e).replace("or pass fmt=", "or give --format")) from None
         exs = list(loaded)
         info.update(rows=loaded.n_rows, skipped=loaded.skipped, skipped_rows=[str(e) for e in loaded.errors[:100]])
         wrong = [e for e in exs if e.kind != args.task]
@@ -419,7 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="checkpoint folder, or a training run's folder: its latest checkpoint (as generate)")
     ap.add_argument("--task", required=True, choices=("math", "code", "synthetic"))
     ap.add_argument("--data", default=None, help="benchmark file (optional for --task synthetic: its test split)")
-    ap.add_argument("--format", default=None, help="force the data format (gsm8k, math500, mbpp, humaneval, plain)")
+    from .tasks.data import FORMATS
+
+    ap.add_argument("--format", default=None, choices=FORMATS,
+                    help="force the data format (default: detected from the file's first row)")
     ap.add_argument("--thresholds", nargs="+", default=None, metavar="T",
                     help="confidence thresholds tau to decode at, one point of the curve each, separated by commas or "
                     "spaces (default " + ",".join(f"{t:g}" for t in DEFAULT_THRESHOLDS) + ")")

@@ -244,6 +244,24 @@ def test_cli_synthetic_json_png_and_overlay(synth_ckpt, tmp_path, capsys):
     assert (out / "trained.synthetic.png").is_file() == _has_matplotlib()
 
 
+def test_cli_format_errors_name_the_flag(synth_ckpt, tmp_path, capsys):
+    """Was: `--format foo` reported `fmt must be one of ...` and an undetectable file `... or pass fmt=`, the data
+    loader's parameter, not the flag."""
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"question": "What is 1+2?", "answer": "#### 3"}) + "\n")
+    base = ["--model", str(synth_ckpt), "--task", "math", "--data", str(data), "--out", str(tmp_path / "o"), "--quiet"]
+    with pytest.raises(SystemExit) as e:
+        ev.main(base + ["--format", "foo"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --format: invalid choice: 'foo' (choose from" in err and "fmt" not in err
+    data.write_text(json.dumps({"foo": 1}) + "\n")
+    assert ev.main(base) == 2
+    err = _one_error_line(capsys, f"{data}:1: cannot detect the format from keys ['foo']", "or give --format")
+    assert "fmt" not in err
+    assert ev.build_parser().parse_args(base[:6] + ["--format", "gsm8k"]).format == "gsm8k"
+
+
 def test_load_data_reports_skipped_rows(tmp_path):
     import argparse
 
