@@ -9,12 +9,14 @@ r"""[cli] Decode prompts from a file with an SDAR checkpoint and write JSONL res
 
 Prompts file:
   * `.txt`: one prompt per non-blank line (the line's text, without its newline);
-  * anything else is read as JSONL: one JSON object per non-blank line with a non-empty string "prompt"
-    (an optional "id" is copied to the output row).
+  * `.json`: a JSON array of rows, or {"data": [rows]}, or one row (as train's and eval's data files; a `.json`
+    file of one object per line is read as JSONL);
+  * anything else is read as JSONL: one JSON object per non-blank line.
+A row is a JSON object with a non-empty string "prompt" (an optional "id" is copied to the output row).
 Every row is checked (and tokenized, and checked against the checkpoint's vocabulary, its mask token id (not
 allowed in a prompt) and max_position_embeddings, with the block size used: the last block, aligned at position
 0, must end within the positions; `sampler.prompt_problem`) BEFORE the model is loaded; errors name the file and
-the line (`file:line: ...`).
+the line (`file:line: ...`), or the element of a JSON array (`file[row i]: ...`, i from 0).
 Lines end at "\n" / "\r\n" / "\r" only (a U+2028 inside a JSON string is not a line break); rows are strict
 JSON (NaN / Infinity refused), and a "prompt" or "id" holding an unpaired surrogate (an escape such as
 "\ud800", which is not text) is refused. The options are checked first too: ranges (a `--temperature` whose
@@ -99,8 +101,12 @@ from ._cli import (
 @dataclass
 class PromptRow:
     text: str
-    line: int  # 1-based line in the prompts file
+    line: int  # 1-based line in the prompts file (an element of a JSON array: its 0-based index)
     id: Any = None
+    where: str = ""  # how errors name the row: `file:line`, or `file[row i]` for an element of a JSON array
+
+    def location(self, path: str | Path) -> str:
+        return self.where or f"{path}:{self.line}"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -125,24 +131,88 @@ def unpaired_surrogate(value: Any) -> str | None:
     return None
 
 
+def _prompt_row(obj: Any, line: int, where: str) -> PromptRow | str:
+    """The PromptRow of one JSON row (a JSONL line or an element of a JSON array), or why it is not one (`where:
+    why`)."""
+    if not isinstance(obj, dict):
+        return f"{where}: expected a JSON object with a \"prompt\" string, got {type(obj).__name__}"
+    if "prompt" not in obj:
+        return f"{where}: no \"prompt\" key (keys: {sorted(obj)})"
+    p = obj["prompt"]
+    if not isinstance(p, str):
+        return f"{where}: \"prompt\" must be a string, got {type(p).__name__}"
+    if not p.strip():
+        return f"{where}: \"prompt\" is empty"
+    bad = [(k, u) for k in ("prompt", "id") if (u := unpaired_surrogate(obj.get(k))) is not None]
+    if bad:
+        k, u = bad[0]
+        return (f"{where}: \"{k}\" holds an unpaired surrogate {u} (an escape that is not a character: not valid "
+                "Unicode text)")
+    return PromptRow(p, line, obj.get("id"), where)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _holds_json_lines(lines: list[str]) -> bool:
+    """A `.json` file that is really JSON Lines (one object per line, what many exports write; the data loader's
+    rule, `tasks.data`): its first non-blank line is a whole JSON object and another non-blank line follows."""
+    filled = [ln for ln in lines if ln.strip()]
+    if len(filled) < 2 or not filled[0].lstrip().startswith("{"):
+        return False
+    try:
+        return isinstance(parse_json_line(filled[0]), dict)
+    except ValueError:
+        return False
+
+
+def _json_document_rows(text: str, path: Path) -> list[tuple[Any, int, str]]:
+    """(row, index, `file[row i]`) of a `.json` prompts file holding one JSON document: an array of rows,
+    {"data": [...]}, or a single row object (as train's and eval's data files). CLIError when it is not JSON
+    (line and column named) or not of those forms."""
+    try:
+        doc = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # NaN / Infinity, > 4300-digit integers, nesting too deep
+        raise CLIError(f"{path}: not valid JSON ({e})") from None
+    if isinstance(doc, dict) and isinstance(doc.get("data"), list):
+        doc = doc["data"]
+    elif isinstance(doc, dict) and "data" not in doc:
+        doc = [doc]
+    if not isinstance(doc, list):
+        raise CLIError(f"{path}: expected a JSON array of {{\"prompt\": ...}} objects (or {{\"data\": [...]}}), "
+                       f"got {type(doc).__name__}")
+    return [(obj, i, f"{path}[row {i}]") for i, obj in enumerate(doc)]
+
+
 def read_prompts(path: str | Path) -> list[PromptRow]:
-    """Rows of a prompts file (see the module docstring); CLIError listing every bad row as `file:line: why`."""
+    """Rows of a prompts file (see the module docstring); CLIError listing every bad row as `file:line: why` (an
+    element of a JSON array: `file[row i]: why`)."""
     path = Path(path)
     if not path.exists():
         raise CLIError(f"prompts file {path} does not exist")
     if not path.is_file():
         raise CLIError(f"prompts file {path} is not a file")
     try:
-        lines = split_lines(path.read_text(encoding="utf-8-sig"))  # a byte-order mark may lead
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark may lead
     except UnicodeDecodeError as e:
         raise CLIError(f"{path}: not UTF-8 text ({e})") from None
+    lines = split_lines(text)
     rows: list[PromptRow] = []
     errors: list[str] = []
-    plain = path.suffix.lower() == ".txt"
+    suffix = path.suffix.lower()
+    document = suffix == ".json" and bool(text.strip()) and not _holds_json_lines(lines)
+    if document:
+        for obj, i, where in _json_document_rows(text, path):
+            row = _prompt_row(obj, i, where)
+            (errors if isinstance(row, str) else rows).append(row)
+        lines = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        if plain:
+        if suffix == ".txt":
             rows.append(PromptRow(line, lineno))
             continue
         try:
@@ -150,29 +220,11 @@ def read_prompts(path: str | Path) -> list[PromptRow]:
         except ValueError as e:
             errors.append(f"{path}:{lineno}: not valid JSON ({e})")
             continue
-        if not isinstance(obj, dict):
-            errors.append(f"{path}:{lineno}: expected a JSON object with a \"prompt\" string, got {type(obj).__name__}")
-            continue
-        if "prompt" not in obj:
-            errors.append(f"{path}:{lineno}: no \"prompt\" key (keys: {sorted(obj)})")
-            continue
-        p = obj["prompt"]
-        if not isinstance(p, str):
-            errors.append(f"{path}:{lineno}: \"prompt\" must be a string, got {type(p).__name__}")
-            continue
-        if not p.strip():
-            errors.append(f"{path}:{lineno}: \"prompt\" is empty")
-            continue
-        bad = [(k, u) for k in ("prompt", "id") if (u := unpaired_surrogate(obj.get(k))) is not None]
-        if bad:
-            k, u = bad[0]
-            errors.append(f"{path}:{lineno}: \"{k}\" holds an unpaired surrogate {u} (an escape that is not a "
-                          "character: not valid Unicode text)")
-            continue
-        rows.append(PromptRow(p, lineno, obj.get("id")))
+        row = _prompt_row(obj, lineno, f"{path}:{lineno}")
+        (errors if isinstance(row, str) else rows).append(row)
     _fail_rows(path, errors, "malformed prompt row(s)")
     if not rows:
-        raise CLIError(f"{path}: no prompts (the file is empty or blank)")
+        raise CLIError(f"{path}: no prompts ({'an empty JSON array' if document else 'the file is empty or blank'})")
     return rows
 
 
@@ -218,14 +270,14 @@ def encode_prompts(rows: Sequence[PromptRow], tokenizer, path: str | Path, chat:
             encoded.append((r, tokenizer.encode(text)))
         except ValueError as e:
             hint = " (try --no-chat)" if chat else ""
-            errors.append((r.line, f"{path}:{r.line}: cannot tokenize{hint}: {e}"))
+            errors.append((r.line, f"{r.location(path)}: cannot tokenize{hint}: {e}"))
     if max_new_tokens is None:
         max_new_tokens = fitted_max_new_tokens([len(ids) for _, ids in encoded], max_len, block_size)
     out = []
     for r, ids in encoded:
         problem = prompt_problem(ids, vocab_size, mask_id, max_new_tokens, block_size, None, max_len)
         if problem is not None:
-            errors.append((r.line, f"{path}:{r.line}: the prompt {problem.text}"))
+            errors.append((r.line, f"{r.location(path)}: the prompt {problem.text}"))
             continue
         out.append(ids)
     _fail_rows(Path(path), [msg for _, msg in sorted(errors)], "prompt(s) that cannot be decoded")  # file order
@@ -374,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", required=True,
                     help="checkpoint folder (config.json, safetensors, tokenizer), or a training run's folder: its "
                          "latest checkpoint (the one its `latest` file names, else its highest checkpoint-<step>)")
-    ap.add_argument("--prompts", required=True, help="JSONL rows {\"prompt\": str} or a .txt file, one prompt a line")
+    ap.add_argument("--prompts", required=True, help="JSONL rows {\"prompt\": str}, a .json array of such rows, or a "
+                    ".txt file, one prompt a line")
     ap.add_argument("--out", default=None,
                     help="output JSONL, replaced only by a complete result (on an error or Ctrl-C the rows so far go "
                          "to OUT.partial); not inside the model folder (default: stdout, summary on stderr)")

@@ -789,6 +789,58 @@ def test_prompt_rows_ids_txt_suffix_and_error_list(tmp_path):
     assert f"{bad}:10:" in msg and f"{bad}:11:" not in msg
 
 
+def test_a_json_array_of_prompt_rows_is_read_as_train_and_eval_read_json(ckpt, tmp_path, capsys):
+    """Was: a `.json` prompts file holding a JSON array was read line by line as JSONL and reported as malformed
+    rows. A `.json` file is one JSON document (an array of rows, {"data": [...]}, or one row) unless it holds one
+    object per line; errors name the element, `file[row i]`."""
+    rows = [{"prompt": "1+2?", "id": "a"}, {"prompt": "3+4?"}]
+    arr = tmp_path / "p.json"
+    arr.write_text(json.dumps(rows, indent=2))
+    jsonl = _write(tmp_path / "p.jsonl", [json.dumps(r) for r in rows])
+    out_a, out_l = tmp_path / "a.jsonl", tmp_path / "l.jsonl"
+    common = ["--model", str(ckpt), "--max-new-tokens", "8", "--quiet", "--device", "cpu"]
+    assert gen.main(common + ["--prompts", str(arr), "--out", str(out_a)]) == 0
+    assert gen.main(common + ["--prompts", str(jsonl), "--out", str(out_l)]) == 0
+    capsys.readouterr()
+    assert out_a.read_text() == out_l.read_text() and [r.get("id") for r in _read_rows(out_a)] == ["a", None]
+    for doc in ({"data": rows}, rows[0]):  # {"data": [...]}, and one row written over several lines
+        arr.write_text(json.dumps(doc, indent=2))
+        assert [(r.text, r.id) for r in gen.read_prompts(arr)] == [(r["prompt"], r.get("id")) for r in
+                                                                   (rows if "data" in doc else rows[:1])]
+    _write(arr, [json.dumps(r) for r in rows])  # JSON Lines named .json: still rows by line
+    assert [(r.text, r.line, r.location(arr)) for r in gen.read_prompts(arr)] == [("1+2?", 1, f"{arr}:1"),
+                                                                                   ("3+4?", 2, f"{arr}:2")]
+    # bad elements: each named by its index, before the model loads
+    arr.write_text(json.dumps([{"prompt": "ok"}, "bare", {"text": "x"}, {"prompt": 5}, {"prompt": " "},
+                               {"prompt": "x", "id": "\ud800"}]))
+    with pytest.raises(gen.CLIError) as e:
+        gen.read_prompts(arr)
+    assert str(e.value).splitlines() == [
+        f"5 malformed prompt row(s) in {arr}:",
+        f'  {arr}[row 1]: expected a JSON object with a "prompt" string, got str',
+        f"  {arr}[row 2]: no \"prompt\" key (keys: ['text'])",
+        f'  {arr}[row 3]: "prompt" must be a string, got int',
+        f'  {arr}[row 4]: "prompt" is empty',
+        f'  {arr}[row 5]: "id" holds an unpaired surrogate \\ud800 (an escape that is not a character: not valid '
+        "Unicode text)"]
+    broken = _no_weights(ckpt, tmp_path / "noweights")
+    arr.write_text(json.dumps([{"prompt": "fine"}, {"prompt": "UPPER"}, {"prompt": "a" * 300}]))
+    assert gen.main(["--model", str(broken), "--prompts", str(arr), "--max-new-tokens", "8"]) == 2
+    err = capsys.readouterr().err
+    assert f"{arr}[row 1]: cannot tokenize (try --no-chat)" in err and f"{arr}[row 2]: the prompt" in err
+    assert err.index("[row 1]") < err.index("[row 2]") and "[row 0]" not in err
+    # not JSON, or JSON of another form: the file named with the line and column / what it holds
+    for text, msg in (
+            ('[\n  {"prompt": "a"},\n  {"prompt": }\n]', "not valid JSON (Expecting value at line 3, column 14)"),
+            ('[{"prompt": "a", "x": NaN}]', "not valid JSON (NaN is not valid JSON)"),
+            ('"just text"', 'expected a JSON array of {"prompt": ...} objects (or {"data": [...]}), got str'),
+            ("[]", "no prompts (an empty JSON array)"), ("\n \n", "no prompts (the file is empty or blank)")):
+        arr.write_text(text)
+        with pytest.raises(gen.CLIError) as e:
+            gen.read_prompts(arr)
+        assert str(e.value) == f"{arr}: {msg}", text
+
+
 def test_falsy_ids_are_written_back(ckpt, tmp_path):
     """An "id" of 0 or "" is an id: copied to the output row."""
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "a", "id": 0}),
