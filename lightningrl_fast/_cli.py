@@ -409,15 +409,30 @@ def read_config_checked(model_dir: Path):
     try:
         return read_config(model_dir)
     except (OSError, ValueError, KeyError) as e:
-        raise CLIError(f"cannot read {model_dir}/config.json: {e}") from None
+        text = str(e)  # read_config's and read_json_file's messages start with the file already
+        raise CLIError(text if str(model_dir) in text else f"cannot read {model_dir}/config.json: {text}") from None
 
 
 def cli_main(build_parser, run, argv: Sequence[str] | None = None) -> int:
     """Parse, run, and turn a CLIError into one `error:` line and exit status 2 (shared by the CLIs)."""
     args = build_parser().parse_args(argv)
     try:
-        run(args)
+        with plain_warnings():
+            run(args)
     except CLIError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def drop_stdout() -> None:
+    """Point stdout at the null device after a BrokenPipeError (`... | head`): the interpreter's last flush of
+    what a closed pipe did not take would print another BrokenPipeError on the way out."""
+    import os
+
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture): nothing to flush there
+        pass

@@ -62,6 +62,7 @@ try:  # torch and the package load for seconds: a Ctrl-C meanwhile is main's one
         cli_main,
         decode_block_size,
         decode_texts,
+        drop_stdout,
         eos_ids_for,
         join_ranks,
         load_model_checked,
@@ -573,6 +574,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr, flush=True)
         return 130
+    except BrokenPipeError:  # `eval ... | head`: the reader has all it wanted (was a traceback)
+        drop_stdout()
+        return 141
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ from ._cli import (
     cli_main,
     decode_block_size,
     decode_texts,
+    drop_stdout,
     eos_ids_for,
     join_ranks,
     load_model_checked,
@@ -601,17 +602,6 @@ def _abandon(out_f: "RowsOut | None") -> str:
     return out_f.abandon() if out_f is not None else ""
 
 
-def _drop_stdout() -> None:
-    """Point stdout at the null device: the interpreter's last flush of what a closed pipe did not take would
-    print another BrokenPipeError on the way out."""
-    try:
-        fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, sys.stdout.fileno())
-        os.close(fd)
-    except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture): nothing to flush there
-        pass
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line. Exit status (module docstring): 0; 2 for bad input (`error:` line); 130 on Ctrl-C (one
     `error: interrupted` line saying where the rows written so far are); 141 when stdout was closed early."""
@@ -621,7 +611,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: interrupted (Ctrl-C){e}", file=sys.stderr, flush=True)
         return 130
     except BrokenPipeError:  # `generate ... | head`: the reader has all it wanted
-        _drop_stdout()
+        drop_stdout()
         return 141
 
 

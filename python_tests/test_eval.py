@@ -312,6 +312,27 @@ def test_cli_errors(synth_ckpt, tmp_path, capsys):
     assert "'code' problems" in capsys.readouterr().err
 
 
+def test_cli_stdout_closed_early_exits_quietly(tmp_path, capsys, monkeypatch, ascii_checkpoint):
+    """`eval ... | head`: was a BrokenPipeError traceback (generate already exited 141)."""
+    import sys
+
+    class ClosedPipe:
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    model = ascii_checkpoint(tmp_path / "model")
+    data = tmp_path / "g.jsonl"
+    data.write_text(json.dumps({"question": "What is 1+2?", "answer": "#### 3"}) + "\n")
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    rc = ev.main(["--model", str(model), "--task", "math", "--data", str(data), "--max-new-tokens", "8",
+                  "--thresholds", "0.9", "--out", str(tmp_path / "o")])
+    monkeypatch.undo()
+    assert rc == 141 and "Traceback" not in capsys.readouterr().err
+
+
 def test_cli_names_an_example_too_long_for_the_model_before_decoding(tmp_path, capsys, ascii_checkpoint):
     model = ascii_checkpoint(tmp_path / "model")
     data = tmp_path / "long.jsonl"
