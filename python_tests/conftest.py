@@ -344,3 +344,56 @@ def varied_layout_batch(model, mode, seed=5):
     ro = generate(model, [p for p in prompts for _ in range(2)],
                   SamplerConfig(threshold=0.3, temperature=1.0, max_new_tokens=23, eos_ids=(3, 7, 11), seed=seed))
     return build_layout_batch(ro.sequences, ro.seq_step_map, ro.prompt_lens, ro.lengths, 4, TINY_MASK, mode)
+
+
+class StandInStreams:
+    """CUDA streams and events stood in for on the CPU, for the ordering tests of the code that overlaps copies with
+    compute (rl/optim._Staging, rl/logprobs._LayerFeed): `install(monkeypatch, module)` replaces the module's
+    torch.cuda.current_stream and torch.cuda.stream; `side()` makes a side stream. Every call appends to `log`:
+    ("side waits current",), ("side waits", ev), ("side records", ev), ("current waits", ev), ("current records",
+    ev), ("join", side), ("enter", stream), ("exit", stream); events are fresh objects."""
+
+    def __init__(self) -> None:
+        self.log: list = []
+        self.sides: list = []
+        streams = self
+
+        class Side:
+            def wait_stream(self, _s):
+                streams.log.append(("side waits current",))
+
+            def wait_event(self, ev):
+                streams.log.append(("side waits", ev))
+
+            def record_event(self):
+                streams.log.append(("side records", object()))
+                return streams.log[-1][1]
+
+        class Current:
+            def wait_event(self, ev):
+                streams.log.append(("current waits", ev))
+
+            def record_event(self):
+                streams.log.append(("current records", object()))
+                return streams.log[-1][1]
+
+            def wait_stream(self, s):
+                streams.log.append(("join", s))
+
+        self._side_type, self.current = Side, Current()
+
+    def side(self):
+        s = self._side_type()
+        self.sides.append(s)
+        return s
+
+    def install(self, monkeypatch, module) -> None:
+        @contextlib.contextmanager
+        def on(stream):
+            self.log.append(("enter", stream))
+            yield
+            self.log.append(("exit", stream))
+
+        monkeypatch.setattr(module.torch.cuda, "current_stream", lambda dev=None: self.current)
+        monkeypatch.setattr(module.torch.cuda, "stream", on)
+

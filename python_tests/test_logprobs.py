@@ -14,7 +14,7 @@ from lightningrl_fast.rl.trainer import (Groups, RLConfig, layout_stage, logprob
                                          micro_batches, reference_stage)
 from lightningrl_fast.sampler import SamplerConfig, generate
 
-from conftest import TINY_MASK, TINY_VOCAB, fuzz_cases, tiny_rl_model, varied_layout_batch
+from conftest import TINY_MASK, TINY_VOCAB, StandInStreams, fuzz_cases, tiny_rl_model, varied_layout_batch
 
 MASK, V = TINY_MASK, TINY_VOCAB
 
@@ -139,41 +139,11 @@ def test_streamed_reference_overlaps_the_next_layers_copy_with_stand_in_streams(
     the event recorded after its last compute; a buffer computes only after the current stream waited for the event
     of its latest copy; the copies run inside the side stream's context; the current stream joins the side stream
     at the end. The log-probs equal the plain forward's (the copies run at once here)."""
-    import contextlib
-
     import lightningrl_fast.rl.logprobs as LP
 
-    log: list = []
-
-    class Side:
-        def wait_event(self, ev):
-            log.append(("side waits", ev))
-
-        def record_event(self):
-            log.append(("ready", object()))
-            return log[-1][1]
-
-    class Current:
-        def wait_event(self, ev):
-            log.append(("current waits", ev))
-
-        def record_event(self):
-            log.append(("free", object()))
-            return log[-1][1]
-
-        def wait_stream(self, s):
-            log.append(("join", s))
-
-    current, sides = Current(), []
-    monkeypatch.setattr(LP.torch.cuda, "current_stream", lambda dev=None: current)
-
-    @contextlib.contextmanager
-    def on(stream):
-        log.append(("enter", stream))
-        yield
-        log.append(("exit", stream))
-
-    monkeypatch.setattr(LP.torch.cuda, "stream", on)
+    streams = StandInStreams()
+    streams.install(monkeypatch, LP)
+    log, sides = streams.log, streams.sides
     init, fill = LP._LayerFeed.__init__, LP._LayerFeed.fill
     cfg = SDARConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, block_size=4, mask_token_id=TINY_MASK,
@@ -184,8 +154,7 @@ def test_streamed_reference_overlaps_the_next_layers_copy_with_stand_in_streams(
 
     def spy_init(self, *a):
         init(self, *a)
-        self.side = Side()
-        sides.append(self.side)
+        self.side = streams.side()
         for k, buf in enumerate(self.bufs):
             buf.register_forward_pre_hook(lambda mod, args, k=k: log.append(("compute", k)))
 
@@ -217,7 +186,7 @@ def test_streamed_reference_overlaps_the_next_layers_copy_with_stand_in_streams(
             j = i + (2 if k in free else 1)
             assert log[j][0] == "enter" and log[j][1] is sides[0]
             end = next(x for x in range(j, len(log)) if log[x][0] == "exit")
-            assert log[end - 1][0] == "ready"  # recorded inside the side stream's context, after the copies
+            assert log[end - 1][0] == "side records"  # inside the side stream's context, after the copies
             ready[k], filled[k], last_fill = [log[end - 1][1], False], e[2], e[2]
         elif e[0] == "current waits":
             k = next(b for b, r in ready.items() if r[0] is e[1])
@@ -229,7 +198,7 @@ def test_streamed_reference_overlaps_the_next_layers_copy_with_stand_in_streams(
             # the overlap: the next layer's copy was queued before this layer computes (the last layer has none)
             assert last_fill == min(layer + 1, n_layers - 1), (layer, last_fill)
             computes.append(layer)
-        elif e[0] == "free":
+        elif e[0] == "current records":
             assert log[i - 1][0] == "compute", "an event recorded after no compute"
             free[log[i - 1][1]] = e[1]
     # layer after layer within a chunk (each on every micro-batch of it), chunk after chunk

@@ -1,10 +1,10 @@
 """rl/optim.py: AdamW with fp32 state and master weights for bf16/fp16 parameters."""
 
-import contextlib
 import copy
 
 import pytest
 import torch
+from conftest import StandInStreams
 
 from lightningrl_fast.rl.optim import MasterAdamW, make_optimizer
 
@@ -132,39 +132,14 @@ def test_offload_overlap_protocol_with_stand_in_streams(monkeypatch):
     at once here)."""
     import lightningrl_fast.rl.optim as O
 
-    log: list = []
-
-    class Side:
-        def wait_stream(self, _s):
-            log.append(("side waits current",))
-
-        def record_event(self):
-            log.append(("record", object()))
-            return log[-1][1]
-
-    class Current:
-        def wait_event(self, ev):
-            log.append(("current waits", ev))
-
-        def wait_stream(self, s):
-            log.append(("join", s))
-
-    current, sides = Current(), []
-    monkeypatch.setattr(O.torch.cuda, "current_stream", lambda dev=None: current)
-
-    @contextlib.contextmanager
-    def on(stream):
-        log.append(("enter", stream))
-        yield
-        log.append(("exit", stream))
-
-    monkeypatch.setattr(O.torch.cuda, "stream", on)
+    streams = StandInStreams()
+    streams.install(monkeypatch, O)
+    log, sides = streams.log, streams.sides
     init, take, back = O._Staging.__init__, O._Staging.take, O._Staging.copy_back
 
     def spy_init(self, *a):
         init(self, *a)
-        self.side = Side()
-        sides.append(self.side)
+        self.side = streams.side()
 
     def spy_take(self):
         s, bufs = take(self)
@@ -208,7 +183,7 @@ def test_offload_overlap_protocol_with_stand_in_streams(monkeypatch):
                 else:
                     assert step_log[i - 1][0] != "current waits"
             if e[0] == "back":
-                assert [x[0] for x in step_log[i + 1: i + 5]] == ["side waits current", "enter", "record", "exit"]
+                assert [x[0] for x in step_log[i + 1: i + 5]] == ["side waits current", "enter", "side records", "exit"]
                 assert step_log[i + 2][1] is side and step_log[i + 4][1] is side
                 last_event[e[1]] = step_log[i + 3][1]
         assert [e[1] for e in step_log if e[0] == "take"] == [k % 2 for k in range(chunks)]  # the sets in turn
