@@ -82,34 +82,38 @@ def _is_run_config(path: Path) -> bool:
 @contextlib.contextmanager
 def plain_warnings() -> Iterator[None]:
     """A command line's warnings as one `warning: <text>` line each on stderr, each text once (the library's
-    warnings.warn calls showed a source line under each, and the same text from two call sites twice)."""
+    warnings.warn calls showed a source line under each, and the same text from two call sites twice). Only the
+    format and a "once" filter at the end of the list change: -W / PYTHONWARNINGS filters come first and still
+    decide (error, ignore), and a caller recording warnings (catch_warnings(record=True)) still gets them."""
     import warnings
 
-    shown: set[str] = set()
+    def plain(message, category, filename, lineno, line=None):
+        return f"warning: {message}\n"
 
-    def show(message, category, filename, lineno, file=None, line=None):
-        text = str(message)
-        if text not in shown:
-            shown.add(text)
-            print(f"warning: {text}", file=sys.stderr, flush=True)
-
+    fmt = warnings.formatwarning
     with warnings.catch_warnings():
-        warnings.simplefilter("always")  # every call reaches `show`, which keeps the first of each text
-        warnings.showwarning = show
-        yield
+        warnings.filterwarnings("once", append=True)  # after every other filter: each text once
+        warnings.formatwarning = plain
+        try:
+            yield
+        finally:
+            warnings.formatwarning = fmt
 
 
 @contextlib.contextmanager
 def finish_before_interrupt(what: str) -> Iterator[None]:
     """Ctrl-C while `what` is being written: the write finishes first and KeyboardInterrupt is raised after it (a
     second Ctrl-C stops at once; the unfinished write is a temporary folder the next save clears). Was: the
-    interrupt landed inside torch.save, which turned it into a RuntimeError traceback. Main thread only (signal
-    handlers); elsewhere a pass-through."""
+    interrupt landed inside torch.save, which turned it into a RuntimeError traceback. Only where SIGINT has
+    Python's default handler, in the main thread; elsewhere a pass-through. Under torchrun the agent forwards the
+    interrupt to every rank and kills them some seconds later (its shutdown timeout, 30 s by default): a longer
+    write is cut there, and the checkpoint before it stays the latest."""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or (
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield  # SIGINT ignored (a background job) or handled by the caller: left as it is
         return
     pending: list[int] = []
 
@@ -141,13 +145,14 @@ def interrupted(ex: BaseException) -> bool:
 
 
 def is_run_folder(p: Path) -> bool:
-    """A training run's output folder: a `latest` file, a run config.json, or checkpoint-<step> folders and no
-    config.json of its own."""
+    """A training run's output folder: its config.json is a run's, or it has no config.json and a `latest` file
+    or checkpoint-<step> folders."""
     from .rl.checkpointing import LATEST, list_checkpoints
 
     cfg = p / "config.json"
-    return (p / LATEST).is_file() or (cfg.is_file() and _is_run_config(cfg)) or (
-        not cfg.exists() and bool(list_checkpoints(p)))
+    if cfg.is_file():  # a model's own config.json beside a `latest` (a DeepSpeed checkpoint-N folder): a model
+        return _is_run_config(cfg)
+    return (p / LATEST).is_file() or (not cfg.exists() and bool(list_checkpoints(p)))
 
 
 def run_folder_checkpoint(p: Path, given: str | Path) -> Path:

@@ -473,14 +473,20 @@ def validate(cfg: TrainConfig, check_paths: bool = True) -> None:
             if not mp.is_dir():
                 errs.append(f"--model {d.model}: no such folder")
             elif is_run_folder(mp):  # its config.json holds a run's settings, not a model's
-                from .rl.checkpointing import list_checkpoints
+                from .rl.checkpointing import list_checkpoints, resolve_checkpoint
 
+                try:
+                    resolve_checkpoint(mp)
+                    resumable = True
+                except (OSError, ValueError):
+                    resumable = False
                 models = [str(c) for c in list_checkpoints(mp)[-1:]] + [
                     str(mp / n) for n in ("rft-model", "best-model") if (mp / n / "config.json").is_file()]
+                ways = ([f"continue that run with --resume {d.model}"] if resumable else []) + (
+                    [f"start a new run from one of its models: --model {' or '.join(models)}"] if models else [])
                 errs.append(f"--model {d.model} is a training run's folder (its config.json holds the run's "
-                            f"settings), not a model: continue that run with --resume {d.model}"
-                            + (f", or start a new run from one of its models: --model {' or '.join(models)}"
-                               if models else ""))
+                            "settings), not a model" + (": " + ", or ".join(ways) if ways else
+                                                        " (it holds no checkpoint or model yet)"))
             elif not (mp / "config.json").is_file():
                 errs.append(f"--model {d.model}: no config.json in the folder (not an SDAR checkpoint)")
         resumed_run = None

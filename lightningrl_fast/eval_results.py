@@ -140,9 +140,13 @@ def overlay_mismatch(overlay: dict, task: str, data: str | Path | None, n_exampl
     out = []
     if isinstance(overlay.get("task"), str) and overlay["task"] != task:
         out.append(f"task {overlay['task']} (this run: {task})")
-    theirs = _recorded_data(overlay)
-    if theirs is not None and theirs != data_key(data):
-        out.append(f"data {theirs} (this run: {data_key(data)})")
+    theirs, ours = _recorded_data(overlay), data_key(data)
+    if (theirs not in (None, SYNTHETIC_TEST) and not isinstance(overlay.get("data_path"), str)
+            and data is not None and str(data) != SYNTHETIC_TEST):
+        theirs, ours = Path(str(overlay["data"])).name, Path(data).name  # an older file: its `data` as given, maybe
+        # relative to another folder than the current one: the file names are what can be compared
+    if theirs is not None and theirs != ours:
+        out.append(f"data {theirs} (this run: {ours})")
     n = overlay.get("n_examples")
     if isinstance(n, int) and not isinstance(n, bool) and n != n_examples:
         out.append(f"{n} examples (this run: {n_examples})")

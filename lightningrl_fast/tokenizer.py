@@ -433,17 +433,15 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                 raise ValueError(f"{model_cfg}: mask_token_id must be a non-negative integer, got {mask_id!r}")
         if mask_id is None:
             mask = next((m for m in (MASK, "<MASK>") if backend.token_to_id(m) is not None), None)
-    # ids the folder's configs name must be tokens of this tokenizer: a Qwen2 folder copied without its added-token
-    # files (tokenizer_config.json's added_tokens_decoder, added_tokens.json) builds a BPE with no special tokens,
-    # which would encode <|im_start|> / <|im_end|> as plain text while decoding stops on ids it never produces
-    unknown = [(what, i) for what, ids in (("generation_config.json eos_token_id", eos_ids),
-                                           ("config.json mask_token_id", [] if mask_id is None else [mask_id]))
-               for i in ids if backend.id_to_token(i) is None]
+    # the EOS ids generation_config.json names must be tokens of this tokenizer: a Qwen2 folder copied without its
+    # added-token files (tokenizer_config.json's added_tokens_decoder, added_tokens.json) builds a BPE with no
+    # special tokens, which would encode <|im_start|> / <|im_end|> as plain text while decoding stops on ids it never
+    # produces (the model's mask_token_id is fed to the model only, never encoded or decoded: not checked here)
+    unknown = [i for i in eos_ids if backend.id_to_token(i) is None]
     if unknown:
-        what, i = unknown[0]
-        raise ValueError(f"{folder}: {what} {i} is not a token of the tokenizer (vocabulary "
-                         f"{backend.get_vocab_size(with_added_tokens=True)}): its special tokens are missing (a "
-                         "tokenizer.json, or tokenizer_config.json with added_tokens_decoder / added_tokens.json, "
-                         "must come with vocab.json and merges.txt)")
+        raise ValueError(f"{folder}: generation_config.json eos_token_id {unknown[0]} is not a token of the tokenizer "
+                         f"(vocabulary {backend.get_vocab_size(with_added_tokens=True)}): its special tokens are "
+                         "missing (a tokenizer.json, or tokenizer_config.json with added_tokens_decoder / "
+                         "added_tokens.json, must come with vocab.json and merges.txt)")
     return Tokenizer(backend, eos_tokens=[t for t in eos_tokens if t], pad_token=pad, mask_token=mask,
                      mask_token_id=mask_id, eos_ids=eos_ids, config=config, source_dir=folder)

@@ -287,10 +287,10 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
     after = _eval_sweep(ctx, "after RL", say)
     selected = _selected_sweep(ctx, sel, after, state.step, say) if select else None
     history = logger.history
-    updates = sum("skipped" not in m for m in history)
-    if updates < len(history):
-        say(f"RL: {updates} of {len(history)} steps updated the model (the others had no group with a reward "
-            "signal: see `skipped` in metrics.jsonl)")
+    updated = sum(m.get("updates", 0) > 0 for m in history)  # a step's optimizer updates that were applied
+    if updated < len(history):
+        say(f"RL: {updated} of {len(history)} steps updated the model (the others had no group with a reward signal, "
+            "or only non-finite updates: see `skipped` / `nonfinite_skipped` in metrics.jsonl)")
     ekey = "val_acc" if ctx.val_examples else "eval_acc"
     evals = [{"step": m["step"], "acc": m[ekey], "tpf": m[ekey.replace("acc", "tpf")]} for m in history if ekey in m]
     if select and sel.start is not None and all(e["step"] != sel.start.step for e in evals):
@@ -301,7 +301,7 @@ def run_rl(ctx: RunContext, say: Callable[[str], None] = log) -> int:
                     eval_label="validation (greedy)" if ctx.val_examples else "held-out eval (greedy)",
                     kept_eval=dataclasses.asdict(sel.best) if select and sel.best is not None else None)
     _write_json(ctx.out / "summary.json", {
-        "mode": "lightningrl", "steps": state.step, "updates": updates, "rl_elapsed_s": elapsed, "threshold": tau,
+        "mode": "lightningrl", "steps": state.step, "steps_updated": updated, "rl_elapsed_s": elapsed, "threshold": tau,
         "eval_before": before, "eval_after": after, "final_checkpoint": str(final) if final else None,
         "plots": plots, "metrics": str(ctx.out / "metrics.jsonl"),
         **({"selection": selected} if selected is not None else {}),

@@ -154,13 +154,40 @@ def test_out_and_cache_folders_under_a_file(tmp_path):
 
 def test_warnings_print_once_as_plain_lines(tmp_path, math_run, capsys):
     """Was: a malformed data row's warning printed twice (logged, then a UserWarning with its source line)."""
+    import os
+    import subprocess
+    import sys
+
+    import lightningrl_fast
+
     argv = math_run(tmp_path / "run")
     data = Path(argv[argv.index("--train-data") + 1])
     data.write_text(data.read_text() + "{not json\n")
-    assert T.main(argv) == 0
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if "malformed row" in ln]
-    assert len(lines) == 1 and lines[0].startswith("warning: ") and "UserWarning" not in err, err
+    env = dict(os.environ, PYTHONPATH=str(Path(lightningrl_fast.__file__).parent.parent), OMP_NUM_THREADS="1")
+    env.pop("PYTHONWARNINGS", None)
+    run = [sys.executable, "-m", "lightningrl_fast.train", *argv]  # a real process: pytest records warnings
+    r = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "malformed row" in ln]
+    assert len(lines) == 1 and lines[0].startswith("warning: ") and "UserWarning" not in r.stderr, r.stderr
+    # -W still decides: ignore silences it (was printed all the same)
+    again = [str(tmp_path / "run2") if a == str(tmp_path / "run") else a for a in run]
+    r = subprocess.run([sys.executable, "-W", "ignore", *again[1:]], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "malformed row" not in r.stderr, r.stderr
+    assert "1 malformed rows skipped" in r.stdout  # the run's own data line still says it
+
+
+def test_a_run_whose_steps_update_nothing_says_so(tmp_path, math_run, capsys):
+    """Greedy rollouts: a group's samples decode alike, no group carries a signal, every step is skipped. Was: the
+    summary said "steps": 1 with no word that nothing was trained."""
+    out = tmp_path / "run"
+    with pytest.warns(UserWarning, match="no step will update the model"):
+        assert T.main(math_run(out, "--temperature", "0")) == 0
+    assert "RL: 0 of 1 steps updated the model" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["steps_updated"] == 0
+    assert "skipped" in L.read_metrics(out)[0]
 
 
 def test_a_run_folder_as_model_says_what_to_give(tmp_path, math_run, capsys):
@@ -168,8 +195,15 @@ def test_a_run_folder_as_model_says_what_to_give(tmp_path, math_run, capsys):
     model's). Now: it is a run's folder; --resume continues it, or its newest checkpoint starts a new run."""
     out = tmp_path / "run"
     assert T.main(math_run(out)) == 0
-    _fails(math_run(tmp_path / "new", model_dir=out), capsys, T.EXIT_CONFIG, f"--model {out} is a training run's folder", f"--resume {out}",
-           f"--model {out / 'checkpoint-1'}")
+    _fails(math_run(tmp_path / "new", model_dir=out), capsys, T.EXIT_CONFIG,
+           f"--model {out} is a training run's folder", f"--resume {out}", f"--model {out / 'checkpoint-1'}")
+    # a run with no checkpoint (only its rft-model): no --resume offered, which would fail
+    rft = tmp_path / "rft"
+    rft.mkdir()
+    shutil.copy(out / "config.json", rft / "config.json")
+    shutil.copytree(out / "checkpoint-1", rft / "rft-model")
+    err = _fails(math_run(tmp_path / "new2", model_dir=rft), capsys, T.EXIT_CONFIG, f"--model {rft / 'rft-model'}")
+    assert "--resume" not in err
 
 
 def test_second_run_into_a_run_folder_is_refused(tmp_path, math_run, capsys):

@@ -879,6 +879,18 @@ def test_overlays_are_scored_under_the_shared_y_max(synth_ckpt, tmp_path, capsys
     assert res["overlays"]["good"]["aup_shared"] == pytest.approx(180.0)
 
 
+def test_an_older_overlay_without_data_path_is_compared_by_file_name():
+    """Results files written before `data_path` was recorded keep `data` as given (maybe relative to another
+    folder): compared by file name, so an overlay of the same benchmark from another folder is not flagged."""
+    old = {"task": "math", "data": "bench/gsm8k_test.jsonl", "n_examples": 5}
+    assert evr.overlay_mismatch(old, "math", "/elsewhere/gsm8k_test.jsonl", 5) == []
+    assert evr.overlay_mismatch(old, "math", "/elsewhere/math500.jsonl", 5) == [
+        "data gsm8k_test.jsonl (this run: math500.jsonl)"]
+    new = {**old, "data_path": "/x/gsm8k_test.jsonl"}  # a recorded absolute path: compared as a path
+    assert evr.overlay_mismatch(new, "math", "/elsewhere/gsm8k_test.jsonl", 5) == [
+        "data /x/gsm8k_test.jsonl (this run: /elsewhere/gsm8k_test.jsonl)"]
+
+
 def test_overlays_of_other_data_are_warned_and_shared_labels_told_apart(synth_ckpt, tmp_path, monkeypatch, capsys):
     """Was: an overlay computed on another data file (or task) was drawn without a word, and runs sharing a label
     were shown under one name in the table and legend (and the second replaced the first in `overlays`)."""

@@ -581,6 +581,16 @@ def test_an_rft_run_folder_stands_for_its_rft_model(ckpt, tmp_path, capsys):
         gen.check_model_dir(run)
 
 
+
+def test_a_model_folder_with_a_latest_file_is_a_model(ckpt, tmp_path):
+    """A DeepSpeed / HF Trainer checkpoint-N folder: the model's config.json and weights beside a `latest` file
+    (naming its global_stepN). Was: taken for a training run's folder (by `latest` alone) and refused."""
+    folder = tmp_path / "checkpoint-500"
+    shutil.copytree(ckpt, folder)
+    (folder / "latest").write_text("global_step500")
+    assert gen.check_model_dir(folder) == folder
+
+
 def test_mask_token_mismatch_warns(ckpt, tmp_path, capsys):
     """Was silent (train warns): the config's mask_token_id 50 is not the tokenizer's <|MASK|> (3)."""
     broken = _no_weights(ckpt, tmp_path / "noweights", mask_token_id=50)

@@ -165,17 +165,19 @@ def test_streamed_reference_overlaps_the_next_layers_copy_with_stand_in_streams(
     monkeypatch.setattr(LP._LayerFeed, "__init__", spy_init)
     monkeypatch.setattr(LP._LayerFeed, "fill", spy_fill)
     lb = reference_batch(model, "trace")
-    budget = 3 * lb.input_ids.shape[1]
-    mbs = list(micro_batches(lb, range(8), budget, torch.device("cpu"), MASK))
-    assert len(mbs) >= 2
-    got = streamed_logprobs(ref, lb, mbs, torch.device("cpu"), budget)  # a chunk per micro-batch or two
-    torch.testing.assert_close(got, logprob_stage(model, lb, budget).float(), rtol=0, atol=1e-6)
+    width = lb.input_ids.shape[1]
+    mbs = list(micro_batches(lb, range(8), width, torch.device("cpu"), MASK))  # small micro-batches
+    assert len(mbs) >= 4
+    # chunks of several micro-batches (a layer computes on each before its buffer is released), several chunks
+    got = streamed_logprobs(ref, lb, mbs, torch.device("cpu"), 2 * width)
+    torch.testing.assert_close(got, logprob_stage(model, lb, width).float(), rtol=0, atol=1e-6)
     n_layers = len(ref.model.layers)
     assert len(sides) == 1 and n_layers >= 2 and log[-1] == ("join", sides[0])
     ready: dict = {}  # buffer -> [event of its latest copy, waited for yet]
     free: dict = {}  # buffer -> event recorded after its latest compute
     filled: dict = {}  # buffer -> layer it holds
     computes: list = []  # layer of each compute, in order
+    released: dict = {}  # buffer -> its free event was recorded since its last fill
     last_fill = None
     for i, e in enumerate(log):
         if e[0] == "fill":
@@ -187,13 +189,14 @@ def test_streamed_reference_overlaps_the_next_layers_copy_with_stand_in_streams(
             assert log[j][0] == "enter" and log[j][1] is sides[0]
             end = next(x for x in range(j, len(log)) if log[x][0] == "exit")
             assert log[end - 1][0] == "side records"  # inside the side stream's context, after the copies
-            ready[k], filled[k], last_fill = [log[end - 1][1], False], e[2], e[2]
+            ready[k], filled[k], last_fill, released[k] = [log[end - 1][1], False], e[2], e[2], False
         elif e[0] == "current waits":
             k = next(b for b, r in ready.items() if r[0] is e[1])
             ready[k][1] = True
         elif e[0] == "compute":
             k = e[1]
             assert ready[k][1], f"buffer {k} computed before the current stream waited for its copy"
+            assert not released[k], f"buffer {k} computed after its free event (a refill may overwrite it meanwhile)"
             layer = filled[k]
             # the overlap: the next layer's copy was queued before this layer computes (the last layer has none)
             assert last_fill == min(layer + 1, n_layers - 1), (layer, last_fill)
@@ -201,10 +204,12 @@ def test_streamed_reference_overlaps_the_next_layers_copy_with_stand_in_streams(
         elif e[0] == "current records":
             assert log[i - 1][0] == "compute", "an event recorded after no compute"
             free[log[i - 1][1]] = e[1]
+            released[log[i - 1][1]] = True
     # layer after layer within a chunk (each on every micro-batch of it), chunk after chunk
     assert all(b in (a, a + 1) or (a, b) == (n_layers - 1, 0) for a, b in zip(computes, computes[1:]))
     assert computes[0] == 0 and computes[-1] == n_layers - 1
     assert sum(e[0] == "fill" and e[2] == 0 for e in log) >= 2  # several chunks
+    assert any(a == b for a, b in zip(computes, computes[1:]))  # a layer computing on several micro-batches
 
 
 def loss_inputs(lb, seed):
@@ -401,35 +406,42 @@ def test_gpu_reference_stages_on_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.timeout(400)  # compiles FlexAttention (forward) per shape: minutes
-def test_gpu_streamed_reference_never_races_its_layer_copies(monkeypatch):
-    """On a GPU, with the side stream made to lag (a long sleep queued before every layer's copy): a layer computing
-    before its copy landed, or a buffer refilled while a layer still computes on it, would change the log-probs.
-    3 layers (buffers refilled within a chunk), a chunk per micro-batch or two; equal to the plain forward on the
-    GPU of the same weights (and so to the serial copies of before)."""
+@pytest.mark.parametrize("lag", ["copy", "compute"])
+def test_gpu_streamed_reference_never_races_its_layer_copies(monkeypatch, lag):
+    """On a GPU, with one side made to lag (a long sleep queued before every layer's copy on the side stream, or
+    before every layer's compute on the current stream): a layer computing before its copy landed ("copy"), or a
+    buffer refilled while a layer still computes on it ("compute"), would change the log-probs. 3 layers (buffers
+    refilled within a chunk), chunks of two or more micro-batches; equal to the plain forward on the GPU of the same
+    weights (and so to the serial copies of before)."""
     import copy
 
     import lightningrl_fast.rl.logprobs as LP
 
-    fill = LP._LayerFeed.fill
+    fill, take = LP._LayerFeed.fill, LP._LayerFeed.take
 
-    def lagging(self, k, layer):
+    def lagging_fill(self, k, layer):
         if self.side is not None:
             with torch.cuda.stream(self.side):
                 torch.cuda._sleep(5_000_000)
         fill(self, k, layer)
 
-    monkeypatch.setattr(LP._LayerFeed, "fill", lagging)
+    def lagging_take(self, k):
+        buf = take(self, k)
+        torch.cuda._sleep(5_000_000)  # on the current stream, after the wait for the copy: the compute lags
+        return buf
+
+    monkeypatch.setattr(LP._LayerFeed, *(("fill", lagging_fill) if lag == "copy" else ("take", lagging_take)))
     cfg = SDARConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, block_size=4, mask_token_id=TINY_MASK,
                      torch_dtype="float32", max_position_embeddings=256)
     model = build_model(cfg, dtype=torch.float32, seed=3).eval()
     lb = reference_batch(model, "trace")
-    budget = 3 * lb.input_ids.shape[1]
+    width = lb.input_ids.shape[1]
     dev = torch.device("cuda")
-    mbs = list(micro_batches(lb, range(8), budget, torch.device("cpu"), MASK))  # host ids: embedded on the host
-    want = logprob_stage(copy.deepcopy(model).to(dev), lb, budget)
+    mbs = list(micro_batches(lb, range(8), width, torch.device("cpu"), MASK))  # host ids: embedded on the host
+    want = logprob_stage(copy.deepcopy(model).to(dev), lb, width)
     ref = host_copy(model, pin=True)
-    got = streamed_logprobs(ref, lb, mbs, dev, budget)
+    got = streamed_logprobs(ref, lb, mbs, dev, 2 * width)
     torch.testing.assert_close(got.cpu(), want.float().cpu(), rtol=0, atol=1e-5)
 
 

@@ -73,6 +73,10 @@ def test_a_qwen2_folder_without_its_added_tokens_is_refused(tmp_path):
     shutil.copy(SDAR4B / "added_tokens.json", tmp_path / "added_tokens.json")
     tok = load_tokenizer(tmp_path)  # with its added tokens: complete
     assert tok.token_to_id("<|im_end|>") == 151645 and tok.mask_token_id == 151669
+    # the model's mask_token_id is the model's business (fed to it, never encoded): any id of the embedding
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "mask_token_id": 151935}))
+    assert load_tokenizer(tmp_path).mask_token_id == 151935
 
 
 # --- an independent reference: the byte-level BPE of the slow Qwen2 tokenizer -----------------------------------

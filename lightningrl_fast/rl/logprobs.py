@@ -631,25 +631,27 @@ def streamed_logprobs(model: SDARForCausalLM, lb: LayoutBatch, mbs: Iterable[Mic
         if chunks[-1] and sum(m.positions for m in chunks[-1]) + mb.positions > chunk_tokens:
             chunks.append([])
         chunks[-1].append(mb)
-    for chunk in chunks:
-        subs = [mb.to(device) for mb in chunk]
-        xs, ropes, plans = [], [], []
-        for host_mb, sub in zip(chunk, subs):
-            x = upload(model.model.embed_tokens(host_mb.input_ids), device)  # [1, P, H] embedded on the host
-            xs.append(x)
-            ropes.append(rope_cos_sin(sub.position_ids, cfg.head_dim, cfg.rope_theta, x.dtype))
-            plans.append(prepare(sub.layout, 1, device))
-        feed.fill(0, layers[0])
-        for i in range(len(layers)):
-            if i + 1 < len(layers):
-                feed.fill((i + 1) % 2, layers[i + 1])  # crosses while layer i computes (CUDA)
-            work = feed.take(i % 2)
-            for k, sub in enumerate(subs):
-                xs[k] = work(xs[k], *ropes[k], sub.layout, plans[k])
-            feed.done(i % 2)
-        for host_mb, sub, x in zip(chunk, subs, xs):
-            h = norm(x)[0, sub.read_col]  # [t, H]
-            out[host_mb.sel] = linear_logprobs(h, head, sub.targets, chunk=4096, suppress_token=cfg.mask_token_id,
-                                               check_values=False).float().cpu()
-    feed.join()
+    try:
+        for chunk in chunks:
+            subs = [mb.to(device) for mb in chunk]
+            xs, ropes, plans = [], [], []
+            for host_mb, sub in zip(chunk, subs):
+                x = upload(model.model.embed_tokens(host_mb.input_ids), device)  # [1, P, H] embedded on host
+                xs.append(x)
+                ropes.append(rope_cos_sin(sub.position_ids, cfg.head_dim, cfg.rope_theta, x.dtype))
+                plans.append(prepare(sub.layout, 1, device))
+            feed.fill(0, layers[0])
+            for i in range(len(layers)):
+                if i + 1 < len(layers):
+                    feed.fill((i + 1) % 2, layers[i + 1])  # crosses while layer i computes (CUDA)
+                work = feed.take(i % 2)
+                for k, sub in enumerate(subs):
+                    xs[k] = work(xs[k], *ropes[k], sub.layout, plans[k])
+                feed.done(i % 2)
+            for host_mb, sub, x in zip(chunk, subs, xs):
+                h = norm(x)[0, sub.read_col]  # [t, H]
+                out[host_mb.sel] = linear_logprobs(h, head, sub.targets, chunk=4096,
+                                                   suppress_token=cfg.mask_token_id, check_values=False).float().cpu()
+    finally:
+        feed.join()  # also on an error: no copy is left pending into buffers about to be freed
     return out
