@@ -133,6 +133,7 @@ def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path):
         assert m3c[k] == m3[k], k
 
 
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")  # the test's spy
 def test_logged_lr_is_the_rate_the_update_used():
     """metrics["lr"] is the learning rate the step's optimizer update ran with (warm-up: step k of W uses lr k / W),
     not the next step's."""
