@@ -463,18 +463,22 @@ def test_results_file_names_carry_the_data_files_name(tmp_path):
         ev.check_results_target(target, mine, tmp_path / "a.jsonl")
 
 
+def _math_examples(path, model, qa):
+    """(data file, examples, prompt lengths in tokens under `model`'s tokenizer): GSM8K rows of (question, answer)."""
+    from lightningrl_fast.tokenizer import load_tokenizer
+
+    path.write_text("".join(json.dumps({"question": q, "answer": f"#### {a}"}) + "\n" for q, a in qa))
+    task = ev.make_task("math", None)
+    exs, _ = ev.load_data(ev.build_parser().parse_args(["--model", "m", "--task", "math", "--data", str(path)]), task)
+    return path, exs, [len(ids) for ids in ev._encode(load_tokenizer(model), task, exs)]
+
+
 def test_cli_default_max_new_tokens_fits_the_models_positions(tmp_path, capsys, monkeypatch, ascii_checkpoint):
     """Was: math / code took 512 new tokens whatever the model's positions, so on a 512-position model every
     example failed unless --max-new-tokens was given; now fitted as generate's default, with a note."""
-    from lightningrl_fast.tokenizer import load_tokenizer
-
     model = ascii_checkpoint(tmp_path / "m", 512)
-    data = tmp_path / "q.jsonl"
-    data.write_text(json.dumps({"question": "What is 1+2?", "answer": "#### 3"}) + "\n"
-                    + json.dumps({"question": "What is 10+20?", "answer": "#### 30"}) + "\n")
-    task = ev.make_task("math", None)
-    exs, _ = ev.load_data(ev.build_parser().parse_args(["--model", "m", "--task", "math", "--data", str(data)]), task)
-    longest = max(map(len, ev._encode(load_tokenizer(model), task, exs)))
+    data, _, lens = _math_examples(tmp_path / "q.jsonl", model, [("What is 1+2?", 3), ("What is 10+20?", 30)])
+    longest = max(lens)
     args = ["--model", str(model), "--task", "math", "--data", str(data), "--thresholds", "0.9", "--out",
             str(tmp_path / "o"), "--device", "cpu", "--quiet", "--label", "x"]
     assert ev.main(args + ["--block-size", "8"]) == 0
@@ -502,15 +506,9 @@ def test_cli_prompt_whose_last_block_passes_the_positions_is_named_before_decodi
                                                                                    ascii_checkpoint):
     """Was: the up-front check counted prompt + max_new_tokens only; with the last block rounded up to the
     block size the sampler refused it mid-run as `prompt 0` (a batch-local index)."""
-    from lightningrl_fast.tokenizer import load_tokenizer
-
     model = ascii_checkpoint(tmp_path / "model", 512)
-    data = tmp_path / "q.jsonl"
-    data.write_text(json.dumps({"question": "What is 1+2?", "answer": "#### 3"}) + "\n"
-                    + json.dumps({"question": "What is 2+2?", "answer": "#### 4"}) + "\n")
-    task = ev.make_task("math", None)
-    exs, _ = ev.load_data(ev.build_parser().parse_args(["--model", "m", "--task", "math", "--data", str(data)]), task)
-    n = len(ev._encode(load_tokenizer(model), task, exs)[0])
+    data, exs, lens = _math_examples(tmp_path / "q.jsonl", model, [("What is 1+2?", 3), ("What is 2+2?", 4)])
+    n = lens[0]
     # prompt + max_new_tokens = 512 positions fit the cache, but block 3 ends the last block at 513
     rc = ev.main(["--model", str(model), "--task", "math", "--data", str(data), "--max-new-tokens", str(512 - n),
                   "--block-size", "3", "--out", str(tmp_path / "o"), "--device", "cpu", "--quiet"])
