@@ -75,6 +75,7 @@ from typing import Any, Sequence
 
 from ._cli import (
     CLIError,
+    _no_constant,
     add_decoding_args,
     batches,
     check_block_size,
@@ -97,6 +98,7 @@ from ._cli import (
     split_lines,
     warn_mask_mismatch,
 )
+from .tasks.data import holds_json_lines, json_document_rows
 
 
 @dataclass
@@ -152,40 +154,21 @@ def _prompt_row(obj: Any, line: int, where: str) -> PromptRow | str:
     return PromptRow(p, line, obj.get("id"), where)
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _holds_json_lines(lines: list[str]) -> bool:
-    """A `.json` file that is really JSON Lines (one object per line, what many exports write; the data loader's
-    rule, `tasks.data`): its first non-blank line is a whole JSON object and another non-blank line follows."""
-    filled = [ln for ln in lines if ln.strip()]
-    if len(filled) < 2 or not filled[0].lstrip().startswith("{"):
-        return False
-    try:
-        return isinstance(parse_json_line(filled[0]), dict)
-    except ValueError:
-        return False
-
-
 def _json_document_rows(text: str, path: Path) -> list[tuple[Any, int, str]]:
     """(row, index, `file[row i]`) of a `.json` prompts file holding one JSON document: an array of rows,
     {"data": [...]}, or a single row object (as train's and eval's data files). CLIError when it is not JSON
     (line and column named) or not of those forms."""
     try:
-        doc = json.loads(text, parse_constant=_no_constant)
+        doc = json.loads(text, parse_constant=_no_constant)  # strict JSON, as each JSONL line (parse_json_line)
     except json.JSONDecodeError as e:
         raise CLIError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     except (ValueError, RecursionError) as e:  # NaN / Infinity, > 4300-digit integers, nesting too deep
         raise CLIError(f"{path}: not valid JSON ({e})") from None
-    if isinstance(doc, dict) and isinstance(doc.get("data"), list):
-        doc = doc["data"]
-    elif isinstance(doc, dict) and "data" not in doc:
-        doc = [doc]
-    if not isinstance(doc, list):
+    rows = json_document_rows(doc)  # the data files' forms (tasks.data)
+    if rows is None:
         raise CLIError(f"{path}: expected a JSON array of {{\"prompt\": ...}} objects (or {{\"data\": [...]}}), "
                        f"got {type(doc).__name__}")
-    return [(obj, i, f"{path}[row {i}]") for i, obj in enumerate(doc)]
+    return [(obj, i, f"{path}[row {i}]") for i, obj in enumerate(rows)]
 
 
 def read_prompts(path: str | Path) -> list[PromptRow]:
@@ -204,7 +187,7 @@ def read_prompts(path: str | Path) -> list[PromptRow]:
     rows: list[PromptRow] = []
     errors: list[str] = []
     suffix = path.suffix.lower()
-    document = suffix == ".json" and bool(text.strip()) and not _holds_json_lines(lines)
+    document = suffix == ".json" and bool(text.strip()) and not holds_json_lines(lines, parse_json_line)
     if document:
         for obj, i, where in _json_document_rows(text, path):
             row = _prompt_row(obj, i, where)

@@ -48,7 +48,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal
 
 __all__ = [
     "Example",
@@ -172,22 +172,29 @@ def _container(path: Path) -> str:
     raise DataFormatError(f"{path}: unknown file type (expected .jsonl, .jsonl.gz, .json, .json.gz or .parquet)")
 
 
-def _holds_json_lines(path: Path) -> bool:
-    """A ``.json`` file that is really JSON Lines (what many dataset exports write): its first non-blank line is
-    a whole JSON object and something follows it."""
-    with _open_bytes(path) as f:
-        first = b""
-        for raw in f:
-            if raw.strip():
-                first = raw
-                break
-        rest = any(raw.strip() for raw in f)
-    if not rest or not first.lstrip().startswith(b"{"):
+def holds_json_lines(lines: Iterable[str | bytes], parse: Callable[[str], Any] = json.loads) -> bool:
+    """Whether the lines of a ``.json`` file are really JSON Lines (what many dataset exports write): the first
+    non-blank line is a whole JSON object (read by `parse`) and something follows it. Shared with the generate
+    command line's prompts files."""
+    it = iter(lines)
+    first = next((ln for ln in it if ln.strip()), None)
+    rest = any(ln.strip() for ln in it)
+    if first is None or not rest or first.lstrip()[:1] not in ("{", b"{"):
         return False
     try:
-        return isinstance(json.loads(first.decode("utf-8-sig")), dict)
+        return isinstance(parse(first.decode("utf-8-sig") if isinstance(first, bytes) else first), dict)
     except (ValueError, RecursionError):  # not UTF-8 / not JSON / too many digits / nested too deep
         return False
+
+
+def json_document_rows(doc: Any) -> list | None:
+    """The rows a ``.json`` document holds: a list, ``{"data": [...]}``, or one object (a one-row JSON Lines export
+    named .json); None when it is none of those. Shared with the generate command line's prompts files."""
+    if isinstance(doc, dict) and isinstance(doc.get("data"), list):
+        return doc["data"]
+    if isinstance(doc, dict) and "data" not in doc:
+        return [doc]
+    return doc if isinstance(doc, list) else None
 
 
 def _iter_raw_rows(path: Path) -> Iterator[tuple[dict[str, Any] | None, RowError | None]]:
@@ -195,8 +202,10 @@ def _iter_raw_rows(path: Path) -> Iterator[tuple[dict[str, Any] | None, RowError
     kind = _container(path)
     spath = str(path)
     try:
-        if kind == "json" and _holds_json_lines(path):
-            kind = "jsonl"
+        if kind == "json":
+            with _open_bytes(path) as f:
+                if holds_json_lines(f):
+                    kind = "jsonl"
         if kind == "jsonl":
             with _open_bytes(path) as f:
                 for lineno, raw in enumerate(f, start=1):
@@ -227,11 +236,8 @@ def _iter_raw_rows(path: Path) -> Iterator[tuple[dict[str, Any] | None, RowError
             except (ValueError, RecursionError) as e:  # + not UTF-8, > 4300-digit integers, nesting too deep
                 where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
                 raise DataFormatError(f"{path}: not valid JSON{where}: {e}") from None
-            if isinstance(doc, dict) and isinstance(doc.get("data"), list):
-                doc = doc["data"]
-            elif isinstance(doc, dict) and "data" not in doc:
-                doc = [doc]  # one row (a one-line JSON Lines export named .json)
-            if not isinstance(doc, list):
+            doc = json_document_rows(doc)
+            if doc is None:
                 raise DataFormatError(f'{path}: expected a JSON list of objects or {{"data": [...]}}')
             for i, obj in enumerate(doc):
                 if not isinstance(obj, dict):
