@@ -362,12 +362,10 @@ def check_decoding_args(args) -> None:
     if args.steps_per_block is not None and not 1 <= args.steps_per_block <= STEPS_LIMIT:
         raise CLIError(f"--steps-per-block must be in [1, 2**31 - 1], got {args.steps_per_block}")
     check_sampling_flags(args)
-    if args.steps_per_block is not None and args.rule != "quota":
-        print("warning: --steps-per-block does nothing with --rule threshold (it sets the quota rule's steps)",
-              file=sys.stderr, flush=True)
-    if args.temperature == 0 and (args.top_k or args.top_p < 1):
-        print("warning: --top-k / --top-p do nothing with --temperature 0 (greedy decoding)", file=sys.stderr,
-              flush=True)
+    from .sampler_io import ignored_sampling_settings
+
+    for text in ignored_sampling_settings(args.rule, args.steps_per_block, args.temperature, args.top_k, args.top_p):
+        print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
 def check_sampling_flags(args) -> None:

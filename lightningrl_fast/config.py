@@ -47,6 +47,7 @@ from .config_schema import (OPTIONS, PRESETS, SECTION_TITLES, SECTIONS, TASKS_BU
                             _unwrap_optional, convert)
 from .rl.trainer import RLConfig
 from .sampler import SamplerConfig
+from .sampler_io import ignored_sampling_settings
 
 __all__ = ["BaselineConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EmbeddedConfig", "EvalConfig",
            "OPTIONS", "PRESETS", "RLConfig", "RUN_CONFIG", "RunConfig", "SamplerConfig", "TrainConfig", "build_parser",
@@ -537,10 +538,9 @@ def ineffective_settings(cfg: TrainConfig) -> list[str]:
         out.append("--reference-offload does nothing with --kl-beta 0 (no KL reference is kept)")
     if "min_tpf_range" in given and not rl.filter_groups:
         out.append("--min-tpf-range does nothing with --no-filter-groups (no group is filtered)")
-    if "steps_per_block" in given and s.steps_per_block is not None and s.rule != "quota":
-        out.append("--steps-per-block does nothing with --rule threshold (it sets the quota rule's steps)")
-    if ({"top_k", "top_p"} & given) and s.temperature == 0 and (s.top_k or s.top_p < 1):
-        out.append("--top-k / --top-p do nothing with --temperature 0 (greedy rollouts)")
+    truncation = (s.top_k, s.top_p) if {"top_k", "top_p"} & given else (0, 1.0)  # the settings the user gave only
+    out += ignored_sampling_settings(s.rule, s.steps_per_block if "steps_per_block" in given else None,
+                                     s.temperature, *truncation, decoding="rollouts")
     if "temperature" in given and s.temperature == 0 and rl.group_size > 1 and cfg.run.baseline != "rft":
         out.append(f"--temperature 0: the {rl.group_size} samples of a group decode alike (greedy), so no group "
                    "carries an accuracy or TPF difference" + (" and every group is filtered out: no step will "

@@ -102,6 +102,18 @@ def cat_rollouts(parts: list[Rollout], mask_id: int) -> Rollout:
     )
 
 
+def ignored_sampling_settings(rule: str, steps_per_block: int | None, temperature: float, top_k: int, top_p: float,
+                              decoding: str = "decoding") -> list[str]:
+    """Sampler settings the others make do nothing, said by the command lines (train: of `decoding` "rollouts"):
+    steps_per_block without the quota rule, top-k / top-p when greedy."""
+    out = []
+    if steps_per_block is not None and rule != "quota":
+        out.append("--steps-per-block does nothing with --rule threshold (it sets the quota rule's steps)")
+    if temperature == 0 and (top_k or top_p < 1):
+        out.append(f"--top-k / --top-p do nothing with --temperature 0 (greedy {decoding})")
+    return out
+
+
 def block_size_of(model: SDARForCausalLM, cfg: SamplerConfig) -> int:
     """The decoding block size: cfg.block_size (an integer >= 1), None = the model config's."""
     if not isinstance(cfg, SamplerConfig):
