@@ -160,7 +160,7 @@ def _check_prompts(model, examples: list, ids: list[list[int]], sampler_cfg) -> 
 def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequence[float], sampler_cfg,
              *, batch_size: int = 32, progress_bar: bool = False, keep_responses: bool = False,
              truncated_is_wrong: bool = True, on_batch: Callable[[float, int, int], None] | None = None,
-             env: DistEnv = SINGLE) -> dict:
+             env: DistEnv = SINGLE, prompt_ids: list[list[int]] | None = None) -> dict:
     """Decode `examples` at each threshold with `sampler_cfg` (its `threshold` is replaced), score, and report.
 
     `task` has `build_prompt(example) -> str` and `is_correct(response, example)` (or `is_correct_batch`);
@@ -172,7 +172,8 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
     its mode restored. When `sampler_cfg.block_size` differs from the model's, the model's
     attention runs with the sampler's block size for the call. `env` (several ranks, every one calls it): this
     rank decodes examples rank, rank + world, ...; the per-example results are all-gathered, so every rank
-    returns the points of all examples.
+    returns the points of all examples. `prompt_ids`: the examples' encoded prompts when the caller has them
+    (`_encode`, one list per example), else they are encoded here.
 
     Returns {"points": [per threshold: threshold, n, correct, accuracy (fraction), verifier_accuracy, finished,
     (well_formed), mean_tpf, tokens, tokens_per_s, forwards, forwards_per_s, truncated, decode_s, score_s
@@ -186,7 +187,9 @@ def evaluate(model, tokenizer, task, examples: Sequence[Any], thresholds: Sequen
     if batch_size < 1:
         raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
     examples = list(examples)
-    ids = _encode(tokenizer, task, examples)
+    ids = _encode(tokenizer, task, examples) if prompt_ids is None else prompt_ids
+    if len(ids) != len(examples):
+        raise ValueError(f"evaluate: {len(ids)} encoded prompts for {len(examples)} examples")
     _check_prompts(model, examples, ids, sampler_cfg)
     mine = list(range(env.rank, len(ids), env.world))  # this rank's examples (all of them with one rank)
     groups = [mine[r.start:r.stop] for r in batches(len(mine), batch_size)]
@@ -468,17 +471,15 @@ def run(args) -> dict:
         return _run_on(args, env, device, thresholds, model_dir, label, overlays, task, examples, data_info)
 
 
-def _default_max_new_tokens(args, env: DistEnv, task, tokenizer, examples, mcfg) -> int:
+def _default_max_new_tokens(args, env: DistEnv, task, prompt_ids: list[list[int]], mcfg) -> int:
     """Without --max-new-tokens: the task's cap (the synthetic task's longest answer and its EOS, else
-    DEFAULT_MAX_NEW_TOKENS), or what the model's positions leave after the longest prompt when that is less
-    (`generate.fitted_max_new_tokens`, generate's rule), said on stderr by rank 0."""
+    DEFAULT_MAX_NEW_TOKENS), or what the model's positions leave after the longest prompt (`prompt_ids`, the
+    encoded examples) when that is less (`generate.fitted_max_new_tokens`, generate's rule), said on stderr by
+    rank 0."""
     from .generate import fitted_max_new_tokens
 
     cap = task.max_response_tokens() if hasattr(task, "max_response_tokens") else DEFAULT_MAX_NEW_TOKENS
-    try:
-        lens = [len(ids) for ids in _encode(tokenizer, task, examples)]
-    except ValueError as e:
-        raise CLIError(str(e)) from None
+    lens = [len(ids) for ids in prompt_ids]
     bs = args.block_size or mcfg.block_size
     n = fitted_max_new_tokens(lens, mcfg.max_position_embeddings, bs, cap=cap)
     if n < cap and env.main:
@@ -499,8 +500,13 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, label, overlays, 
     check_block_size(args.block_size, mcfg.max_position_embeddings)
     check_checkpoint_block_size(args.block_size, mcfg.block_size, mcfg.max_position_embeddings, model_dir)
     tokenizer = load_tokenizer_checked(model_dir)
+    prompt_ids = None  # encoded once, for the default's fit and for evaluate
     if args.max_new_tokens is None:
-        args.max_new_tokens = _default_max_new_tokens(args, env, task, tokenizer, examples, mcfg)
+        try:
+            prompt_ids = _encode(tokenizer, task, examples)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+        args.max_new_tokens = _default_max_new_tokens(args, env, task, prompt_ids, mcfg)
     model = load_model_checked(model_dir, device, dtype)
     if env.main:
         warn_mask_mismatch(tokenizer, model.config)
@@ -510,7 +516,7 @@ def _run_on(args, env: DistEnv, device, thresholds, model_dir, label, overlays, 
     try:
         res = evaluate(model, tokenizer, task, examples, thresholds, cfg, batch_size=args.batch_size,
                        progress_bar=not args.quiet and env.main, keep_responses=args.save_responses,
-                       truncated_is_wrong=not args.truncated_ok, env=env)
+                       truncated_is_wrong=not args.truncated_ok, env=env, prompt_ids=prompt_ids)
     except ValueError as e:
         raise CLIError(str(e)) from None
     res.update(label=label, task=args.task, model=str(model_dir), model_path=str(model_dir.resolve()),
