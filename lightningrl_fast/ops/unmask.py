@@ -36,9 +36,9 @@ buckets' perturbed scores are within the fp32 error of a bucket's logsumexp (sum
 conf / logp match to ~1e-6 relative (to ~2^-24 (|s_pick| + |s_max|) where the scaled logits s = x / T are large,
 T << 1), so a position at the threshold or tied in conf with another to that precision may select differently.
 Used when `kernel_supported(...)` holds; otherwise (float64 logits, top-k/top-p truncation while sampling,
-more than 1024 positions per row, a vocabulary past 2^31 - 2^16) the op runs the reference on the GPU — correct, but several passes over
-fp32 copies of the logits, a slice of sequences at a time (PICK_SLICE_ELEMS logits: its temporaries stay a few
-hundred MB whatever the batch). Not supported: NaN or +inf logits (the reference's NaN ordering is not
+more than 1024 positions per row, a vocabulary past 2^31 - 2^16) the op runs the reference on the GPU —
+correct, but several passes over fp32 copies of the logits, a slice of sequences at a time (PICK_SLICE_ELEMS
+logits: its temporaries stay a few hundred MB whatever the batch). Not supported: NaN or +inf logits (the reference's NaN ordering is not
 reproduced); -inf logits are fine.
 """
 
